@@ -1,0 +1,68 @@
+"""Placements of a tensor across the ranks of a tensor-parallel group (DTensor's vocabulary).
+
+`Shard(dim, chunks)` splits `dim` into `chunks` equal blocks and splits each block evenly over
+the ranks; a rank holds the concatenation of its piece of every block.  `chunks=1` is the
+ordinary contiguous split; `chunks=3` is a fused q/k/v weight where each rank holds whole heads
+of q, k and v.  Dims are always stored non-negative.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank holds the full tensor."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank r holds block r of `dim` (of every one of `chunks` blocks, when chunks > 1)."""
+
+    dim: int
+    chunks: int = 1
+
+    def __post_init__(self):
+        if self.dim < 0:
+            raise ValueError(f"Shard dim must be normalised to >= 0, got {self.dim}")
+        if self.chunks < 1:
+            raise ValueError(f"Shard chunks must be >= 1, got {self.chunks}")
+
+    def __str__(self) -> str:
+        return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim})x{self.chunks}"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Every rank holds a summand; the tensor is their sum (pending all-reduce)."""
+
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Replicate | Shard | Partial
+REPLICATE = Replicate()
+PARTIAL = Partial()
+
+
+def local_shape(shape, placement: Placement, world_size: int) -> tuple[int, ...]:
+    """The shape one rank holds of a tensor of `shape` with `placement`."""
+    shape = tuple(int(s) for s in shape)
+    if not isinstance(placement, Shard):
+        return shape
+    d = placement.dim
+    if shape[d] % (world_size * placement.chunks):
+        raise ValueError(
+            f"size {shape[d]} of dim {d} does not divide into {placement.chunks} chunk(s) x {world_size} ranks"
+        )
+    return shape[:d] + (shape[d] // world_size,) + shape[d + 1:]
+
+
+def divides(shape, placement: Placement, world_size: int) -> bool:
+    """Whether `placement` can hold a tensor of `shape` on `world_size` ranks with equal shards."""
+    if not isinstance(placement, Shard):
+        return True
+    return placement.dim < len(shape) and shape[placement.dim] % (world_size * placement.chunks) == 0

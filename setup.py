@@ -1,0 +1,17 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="autoshard",
+    version="0.1.0",
+    description="Automatic tensor parallelism for PyTorch by torch.fx graph rewriting",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["autoshard", "autoshard.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "networkx>=3.0", "tabulate>=0.9"],
+    extras_require={
+        "test": ["pytest>=7", "transformers>=4.40"],
+        "bench": ["matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["autoshard=autoshard.cli:main"]},
+)
