@@ -1,0 +1,273 @@
+"""Small, deterministic Hugging Face models for tests.
+
+Every builder returns ``(model, example_kwargs)``:
+
+* ``model`` is built from a config with random weights (no downloads), fp32, in
+  eval mode, with every dropout probability set to 0.
+* ``example_kwargs`` is ``dict(input_ids=LongTensor[batch, seq], labels=...)``,
+  so ``model(**example_kwargs).loss`` is a scalar.
+
+All widths (hidden, intermediate, vocab, heads) divide by 4 so the models can be
+sharded over a world of size 1, 2 or 4.  The LLaMA and Qwen2 defaults use
+grouped-query attention (4 query heads, 2 key/value heads), which divides by 2
+but not by 4; ``world_size=4`` on those builders gives 8 query / 4 key/value
+heads (head_dim 8), still grouped, whose key/value heads shard four ways.
+Explicit ``num_attention_heads`` / ``num_key_value_heads`` override both.
+
+Any builder keyword that is not a named parameter goes to the config and wins
+over the defaults here, so ``llama(num_hidden_layers=4)`` and
+``gpt2(resid_pdrop=0.1)`` work.  ``attn_implementation`` defaults to
+``"sdpa"``; both ``"sdpa"`` and ``"eager"`` export with ``torch.export``.
+
+Usage::
+
+    from hf_models import gpt2
+    model, kwargs = gpt2()
+    ep = torch.export.export(model, (), kwargs, strict=False)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["gpt2", "llama", "bert", "qwen2", "mistral", "BUILDERS", "example_kwargs"]
+
+
+def example_kwargs(vocab_size, batch=2, seq=16, seed=0, ignore_index=False):
+    """``dict(input_ids, labels)`` drawn from a seeded generator.
+
+    With ``ignore_index`` (masked LM) about three quarters of the labels are -100.
+    """
+    g = torch.Generator().manual_seed(seed + 1)
+    input_ids = torch.randint(0, vocab_size, (batch, seq), generator=g, dtype=torch.long)
+    labels = input_ids.clone()
+    if ignore_index:
+        keep = torch.rand(batch, seq, generator=g) < 0.25
+        keep[:, 0] = True  # at least one real target per row
+        labels = torch.where(keep, labels, torch.full_like(labels, -100))
+    return dict(input_ids=input_ids, labels=labels)
+
+
+def _merge(defaults, overrides):
+    """Config keywords: ``defaults`` updated by the caller's ``overrides``."""
+    out = dict(defaults)
+    out.update(overrides)
+    return out
+
+
+def _finish(model, cfg, batch, seq, seed, ignore_index=False):
+    model = model.to(torch.float32).eval()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    kwargs = example_kwargs(cfg.vocab_size, batch, seq, seed, ignore_index)
+    return model, kwargs
+
+
+def _gqa_heads(num_attention_heads, num_key_value_heads, world_size):
+    """(heads, kv heads): 4 and 2 by default; 8 and 4 when ``world_size=4``.
+
+    The world-size-4 variant keeps grouped-query attention (2 query heads per
+    key/value head) while letting the key/value heads shard four ways.
+    """
+    if num_key_value_heads is None:
+        num_key_value_heads = 4 if world_size == 4 else 2
+    if num_attention_heads is None:
+        num_attention_heads = 8 if num_key_value_heads > 2 else 4
+    return num_attention_heads, num_key_value_heads
+
+
+def gpt2(
+    n_embd=64,
+    n_head=4,
+    n_layer=2,
+    vocab_size=256,
+    n_positions=64,
+    batch=2,
+    seq=16,
+    seed=0,
+    attn_implementation="sdpa",
+    **config_overrides,
+):
+    """GPT2LMHeadModel; ``lm_head.weight`` is tied to ``transformer.wte.weight``.
+
+    GPT-2 uses ``Conv1D`` (weight stored [in, out]) which exports as ``aten.addmm``.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    defaults = dict(
+        n_embd=n_embd,
+        n_head=n_head,
+        n_layer=n_layer,
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        n_inner=4 * n_embd,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=vocab_size - 1,
+        eos_token_id=vocab_size - 1,
+        use_cache=False,
+    )
+    cfg = GPT2Config(**_merge(defaults, config_overrides))
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel._from_config(cfg, attn_implementation=attn_implementation)
+    return _finish(model, cfg, batch, seq, seed)
+
+
+def llama(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=None,
+    num_key_value_heads=None,
+    num_hidden_layers=2,
+    vocab_size=256,
+    max_position_embeddings=64,
+    batch=2,
+    seq=16,
+    seed=0,
+    world_size=None,
+    attn_implementation="sdpa",
+    **config_overrides,
+):
+    """LlamaForCausalLM with GQA (4 heads / 2 kv heads), untied ``lm_head``.
+
+    ``world_size=4`` gives 8 heads / 4 kv heads (head_dim 8) so that the kv
+    heads shard four ways; explicit head counts override this.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads, kv_heads = _gqa_heads(num_attention_heads, num_key_value_heads, world_size)
+    defaults = dict(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=num_hidden_layers,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    cfg = LlamaConfig(**_merge(defaults, config_overrides))
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM._from_config(cfg, attn_implementation=attn_implementation)
+    return _finish(model, cfg, batch, seq, seed)
+
+
+def bert(
+    hidden_size=64,
+    num_attention_heads=4,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    vocab_size=256,
+    max_position_embeddings=64,
+    batch=2,
+    seq=16,
+    seed=0,
+    attn_implementation="sdpa",
+    **config_overrides,
+):
+    """BertForMaskedLM; labels are -100 except at about a quarter of positions.
+
+    The decoder weight ``cls.predictions.decoder.weight`` is tied to the word
+    embeddings (BERT's default ``tie_word_embeddings=True``).
+    """
+    from transformers import BertConfig, BertForMaskedLM
+
+    defaults = dict(
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        use_cache=False,
+    )
+    cfg = BertConfig(**_merge(defaults, config_overrides))
+    torch.manual_seed(seed)
+    model = BertForMaskedLM._from_config(cfg, attn_implementation=attn_implementation)
+    return _finish(model, cfg, batch, seq, seed, ignore_index=True)
+
+
+def qwen2(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=None,
+    num_key_value_heads=None,
+    num_hidden_layers=2,
+    vocab_size=256,
+    max_position_embeddings=64,
+    batch=2,
+    seq=16,
+    seed=0,
+    world_size=None,
+    attn_implementation="sdpa",
+    **config_overrides,
+):
+    """Qwen2ForCausalLM: like LLaMA but q/k/v projections carry a bias; untied head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    heads, kv_heads = _gqa_heads(num_attention_heads, num_key_value_heads, world_size)
+    defaults = dict(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=num_hidden_layers,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        use_cache=False,
+    )
+    cfg = Qwen2Config(**_merge(defaults, config_overrides))
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=attn_implementation)
+    return _finish(model, cfg, batch, seq, seed)
+
+
+def mistral(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=None,
+    num_key_value_heads=None,
+    num_hidden_layers=2,
+    vocab_size=256,
+    max_position_embeddings=64,
+    batch=2,
+    seq=16,
+    seed=0,
+    world_size=None,
+    attn_implementation="sdpa",
+    **config_overrides,
+):
+    """MistralForCausalLM (GQA, no q/k/v bias, no sliding window), untied head."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    heads, kv_heads = _gqa_heads(num_attention_heads, num_key_value_heads, world_size)
+    defaults = dict(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=num_hidden_layers,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        attention_dropout=0.0,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    cfg = MistralConfig(**_merge(defaults, config_overrides))
+    torch.manual_seed(seed)
+    model = MistralForCausalLM._from_config(cfg, attn_implementation=attn_implementation)
+    return _finish(model, cfg, batch, seq, seed)
+
+
+BUILDERS = {"gpt2": gpt2, "llama": llama, "bert": bert, "qwen2": qwen2, "mistral": mistral}
