@@ -2,5 +2,11 @@
 from . import distributed, placements
 from .errors import AutoshardError, CaptureError, ProcessGroupError, ShardingError
 from .placements import Partial, Replicate, Shard
+from . import collectives, nn
+from .state_dict import (collect_state_dict, get_parallel_dim, layouts, register_ddp_parameters_to_ignore,
+                         register_parallel_attribute, register_parallel_dim, relocate_state_dict, slice)
 
 __version__ = "0.1.0"
+from .api import plan
+from .cost import CostModel
+from .plan import Plan

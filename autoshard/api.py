@@ -1,0 +1,112 @@
+"""Entry points: `plan` (capture, rules, cost, search -> Plan) and `parallelize` (Plan -> GraphModule)."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import search as _search
+from .capture import capture
+from .cost import CostModel
+from .errors import ShardingError
+from .plan import Plan, build_plan
+
+_COST_KEYS = {"bandwidth", "latency", "flops", "memory_weight", "state_factor", "memory_budget"}
+
+
+def _chunk_candidates(gm: fx.GraphModule) -> tuple:
+    """Numbers of equal pieces tensors are split into (a fused q/k/v gives 3)."""
+    ks = set()
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, (tuple, list)) and len(v) > 1 and all(isinstance(t, torch.Tensor) for t in v):
+            if len({tuple(t.shape) for t in v}) == 1:
+                ks.add(len(v))
+    return tuple(sorted(ks))
+
+
+def _check_world_size(world_size) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise ShardingError(f"world_size must be an int, got {world_size!r}")
+    if world_size < 1:
+        raise ShardingError(f"world_size must be >= 1, got {world_size}")
+    return world_size
+
+
+def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | None = None,
+         search: str = "greedy", tracer: str = "auto", tokens: int = 512, cost_model: CostModel | None = None,
+         **cost_options) -> Plan:
+    """Plan tensor parallelism for `model` at degree `world_size`.
+
+    `example_inputs`: a tuple of positional arguments or a dict of keyword arguments (shapes
+    only matter; with none, a batch of `tokens` positions is synthesised). `pin` fixes the
+    TorchShard dim of named modules, e.g. {"head": None}. `search` is "greedy" or "exact".
+    Cost knobs (bandwidth, latency, flops, memory_weight, state_factor, memory_budget) may be
+    given as keywords or as a CostModel.
+    """
+    world_size = _check_world_size(world_size)
+    unknown = set(cost_options) - _COST_KEYS
+    if unknown:
+        raise TypeError(f"plan() got unknown options {sorted(unknown)}; cost knobs are {sorted(_COST_KEYS)}")
+    cost = cost_model or CostModel(**cost_options)
+    if search not in ("greedy", "exact"):
+        raise ValueError(f"search must be 'greedy' or 'exact', got {search!r}")
+    cap = capture(model, example_inputs, tracer=tracer, tokens=tokens)
+    return plan_graph(cap.gm, world_size, cost, pin=pin, search=search, tracer=cap.tracer,
+                      notes=cap.notes, example=(cap.args, cap.kwargs))
+
+
+def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
+               tracer="fx", notes=(), example=((), {})) -> Plan:
+    """Plan an already captured graph (shapes in node.meta['val'])."""
+    t0 = time.perf_counter()
+    prob = _search.Problem(gm, world_size, cost, _chunk_candidates(gm), pins=pin or {})
+    if not prob.param_obj:
+        raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
+    state = _run(prob, search)
+    if cost.memory_budget is not None:
+        state, prob = _fit_budget(gm, world_size, cost, pin, search, state, prob)
+    seconds = time.perf_counter() - t0
+    notes = list(notes) + _divisibility_notes(prob, world_size)
+    return build_plan(prob, state, tracer=tracer, search=search, seconds=seconds, notes=notes, example=example)
+
+
+def _run(prob, search):
+    return _search.exact(prob) if search == "exact" else _search.greedy(prob)
+
+
+def _state_bytes(prob, state) -> float:
+    return sum(prob.param_cost(k, state.placement_of_param(k)) for k in prob.param_obj) / max(
+        prob.cost.memory_weight, 1e-30)
+
+
+def _fit_budget(gm, p, cost, pin, search, state, prob):
+    """With a memory budget: the smallest memory weight whose plan fits it (doubling from ~0)."""
+    from dataclasses import replace
+    weight = 1e-15
+    while True:
+        c = replace(cost, memory_weight=weight)
+        prob = _search.Problem(gm, p, c, _chunk_candidates(gm), pins=pin or {})
+        state = _run(prob, search)
+        used = sum(prob.param_obj[k].numel() * prob.param_obj[k].element_size() * c.state_factor /
+                   (p if not isinstance(state.placement_of_param(k), type(_search.REPLICATE)) else 1)
+                   for k in prob.param_obj)
+        if used <= cost.memory_budget or weight > 1e-3:
+            return state, prob
+        weight *= 4
+
+
+def _divisibility_notes(prob, p) -> list:
+    notes = []
+    grouped = {k for g in prob.groups for k in g.params}
+    for key, obj in prob.param_obj.items():
+        if key in grouped or obj.dim() < 2:
+            continue
+        consumers = [u for i, kk in prob.param_key.items() if kk == key for u in prob.users[i]]
+        if any(prob.kind[c] == "op" for c in consumers):
+            names = prob.param_names[key][0]
+            if any(s % p for s in obj.shape):
+                notes.append(f"{names} {list(obj.shape)} stays replicated: its dims do not divide by {p}")
+    return notes

@@ -1,0 +1,143 @@
+"""Capture a model as a torch.fx GraphModule whose nodes carry FakeTensor shapes.
+
+Two tracers, one normal form: parameters are `get_attr` nodes feeding ops.
+- `torch.fx.symbolic_trace`-style tracing that inlines nn.Linear and nn.Embedding (a tied weight
+  becomes one parameter used by two ops) and keeps other torch.nn modules as leaves, so dropout
+  still follows train()/eval();
+- `torch.export.export(..., strict=False).module()`: aten-level, for models FX cannot trace.
+Shapes come from FakeTensor propagation of the example inputs: no real compute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from .errors import CaptureError
+
+
+@dataclass
+class Captured:
+    """A captured graph, the tracer that made it and the example inputs it was shaped with."""
+
+    gm: fx.GraphModule
+    tracer: str
+    args: tuple
+    kwargs: dict
+    notes: list = field(default_factory=list)
+
+
+class InliningTracer(fx.Tracer):
+    """Traces through nn.Linear / nn.Embedding so their parameters become get_attr nodes."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if type(m) in (nn.Linear, nn.Embedding):
+            return False
+        return super().is_leaf_module(m, qualname)
+
+
+def _split_inputs(example_inputs) -> tuple[tuple, dict]:
+    if example_inputs is None:
+        return (), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError(f"example_inputs must be a tuple of positional arguments or a dict of keyword "
+                    f"arguments, got {type(example_inputs).__name__}")
+
+
+def synthesize_inputs(model: nn.Module, tokens: int) -> tuple:
+    """Example inputs for a model given none: token ids for an embedding-first model, else
+    features for a linear-first one (batch 1, `tokens` positions)."""
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return (torch.randint(0, m.num_embeddings, (1, tokens)),)
+        if isinstance(m, nn.Linear):
+            return (torch.randn(1, tokens, m.in_features),)
+    raise CaptureError(f"cannot guess example inputs for {type(model).__name__}: it has no nn.Embedding or "
+                       "nn.Linear; pass example_inputs=(tensor, ...) or a dict of keyword arguments")
+
+
+def _keep_all_names(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Give `gm` every parameter and buffer name of `model` (tied aliases, unused ones) so that
+    its state_dict keys are the model's."""
+    for named in (model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        for name, t in named:
+            owner_name, _, attr = name.rpartition(".")
+            owner = gm
+            for part in owner_name.split(".") if owner_name else []:
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            if attr not in owner._parameters and attr not in owner._buffers:
+                if isinstance(t, nn.Parameter):
+                    owner.register_parameter(attr, t)
+                else:
+                    src = model.get_submodule(owner_name) if owner_name else model
+                    owner.register_buffer(attr, t, persistent=attr not in src._non_persistent_buffers_set)
+
+
+def _symbolic(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    tracer = InliningTracer()
+    graph = tracer.trace(model)
+    gm = fx.GraphModule(model, graph, model.__class__.__name__)
+    _keep_all_names(gm, model)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    flat = list(args)
+    for n in placeholders[len(args):]:
+        if n.target in kwargs:
+            flat.append(kwargs[n.target])
+        elif n.args:
+            flat.append(n.args[0])
+        else:
+            raise CaptureError(f"no example value for input {n.target!r} of {type(model).__name__}")
+    extra = set(kwargs) - {n.target for n in placeholders}
+    if extra:
+        raise CaptureError(f"example inputs name {sorted(extra)} which {type(model).__name__}.forward does not take")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
+    with mode:
+        FakeTensorProp(gm, mode).propagate(*fake)
+    return gm
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    gm = ep.module()
+    _keep_all_names(gm, model)
+    return gm
+
+
+def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512) -> Captured:
+    """Capture `model` with `tracer` ("symbolic_trace", "export" or "auto": the first that works)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"autoshard needs an nn.Module, got {type(model).__name__}")
+    if tracer not in ("auto", "symbolic_trace", "export"):
+        raise ValueError(f"tracer must be 'auto', 'symbolic_trace' or 'export', got {tracer!r}")
+    args, kwargs = _split_inputs(example_inputs)
+    notes = []
+    if not args and not kwargs:
+        args = synthesize_inputs(model, tokens)
+        notes.append(f"no example inputs: planned for a synthesised input of shape {tuple(args[0].shape)}")
+    errors = []
+    order = ["symbolic_trace", "export"] if tracer == "auto" else [tracer]
+    for name in order:
+        try:
+            fn = _symbolic if name == "symbolic_trace" else _export
+            gm = fn(model, args, kwargs)
+            return Captured(gm, name, args, kwargs, notes)
+        except Exception as e:  # noqa: BLE001 - every tracer failure is reported below
+            errors.append((name, e))
+    lines = [f"could not capture {type(model).__name__}:"]
+    for name, e in errors:
+        lines.append(f"  {name} failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}")
+    lines.append("  try: pass example_inputs matching forward(), use tracer='export' for models with "
+                 "data-dependent Python control flow, or make the failing code traceable")
+    raise CaptureError("\n".join(lines)) from errors[-1][1]

@@ -1,0 +1,385 @@
+"""Autograd-aware collectives over a tensor-parallel group, and byte counters.
+
+Each collective is one small autograd function whose backward is the dual of its forward
+(Megatron's mappings.py): copy/all-reduce, scatter/all-gather, reduce-scatter/all-gather,
+all-to-all/all-to-all.  Every public wrapper returns its input unchanged at group size 1 and is
+an FX leaf (`torch.fx.wrap`), so a traced or rewritten graph shows it as one named
+`call_function` node.  In traced code pass `group` as a registry key string
+(`autoshard.distributed.register_group`), never as a ProcessGroup object.
+
+Works on gloo (CPU) and NCCL (CUDA): the single-tensor collectives are used when the backend
+has them, with list-based fallbacks otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from .distributed import get_group
+from .errors import ShardingError
+
+__all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter", "all_gather",
+           "all_to_all", "ring_bytes", "count_comm", "CommCounter"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+# ----------------------------------------------------------------------------- layout helpers
+
+def _norm_dim(dim: int, ndim: int, what: str = "tensor") -> int:
+    if not -ndim <= dim < ndim:
+        raise ShardingError(f"dim {dim} is out of range for a {ndim}-D {what}")
+    return dim % ndim
+
+
+def _split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = "tensor"):
+    """Split `x` along `dim` into the `n` rank pieces of Shard(dim, chunks): views when chunks=1.
+
+    With chunks > 1 the dim is `chunks` equal blocks, each split over the ranks, and piece r is
+    the concatenation of rank r's part of every block."""
+    dim = _norm_dim(dim, x.dim(), what)
+    size = x.size(dim)
+    if size % (n * chunks):
+        raise ShardingError(
+            f"{what} of shape {tuple(x.shape)}: size {size} of dim {dim} does not divide into "
+            f"{chunks} chunk(s) x {n} ranks")
+    step = size // (n * chunks)
+    parts = x.split(step, dim)                      # chunks * n parts, block-major
+    if chunks == 1:
+        return list(parts)
+    return [torch.cat(parts[r::n], dim) for r in range(n)]
+
+
+def _cat_along(pieces, dim: int, chunks: int = 1) -> torch.Tensor:
+    """Inverse of `_split_along`: the full tensor from the rank pieces in rank order."""
+    dim = _norm_dim(dim, pieces[0].dim())
+    if chunks == 1:
+        return torch.cat(list(pieces), dim)
+    blocks = [p.chunk(chunks, dim) for p in pieces]
+    return torch.cat([blocks[r][c] for c in range(chunks) for r in range(len(pieces))], dim)
+
+
+# ----------------------------------------------------------------------------- counters
+
+def ring_bytes(kind: str, nbytes: int, world_size: int) -> float:
+    """Bytes one rank sends in a ring `kind` collective on a tensor of `nbytes` bytes.
+
+    `nbytes` is the full tensor for all_reduce, all_gather and reduce_scatter; for all_to_all
+    it is what one rank holds (it keeps 1/p of it and sends the rest)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
+    p = int(world_size)
+    if p <= 1:
+        return 0.0
+    factor = 2 * (p - 1) / p if kind == "all_reduce" else (p - 1) / p
+    return factor * nbytes
+
+
+@dataclass
+class CommEvent:
+    """One collective call: which function, ring kind, direction and per-rank ring bytes."""
+
+    op: str
+    kind: str
+    direction: str          # "forward" | "backward"
+    bytes: float
+
+
+@dataclass(eq=False)
+class CommCounter:
+    """Collectives recorded while a `count_comm()` block was active (this process only)."""
+
+    events: list = field(default_factory=list)
+
+    @property
+    def calls(self) -> int:
+        return len(self.events)
+
+    @property
+    def bytes(self) -> float:
+        return sum(e.bytes for e in self.events)
+
+    @property
+    def by_kind(self) -> dict:
+        """kind -> (calls, bytes)."""
+        return self._group_by("kind")
+
+    @property
+    def by_direction(self) -> dict:
+        """"forward" / "backward" -> (calls, bytes)."""
+        return self._group_by("direction")
+
+    def _group_by(self, attr: str) -> dict:
+        out: dict = {}
+        for e in self.events:
+            calls, nbytes = out.get(getattr(e, attr), (0, 0.0))
+            out[getattr(e, attr)] = (calls + 1, nbytes + e.bytes)
+        return out
+
+
+_ACTIVE: list[CommCounter] = []      # global, not thread-local: CUDA backward runs on other threads
+
+
+@contextlib.contextmanager
+def count_comm():
+    """Count every autoshard collective run inside the block, forward and backward (nestable)."""
+    counter = CommCounter()
+    _ACTIVE.append(counter)
+    try:
+        yield counter
+    finally:
+        _ACTIVE.remove(counter)
+
+
+def _record(op: str, kind: str, direction: str, nbytes: int, p: int) -> None:
+    if _ACTIVE:
+        event = CommEvent(op, kind, direction, ring_bytes(kind, nbytes, p))
+        for counter in _ACTIVE:
+            counter.events.append(event)
+
+
+# ----------------------------------------------------------------------------- raw communication
+
+_UNSUPPORTED: set = set()            # (backend, op) pairs that raised, so we fall back at once
+
+
+def _backend(group) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # noqa: BLE001 - fake or custom groups
+        return "unknown"
+
+
+def _try_single(op: str, group, fn) -> bool:
+    """Run a single-tensor collective `fn`; False (and remember) when the backend lacks it."""
+    key = (_backend(group), op)
+    if key in _UNSUPPORTED:
+        return False
+    try:
+        fn()
+        return True
+    except (RuntimeError, NotImplementedError) as e:     # raised before any data moved
+        if "support" not in str(e) and "implement" not in str(e):
+            raise
+        _UNSUPPORTED.add(key)
+        return False
+
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_reduce(x, group, op="copy_to", direction="forward", reduce_op=dist.ReduceOp.SUM):
+    """Sum (or `reduce_op`) of `x` over the group, in a fresh contiguous tensor."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=reduce_op, group=group)
+    _record(op, "all_reduce", direction, out.nbytes, dist.get_world_size(group))
+    return out
+
+
+def _stacked_gather(x, group):
+    """[p, *x.shape] tensor of every rank's `x`."""
+    x = x.contiguous()
+    p = dist.get_world_size(group)
+    out = x.new_empty((p,) + tuple(x.shape))
+    flat_in, flat_out = x.reshape(-1), out.view(-1)
+    if not _try_single("all_gather", group, lambda: _all_gather_single(flat_out, flat_in, group=group)):
+        dist.all_gather(list(out.unbind(0)), x, group=group)
+    return out
+
+
+def _gather(x, dim, chunks, group, op="gather_from", direction="forward"):
+    """Full tensor from every rank's Shard(dim, chunks) piece."""
+    stacked = _stacked_gather(x, group)
+    _record(op, "all_gather", direction, stacked.nbytes, stacked.size(0))
+    return _cat_along(stacked.unbind(0), dim, chunks)
+
+
+def _scatter(x, dim, chunks, group):
+    """This rank's Shard(dim, chunks) piece of the full `x` (no communication)."""
+    pieces = _split_along(x, dim, dist.get_world_size(group), chunks)
+    return pieces[dist.get_rank(group)].contiguous()
+
+
+def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forward"):
+    """This rank's Shard(dim, chunks) piece of the sum of `x` over the group."""
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
+    pieces = _split_along(x, dim, p, chunks)
+    stacked = torch.stack(pieces)
+    out = pieces[0].new_empty(pieces[0].shape)
+    if not _try_single("reduce_scatter", group,
+                       lambda: _reduce_scatter_single(out.view(-1), stacked.view(-1), group=group)):
+        dist.all_reduce(stacked, group=group)
+        out = stacked[rank].clone()
+    _record(op, "reduce_scatter", direction, stacked.nbytes, p)
+    return out
+
+
+def _all_to_all(x, src_dim, dst_dim, group, op="all_to_all", direction="forward"):
+    """Move the shard from `src_dim` to `dst_dim`: split on dst_dim, exchange, cat on src_dim."""
+    p = dist.get_world_size(group)
+    src_dim, dst_dim = _norm_dim(src_dim, x.dim()), _norm_dim(dst_dim, x.dim())
+    stacked = torch.stack(_split_along(x, dst_dim, p))
+    out = torch.empty_like(stacked)
+    if not _try_single("all_to_all", group, lambda: dist.all_to_all_single(out, stacked, group=group)):
+        dist.all_to_all(list(out.unbind(0)), list(stacked.unbind(0)), group=group)
+    _record(op, "all_to_all", direction, x.nbytes, p)
+    return torch.cat(out.unbind(0), src_dim)
+
+
+# ----------------------------------------------------------------------------- autograd functions
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group, "copy_to", "backward"), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group, "reduce_from", "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, group):
+        ctx.args = (dim, chunks, group)
+        return _scatter(x, dim, chunks, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, *ctx.args, op="scatter_to", direction="backward"), None, None, None
+
+
+class _GatherFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, group):
+        ctx.args = (dim, chunks, group)
+        return _gather(x, dim, chunks, group, op="gather_from")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter(grad, *ctx.args), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, group):
+        ctx.args = (dim, chunks, group)
+        return _reduce_scatter(x, dim, chunks, group, op="reduce_scatter")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, *ctx.args, op="reduce_scatter", direction="backward"), None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, group):
+        ctx.args = (dim, chunks, group)
+        return _gather(x, dim, chunks, group, op="all_gather")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, *ctx.args, op="all_gather", direction="backward"), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, group):
+        ctx.args = (src_dim, dst_dim, group)
+        return _all_to_all(x, src_dim, dst_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src_dim, dst_dim, group = ctx.args
+        return _all_to_all(grad, dst_dim, src_dim, group, direction="backward"), None, None, None
+
+
+# ----------------------------------------------------------------------------- public wrappers
+
+def _fx_leaf(fn):
+    """Record `fn` as one call_function node when called on FX proxies, however it was imported."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.fx.Proxy):
+                return a.tracer.create_proxy("call_function", wrapper, args, kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def _resolve(group):
+    """(ProcessGroup, size) of `group`; raises ProcessGroupError when there is none."""
+    pg = get_group(group)
+    return pg, dist.get_world_size(pg)
+
+
+@_fx_leaf
+def copy_to(x, group=None):
+    """fwd: identity; bwd: all-reduce (sum) of the gradient."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _CopyTo.apply(x, pg)
+
+
+@_fx_leaf
+def reduce_from(x, group=None):
+    """fwd: all-reduce (sum); bwd: identity."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _ReduceFrom.apply(x, pg)
+
+
+@_fx_leaf
+def scatter_to(x, dim, chunks=1, group=None):
+    """fwd: keep this rank's Shard(dim, chunks) piece; bwd: all-gather the gradient."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _ScatterTo.apply(x, dim, chunks, pg)
+
+
+@_fx_leaf
+def gather_from(x, dim, chunks=1, group=None):
+    """fwd: all-gather Shard(dim, chunks) pieces; bwd: keep this rank's piece of the gradient."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg)
+
+
+@_fx_leaf
+def reduce_scatter(x, dim, chunks=1, group=None):
+    """fwd: reduce-scatter (sum, keep Shard(dim, chunks) piece); bwd: all-gather the gradient."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _ReduceScatter.apply(x, dim, chunks, pg)
+
+
+@_fx_leaf
+def all_gather(x, dim, chunks=1, group=None):
+    """fwd: all-gather Shard(dim, chunks) pieces; bwd: reduce-scatter the (Partial) gradient."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _AllGather.apply(x, dim, chunks, pg)
+
+
+@_fx_leaf
+def all_to_all(x, src_dim, dst_dim, group=None):
+    """fwd: shard moves from src_dim to dst_dim; bwd: the gradient's shard moves back."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _AllToAll.apply(x, src_dim, dst_dim, pg)
+
+
+for _name in ("copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter",
+              "all_gather", "all_to_all"):
+    torch.fx.wrap(_name)
+del _name

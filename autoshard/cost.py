@@ -1,0 +1,100 @@
+"""Alpha-beta cost model: ring collectives, compute divided by the degree, memory per rank.
+
+Everything is in seconds so one number can be minimised: communication and compute time per
+training step, plus `memory_weight` seconds per byte of training state (parameter, gradient
+and optimizer moments) a rank holds. The default (a GB of state ~ one second) makes sharding
+worth its communication at every realistic size, which is why tensor parallelism is used; set
+`memory_budget` instead to shard only as much as needed to fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .placements import Partial, Replicate, Shard
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def ring_bytes(kind: str, nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends for a ring collective over a tensor of `nbytes` (full size)."""
+    p = world_size
+    if p <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (p - 1) / p * nbytes
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (p - 1) / p * nbytes
+    raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Knobs of the objective; validated on construction."""
+
+    bandwidth: float = 50e9          # bytes/s a rank sends
+    latency: float = 5e-6            # seconds per ring step
+    flops: float = 50e12             # flop/s of one rank
+    memory_weight: float = 1e-9      # seconds per byte of training state per rank
+    state_factor: float = 4.0        # parameter + gradient + two Adam moments
+    memory_budget: float | None = None   # bytes of training state per rank, or None
+
+    def __post_init__(self):
+        for name in ("bandwidth", "flops", "state_factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CostModel.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("latency", "memory_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"CostModel.memory_budget must be > 0 bytes, got {self.memory_budget}")
+
+    def comm_time(self, kind: str, nbytes: float, p: int) -> float:
+        if p <= 1:
+            return 0.0
+        steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
+        return ring_bytes(kind, nbytes, p) / self.bandwidth + steps * self.latency
+
+    def compute_time(self, flop: float) -> float:
+        return flop / self.flops
+
+    def memory_cost(self, param_bytes: float) -> float:
+        return self.memory_weight * self.state_factor * param_bytes
+
+
+def grad_of(placement):
+    """The placement a gradient must end in for a tensor of this forward placement."""
+    return Replicate() if isinstance(placement, Partial) else placement
+
+
+@lru_cache(maxsize=None)
+def redistribute(src, dst) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(forward kinds, backward kinds) to turn `src` into `dst`; None if not possible.
+
+    Each forward collective's backward is its dual: all-reduce <-> identity, all-gather <->
+    split, slice <-> all-gather, reduce-scatter <-> all-gather, all-to-all <-> all-to-all.
+    """
+    if src == dst or src is None or dst is None:
+        return (), ()
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return ("all_reduce",), ()
+        return ("reduce_scatter",), ("all_gather",)
+    if isinstance(dst, Partial):
+        return None
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return ("all_gather",), ()
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return (), ("all_gather",)
+    return ("all_to_all",), ("all_to_all",)
+
+
+def grad_fix(produced, wanted) -> tuple[str, ...]:
+    """Backward collectives that turn a consumer's gradient into the placement it must have."""
+    if produced == wanted or produced is None:
+        return ()
+    if isinstance(produced, Partial):
+        return ("all_reduce",) if isinstance(wanted, Replicate) else ("reduce_scatter",)
+    if isinstance(produced, Shard) and isinstance(wanted, Replicate):
+        return ("all_gather",)
+    return ("all_to_all",)

@@ -1,0 +1,125 @@
+"""Functional twins of the parallel layers (TorchShard's `torchshard.nn.functional`).
+
+They take this rank's shards of the weights (see `autoshard.nn` for layers that make them) and
+the TorchShard `dim` convention: None = plain torch op, -1/1 = column (output features split),
+0 = row (input features split).  `masked_embedding` and `vocab_parallel_cross_entropy` are the
+pieces the graph rewriter emits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn import _reduction
+
+from ..collectives import copy_to, gather_from, reduce_from, scatter_to
+from ..distributed import get_group
+from ..errors import ShardingError
+from ..state_dict import get_parallel_dim, register_parallel_dim
+from ._common import check_dim
+from ._cross_entropy import vocab_parallel_cross_entropy
+
+__all__ = ["parallel_linear", "parallel_embedding", "parallel_cross_entropy", "masked_embedding",
+           "vocab_parallel_cross_entropy"]
+
+
+def _is_column_sharded(x) -> bool:
+    return get_parallel_dim(x) in (-1, 1)
+
+
+def parallel_linear(input, weight, bias=None, dim=None, group=None):
+    """`F.linear` with a column (-1/1: weight dim 0 and bias split) or row (0: weight dim 1) shard.
+
+    Column: input replicated (gathered first if it carries parallel_dim -1), output carries
+    parallel_dim -1.  Row: input used as is if it carries parallel_dim -1, else scattered; the
+    output is all-reduced and the (unsplit) bias added once."""
+    dim = check_dim(dim, "parallel_linear")
+    if weight.dim() != 2:
+        raise ShardingError(f"parallel_linear: weight must be 2-D, got shape {tuple(weight.shape)}")
+    if dim is None:
+        return F.linear(input, weight, bias)
+    if dim == 0:
+        x = input if _is_column_sharded(input) else scatter_to(input, -1, group=group)
+        if x.size(-1) != weight.size(1):
+            raise ShardingError(
+                f"row-parallel linear: input of shape {tuple(input.shape)} (parallel_dim "
+                f"{get_parallel_dim(input)}) gives {x.size(-1)} features per rank, but the weight "
+                f"shard {tuple(weight.shape)} expects {weight.size(1)}")
+        out = reduce_from(F.linear(x, weight), group=group)
+        if bias is not None:
+            out = out + bias
+        register_parallel_dim(out, None)
+        return out
+    x = gather_from(input, -1, group=group) if _is_column_sharded(input) else input
+    out = F.linear(copy_to(x, group=group), weight, bias)
+    register_parallel_dim(out, -1)
+    return out
+
+
+def _global_padding_idx(padding_idx, num_embeddings: int):
+    if padding_idx is None:
+        return None
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ShardingError(f"padding_idx {padding_idx} is out of range for {num_embeddings} embeddings")
+    return padding_idx % num_embeddings
+
+
+def masked_embedding(input, weight, padding_idx=None, group=None, *, max_norm=None, norm_type=2.0,
+                     scale_grad_by_freq=False, sparse=False):
+    """This rank's partial sum of a vocabulary-split lookup: rows outside the shard give zeros.
+
+    `weight` is this rank's rows [rank*V/p, (rank+1)*V/p) of the full table; `padding_idx` is in
+    full-vocabulary numbering and only the rank holding that row treats it as padding."""
+    pg = get_group(group)
+    p, rank = torch.distributed.get_world_size(pg), torch.distributed.get_rank(pg)
+    rows = weight.size(0)
+    start = rank * rows
+    padding_idx = _global_padding_idx(padding_idx, rows * p)
+    local_pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + rows else None
+    outside = (input < start) | (input >= start + rows)
+    if max_norm is not None:
+        with torch.no_grad():
+            torch.embedding_renorm_(weight, (input[~outside] - start).contiguous(), max_norm, norm_type)
+    table, fill = weight, 0
+    if scale_grad_by_freq:                       # masked tokens must not count towards row 0
+        if sparse:
+            raise ShardingError("vocabulary-split embedding: scale_grad_by_freq with sparse=True is not supported")
+        table, fill = torch.cat([weight, weight.new_zeros(1, weight.size(1))]), rows
+    idx = (input - start).masked_fill(outside, fill)
+    out = F.embedding(idx, table, local_pad, None, norm_type, scale_grad_by_freq, sparse)
+    return out.masked_fill(outside.unsqueeze(-1), 0)
+
+
+def parallel_embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+                       scale_grad_by_freq=False, sparse=False, num_embeddings=None, dim=None, group=None):
+    """`F.embedding` over a vocabulary (dim 0: masked lookup + all-reduce) or hidden (dim 1/-1:
+    lookup + all-gather) shard of the table; the output is the full, replicated embedding."""
+    dim = check_dim(dim, "parallel_embedding")
+    if dim is None:
+        return F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    if dim == 0:
+        p = torch.distributed.get_world_size(get_group(group))
+        if num_embeddings is not None and num_embeddings != weight.size(0) * p:
+            raise ShardingError(
+                f"parallel_embedding: num_embeddings {num_embeddings} != weight shard rows "
+                f"{weight.size(0)} x {p} ranks")
+        partial = masked_embedding(input, weight, padding_idx, group, max_norm=max_norm, norm_type=norm_type,
+                                   scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+        return reduce_from(partial, group=group)
+    if max_norm is not None:
+        raise ShardingError("parallel_embedding: max_norm needs whole rows; it is not supported with a "
+                            "hidden-split (dim=1/-1) embedding")
+    out = F.embedding(input, weight, padding_idx, None, norm_type, scale_grad_by_freq, sparse)
+    return gather_from(out, -1, group=group)
+
+
+def parallel_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                           reduction="mean", label_smoothing=0.0, group=None):
+    """`F.cross_entropy`, switching to the vocabulary-parallel loss when `input` carries
+    parallel_dim -1/1 (the output of a column-parallel linear), as TorchShard does."""
+    if size_average is not None or reduce is not None:
+        reduction = _reduction.legacy_get_string(size_average, reduce)
+    if _is_column_sharded(input):
+        return vocab_parallel_cross_entropy(input, target, weight, ignore_index, reduction,
+                                            label_smoothing, group)
+    return F.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)

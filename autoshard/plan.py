@@ -1,0 +1,180 @@
+"""The Plan: the only thing the search hands to the rewriter and the report (frozen).
+
+For every node: the strategy it runs and the placement it produces; for every tensor that
+changes placement: one redistribution per distinct target, with its forward and backward
+collectives; for every parameter name (tied aliases included): its layout; TorchShard dims per
+module; predicted bytes and times.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+
+from .cost import CostModel, grad_fix, grad_of, redistribute, ring_bytes
+from .placements import Partial, Placement, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class NodeDecision:
+    """How one node runs: its strategy, output placement, input requirements, TorchShard dim."""
+
+    node: str
+    op: str
+    strategy: str
+    output: Any
+    inputs: tuple
+    grads: tuple
+    dim: int | None
+    comm: tuple                  # collectives the op runs itself: (kind, full bytes)
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """Tensor `node` goes from `src` to `dst` for `consumers`; `backward` includes the
+    all-reduce of Partial gradients the consumers send back (Megatron's copy)."""
+
+    node: str
+    src: Placement
+    dst: Placement
+    forward: tuple
+    backward: tuple
+    nbytes: int
+    consumers: tuple
+
+    def ring_bytes(self, p: int) -> float:
+        return sum(ring_bytes(k, self.nbytes, p) for k in self.forward + self.backward)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A sharding plan for one model at one tensor-parallel degree."""
+
+    world_size: int
+    tracer: str
+    nodes: Mapping[str, NodeDecision]
+    redistributions: tuple
+    layouts: Mapping[str, Placement]          # parameter name -> layout (every alias)
+    dims: Mapping[str, int | None]            # module qualified name -> TorchShard dim
+    comm_bytes: float                         # per rank per training step, forward + backward
+    comm_by_kind: Mapping[str, tuple]         # kind -> (calls, bytes)
+    comm_time: float
+    compute_time: float
+    params_total: int
+    params_per_rank: int
+    unsupported: tuple
+    notes: tuple
+    fingerprint: tuple                        # (name, shape) of every parameter: "made for this model"
+    cost_model: CostModel
+    search: str
+    search_seconds: float
+    objective: float
+    graph_module: fx.GraphModule = field(compare=False, repr=False)
+    example: tuple = field(compare=False, repr=False)
+
+    @property
+    def step_time(self) -> float:
+        """Estimated seconds per training step (communication + compute, no overlap)."""
+        return self.comm_time + self.compute_time
+
+    def report(self) -> str:
+        from .report import format_plan
+        return format_plan(self)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+def _op_name(n: fx.Node, gm) -> str:
+    if n.op == "call_module":
+        return type(gm.get_submodule(n.target)).__name__
+    if n.op == "call_method":
+        return f".{n.target}"
+    return getattr(n.target, "__name__", str(n.target))
+
+
+def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {})) -> Plan:
+    """Freeze a search State into a Plan."""
+    p = prob.p
+    nodes, redists = {}, []
+    comm_kind: dict[str, list] = {}
+
+    def count(kind, nb):
+        c = comm_kind.setdefault(kind, [0, 0.0])
+        c[0] += 1
+        c[1] += ring_bytes(kind, nb, p)
+
+    for i, n in enumerate(prob.nodes):
+        if not prob.strats[i] or prob.kind[i] == "output":
+            continue
+        s = prob.strats[i][state.sidx[i]]
+        nodes[n.name] = NodeDecision(n.name, _op_name(n, prob.gm), s.name, s.output, s.inputs,
+                                     tuple(s.grad(k) for k in range(len(s.inputs))), s.dim, s.comm)
+        for kind, nb in s.comm:
+            count(kind, nb)
+    for j, n in enumerate(prob.nodes):
+        if not prob.nbytes[j] and not isinstance(prob.val[j], torch.Tensor):
+            continue
+        src = state.place[j]
+        by_req: dict = {}
+        for c in prob.users[j]:
+            if not prob.strats[c]:
+                continue
+            s = prob.strats[c][state.sidx[c]]
+            for slot, k in enumerate(prob.ins[c]):
+                if k == j and s.inputs[slot] is not None:
+                    entry = by_req.setdefault(s.inputs[slot], [set(), []])
+                    entry[0].add(s.grad(slot))
+                    entry[1].append(prob.nodes[c].name)
+        for req, (grads, consumers) in by_req.items():
+            fwd, bwd = redistribute(src, req)
+            for g in grads:
+                bwd = bwd + grad_fix(g, grad_of(req))
+            if fwd or bwd:
+                r = Redistribution(n.name, src, req, fwd, bwd, prob.nbytes[j], tuple(dict.fromkeys(consumers)))
+                redists.append(r)
+                for kind in fwd + bwd:
+                    count(kind, r.nbytes)
+    layouts, total, per_rank = {}, 0, 0
+    for key, obj in prob.param_obj.items():
+        pl = state.placement_of_param(key)
+        for name in prob.param_names[key]:
+            layouts[name] = pl
+        total += obj.numel()
+        per_rank += obj.numel() // p if isinstance(pl, Shard) else obj.numel()
+    dims = {}
+    for g, grp in enumerate(prob.groups):
+        for c in grp.anchors:
+            s = prob.strats[c][state.sidx[c]]
+            for k in prob.ins[c]:
+                if k in prob.param_key and prob.param_key[k] in grp.params:
+                    owner = prob.nodes[k].target.rpartition(".")[0]
+                    dims.setdefault(owner, s.dim)
+    for i, n in enumerate(prob.nodes):
+        if n.op == "call_module" and prob.strats[i] and n.target not in dims:
+            s = prob.strats[i][state.sidx[i]]
+            if s.dim is not None or any(x.dim is not None for x in prob.strats[i]):
+                dims[n.target] = s.dim
+    comm_time = sum(prob.cost.comm_time(k, r.nbytes, p) for r in redists for k in r.forward + r.backward)
+    comm_time += sum(prob.cost.comm_time(k, nb, p) for d in nodes.values() for k, nb in d.comm)
+    from .search import _flops
+    compute = 0.0
+    for i, n in enumerate(prob.nodes):
+        if prob.strats[i] and prob.kind[i] == "op":
+            s = prob.strats[i][state.sidx[i]]
+            compute += prob.cost.compute_time(_flops(n, s) * s.compute)
+    fingerprint = tuple(sorted((name, tuple(prob.param_obj[k].shape)) for k in prob.param_obj
+                               for name in prob.param_names[k]))
+    bad = set(prob.unsupported)
+    unsupported = tuple(f"{n.name}: {_op_name(n, prob.gm)}" for n in prob.nodes if n.name in bad)
+    return Plan(
+        world_size=p, tracer=tracer, nodes=MappingProxyType(nodes), redistributions=tuple(redists),
+        layouts=MappingProxyType(layouts), dims=MappingProxyType(dims),
+        comm_bytes=sum(v[1] for v in comm_kind.values()),
+        comm_by_kind=MappingProxyType({k: (v[0], v[1]) for k, v in comm_kind.items()}),
+        comm_time=comm_time, compute_time=compute, params_total=total, params_per_rank=per_rank,
+        unsupported=unsupported, notes=tuple(notes), fingerprint=fingerprint, cost_model=prob.cost,
+        search=search, search_seconds=seconds, objective=state.total, graph_module=prob.gm, example=example)

@@ -1,0 +1,88 @@
+"""The printed sharding-plan report: one row per parametered or communicating node, then totals."""
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from .placements import Shard, local_shape
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _fmt_dim(d) -> str:
+    return "None" if d is None else str(d)
+
+
+def format_plan(plan) -> str:
+    """Render `plan` as text (tabulate tables)."""
+    p = plan.world_size
+    gm = plan.graph_module
+    params_of: dict[str, list] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target in plan.layouts:
+            for u in n.users:
+                params_of.setdefault(u.name, []).append(n.target)
+    comm_of: dict[str, list] = {}
+    for r in plan.redistributions:
+        for c in r.consumers[:1]:
+            kinds = "+".join(r.forward) or "-"
+            back = "+".join(r.backward) or "-"
+            comm_of.setdefault(c, []).append(f"{r.node} {r.src}->{r.dst}: fwd {kinds}, bwd {back} ({_fmt_bytes(r.ring_bytes(p))})")
+    rows = []
+    for name, d in plan.nodes.items():
+        params = params_of.get(name, [])
+        comms = list(comm_of.get(name, []))
+        comms += [f"{k} ({_fmt_bytes(_ring(k, nb, p))})" for k, nb in d.comm]
+        if not params and not comms:
+            continue
+        full, local, mem = [], [], 0
+        for pn in params:
+            t = _param(gm, pn)
+            full.append(f"{pn.rpartition('.')[2]} {list(t.shape)}")
+            ls = local_shape(t.shape, plan.layouts[pn], p)
+            local.append(str(list(ls)))
+            mem += _numel(ls) * t.element_size()
+        owner = params[0].rpartition(".")[0] if params else ""
+        rows.append([owner or name, d.op, ", ".join(full), ", ".join(local), _fmt_dim(d.dim) if params or d.dim is not None else "",
+                     d.strategy, "\n".join(comms), _fmt_bytes(mem) if params else ""])
+    table = tabulate(rows, headers=["module / node", "op", "weight (full)", "local", "dim", "strategy",
+                                    "collectives inserted (per rank)", "params/rank"], tablefmt="simple")
+    kinds = ", ".join(f"{k}: {c} x, {_fmt_bytes(b)}" for k, (c, b) in sorted(plan.comm_by_kind.items())) or "none"
+    totals = [
+        ["tensor-parallel degree", p],
+        ["tracer / search", f"{plan.tracer} / {plan.search} ({plan.search_seconds * 1e3:.1f} ms)"],
+        ["comm per step per rank (fwd+bwd)", f"{_fmt_bytes(plan.comm_bytes)} ({kinds})"],
+        ["params per rank / full", f"{plan.params_per_rank:,} / {plan.params_total:,} "
+                                   f"({plan.params_per_rank / max(plan.params_total, 1):.2f})"],
+        ["estimated step time", f"{plan.step_time * 1e3:.3f} ms (comm {plan.comm_time * 1e3:.3f} ms, "
+                                f"compute {plan.compute_time * 1e3:.3f} ms)"],
+    ]
+    out = [f"autoshard plan ({len(rows)} sharded or communicating nodes)", table, "", tabulate(totals, tablefmt="plain")]
+    if plan.unsupported:
+        out.append("ops with no sharding rule (kept replicated, inputs gathered): " + ", ".join(plan.unsupported))
+    for note in plan.notes:
+        out.append(f"note: {note}")
+    return "\n".join(out)
+
+
+def _ring(kind, nb, p):
+    from .cost import ring_bytes
+    return ring_bytes(kind, nb, p)
+
+
+def _param(gm, name):
+    obj = gm
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n

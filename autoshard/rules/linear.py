@@ -1,0 +1,97 @@
+"""Ops with weights: linear / addmm (column, row, batch pass-through), matmul, embedding.
+
+Column: input Replicate (its gradient comes back Partial), weight split on its output dim,
+output sharded on the last dim. Row: input sharded on the last dim, weight split on its
+input dim, output Partial; with a bias the op reduces itself and adds the bias once.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, register_rule
+
+aten = torch.ops.aten
+
+
+def _bytes(info: NodeInfo, n=None) -> int:
+    v = info.val(info.node if n is None else n)
+    return v.numel() * v.element_size()
+
+
+def matmul_family(info: NodeInfo, x, w, b, *, w_out_dim: int, w_in_dim: int):
+    """Strategies of y = x @ W (+ b) where W's output features lie on `w_out_dim`."""
+    p = info.world_size
+    out_nd = len(info.out_shape)
+    last = out_nd - 1
+    found = []
+    for k in (1, *info.chunk_candidates):
+        m = {x: REPLICATE, w: Shard(w_out_dim, k)}
+        if b is not None:
+            m[b] = Shard(0, k)
+        found.append(info.req(m, "column", Shard(last, k), grads={x: PARTIAL}, compute=1 / p, dim=-1))
+    m = {x: Shard(len(info.shape(x)) - 1), w: Shard(w_in_dim)}
+    if b is None:
+        found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0))
+    else:
+        found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0,
+                              comm=[("all_reduce", _bytes(info))]))
+    for d in range(out_nd - 1):              # batch dims pass through with a replicated weight
+        if info.out_shape[d] > 1:
+            found.append(info.req({x: Shard(d)}, f"shard({d})", Shard(d), compute=1 / p))
+    return found
+
+
+@register_rule(F.linear, aten.linear.default)
+def _linear(info):
+    x, w = info.node.args[0], info.node.args[1]
+    b = info.arg(2, "bias")
+    return matmul_family(info, x, w, b if b in info.inputs else None, w_out_dim=0, w_in_dim=1)
+
+
+@register_rule(aten.addmm.default, torch.addmm)
+def _addmm(info):
+    b, x, w = info.node.args[:3]
+    if len(info.shape(b)) != 1:
+        return []
+    return matmul_family(info, x, w, b, w_out_dim=1, w_in_dim=0)
+
+
+@register_rule(torch.matmul, torch.Tensor.matmul, operator_matmul := __import__("operator").matmul,
+               torch.bmm, torch.Tensor.bmm, aten.matmul.default, aten.bmm.default, aten.mm.default, torch.mm)
+def _matmul(info):
+    a, b = info.node.args[0], info.node.args[1]
+    sa, sb, so = info.shape(a), info.shape(b), info.out_shape
+    if len(sa) < 2 or len(sb) < 2:
+        return []
+    p = info.world_size
+    found = [
+        info.req({a: Shard(len(sa) - 2), b: REPLICATE}, "rows", Shard(len(so) - 2), compute=1 / p),
+        info.req({a: REPLICATE, b: Shard(len(sb) - 1)}, "column", Shard(len(so) - 1), compute=1 / p,
+                 grads={a: PARTIAL}, dim=-1),
+        info.req({a: Shard(len(sa) - 1), b: Shard(len(sb) - 2)}, "row", PARTIAL, compute=1 / p, dim=0),
+    ]
+    if len(sa) == len(sb) == len(so):       # shared batch dims
+        for d in range(len(so) - 2):
+            if sa[d] == sb[d] == so[d] > 1:
+                found.append(info.req({a: Shard(d), b: Shard(d)}, f"shard({d})", Shard(d), compute=1 / p))
+    return found
+
+
+def embedding_strategies(info: NodeInfo, idx, w):
+    """Vocabulary split (masked lookup, output Partial) or hidden split (output sharded)."""
+    p = info.world_size
+    last = len(info.out_shape) - 1
+    return [
+        info.req({idx: REPLICATE, w: Shard(0)}, "vocab", PARTIAL, compute=1 / p, dim=0),
+        info.req({idx: REPLICATE, w: Shard(1)}, "hidden", Shard(last), compute=1 / p, dim=1),
+    ]
+
+
+@register_rule(F.embedding)
+def _embedding(info):
+    return embedding_strategies(info, info.node.args[0], info.arg(1, "weight"))
+
+
+@register_rule(aten.embedding.default)
+def _aten_embedding(info):
+    return embedding_strategies(info, info.node.args[1], info.node.args[0])

@@ -1,0 +1,25 @@
+"""Cross entropy: vocabulary-parallel over logits sharded on the class dim (1)."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .registry import REPLICATE, NodeInfo, Shard, register_rule
+
+aten = torch.ops.aten
+
+
+@register_rule(F.cross_entropy, aten.cross_entropy_loss.default, nn.CrossEntropyLoss)
+def _cross_entropy(info: NodeInfo):
+    logits, target = info.inputs[0], info.inputs[1]
+    shape = info.shape(logits)
+    if len(shape) < 2:
+        return []
+    n = 1
+    for i, s in enumerate(shape):
+        if i != 1:
+            n *= s
+    floats = n * 4
+    # max, sum of exp, target logit (+ sum of logits for label smoothing): all-reduces of n floats
+    comm = [("all_reduce", floats)] * 3
+    return [info.req({logits: Shard(1), target: REPLICATE}, "vocab", REPLICATE, comm=comm,
+                     compute=1 / info.world_size, dim=-1)]

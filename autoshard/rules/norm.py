@@ -1,0 +1,75 @@
+"""Normalisations, softmax and reductions: sharding is kept on the dims they do not reduce."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .registry import PARTIAL, NodeInfo, Shard, norm_dim, register_rule
+
+aten = torch.ops.aten
+
+
+def keep_dims(info: NodeInfo, src, reduced: set, *, keepdim=True, partial_sum=False):
+    """Shard any dim not in `reduced`; a sum over a sharded dim gives a Partial result."""
+    shape = info.shape(src)
+    found = []
+    for d in range(len(shape)):
+        if shape[d] <= 1:
+            continue
+        if d in reduced:
+            if partial_sum:
+                found.append(info.req({src: Shard(d)}, "partial", PARTIAL))
+            continue
+        out = d if keepdim else d - sum(1 for r in reduced if r < d)
+        found.append(info.req({src: Shard(d)}, f"shard({out})", Shard(out)))
+    return found
+
+
+@register_rule(F.layer_norm, aten.layer_norm.default, F.rms_norm, aten.rms_norm.default)
+def _layer_norm(info):
+    x = info.node.args[0]
+    nd = len(info.shape(x))
+    nshape = info.arg(1, "normalized_shape")
+    k = len(nshape) if isinstance(nshape, (tuple, list)) else 1
+    return keep_dims(info, x, set(range(nd - k, nd)))
+
+
+@register_rule(nn.LayerNorm, nn.RMSNorm)
+def _layer_norm_module(info):
+    x = info.inputs[0]
+    nd = len(info.shape(x))
+    return keep_dims(info, x, set(range(nd - len(info.module.normalized_shape), nd)))
+
+
+@register_rule(F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
+               torch.Tensor.log_softmax, aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
+               aten.log_softmax.int, nn.Softmax)
+def _softmax(info):
+    x = info.inputs[0]
+    nd = len(info.shape(x))
+    dim = info.module.dim if info.module is not None else info.arg(1, "dim")
+    return keep_dims(info, x, {norm_dim(int(dim), nd)})
+
+
+def _reduced_dims(info, nd):
+    dim = info.arg(1, "dim")
+    if dim is None:
+        return set(range(nd))
+    dims = dim if isinstance(dim, (tuple, list)) else [dim]
+    return {norm_dim(int(d), nd) for d in dims}
+
+
+@register_rule(torch.sum, torch.Tensor.sum, aten.sum.dim_IntList, aten.sum.default)
+def _sum(info):
+    x = info.inputs[0]
+    nd = len(info.shape(x))
+    keep = bool(info.arg(2, "keepdim", False))
+    return keep_dims(info, x, _reduced_dims(info, nd), keepdim=keep, partial_sum=True) + \
+        [info.req({x: PARTIAL}, "partial", PARTIAL)]
+
+
+@register_rule(torch.mean, torch.Tensor.mean, aten.mean.dim, aten.mean.default)
+def _mean(info):
+    x = info.inputs[0]
+    nd = len(info.shape(x))
+    keep = bool(info.arg(2, "keepdim", False))
+    return keep_dims(info, x, _reduced_dims(info, nd), keepdim=keep) + [info.req({x: PARTIAL}, "partial", PARTIAL)]

@@ -1,0 +1,98 @@
+"""Element-wise ops: unary, binary with broadcasting, activations, dropout.
+
+A sharded output dim needs every input that has that dim (not broadcast) sharded the same way;
+broadcast inputs stay Replicate. Linear ops also carry Partial (sum of summands).
+"""
+import operator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .registry import PARTIAL, NodeInfo, Shard, register_rule
+
+aten = torch.ops.aten
+
+
+def _shards(info: NodeInfo, d: int):
+    """Shard(d, k) for every chunk count the graph uses."""
+    return [Shard(d, k) for k in (1, *info.chunk_candidates)]
+
+
+def elementwise(info: NodeInfo, partial_inputs=None):
+    """Strategies of an element-wise op; `partial_inputs` lists inputs that may be Partial
+    (all of them at once for a sum-like op, one of them for a product-like op)."""
+    out = info.out_shape
+    if out is None:
+        return []
+    tensors = [n for n in info.inputs if info.is_tensor(n)]
+    found = []
+    for d, size in enumerate(out):
+        if size == 1:
+            continue
+        for pl in _shards(info, d):
+            mapping = {}
+            for n in tensors:
+                s = info.shape(n)
+                a = d - (len(out) - len(s))
+                if a >= 0 and s[a] == size:
+                    mapping[n] = Shard(a, pl.chunks)
+            if mapping:
+                found.append(info.req(mapping, f"shard({d})", pl))
+    for group in partial_inputs or ():
+        if group and all(n in tensors for n in group):
+            found.append(info.req({n: PARTIAL for n in group}, "partial", PARTIAL))
+    return found
+
+
+UNARY_LINEAR = [
+    operator.neg, torch.neg, torch.Tensor.neg, aten.neg.default, torch.Tensor.contiguous, torch.Tensor.clone,
+    torch.clone, aten.clone.default, aten.alias.default, torch.Tensor.float, torch.Tensor.to, torch.Tensor.type,
+    torch.Tensor.half, torch.Tensor.bfloat16, aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout,
+    torch.Tensor.detach, aten.detach.default,
+]
+UNARY = [
+    F.gelu, F.relu, F.silu, torch.tanh, torch.sigmoid, torch.exp, torch.rsqrt, torch.sqrt, torch.abs, F.dropout,
+    torch.relu, F.tanh, F.sigmoid, torch.Tensor.relu, torch.Tensor.tanh, torch.Tensor.sigmoid, torch.Tensor.exp,
+    torch.Tensor.rsqrt, torch.Tensor.sqrt, torch.Tensor.pow, torch.pow, torch.Tensor.abs, torch.cos, torch.sin,
+    torch.Tensor.cos, torch.Tensor.sin, torch.Tensor.type_as, torch.Tensor.masked_fill, torch.masked_fill,
+    torch.Tensor.triu, torch.Tensor.tril, F.softplus, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout,
+    nn.Identity, aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
+    aten.dropout.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.rsqrt.default, aten.sqrt.default,
+    aten.exp.default, aten.cos.default, aten.sin.default, aten.abs.default, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.type_as.default, aten.where.self, torch.where, aten.native_dropout.default,
+    aten.erf.default, torch.erf,
+]
+SUMS = [operator.add, operator.sub, operator.iadd, operator.isub, torch.add, torch.sub, torch.Tensor.add,
+        torch.Tensor.sub, torch.Tensor.add_, torch.Tensor.sub_, aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor]
+PRODUCTS = [operator.mul, operator.imul, torch.mul, torch.Tensor.mul, torch.Tensor.mul_, aten.mul.Tensor,
+            aten.mul_.Tensor, aten.mul.Scalar]
+QUOTIENTS = [operator.truediv, torch.div, torch.Tensor.div, torch.Tensor.div_, aten.div.Tensor,
+             aten.div.Scalar, aten.div.Tensor_mode]
+
+
+@register_rule(*UNARY_LINEAR)
+def _unary_linear(info):
+    return elementwise(info, [[n for n in info.inputs if info.is_tensor(n)]])
+
+
+@register_rule(*UNARY)
+def _unary(info):
+    return elementwise(info)
+
+
+@register_rule(*SUMS)
+def _sum_like(info):
+    return elementwise(info, [[n for n in info.inputs if info.is_tensor(n)]])
+
+
+@register_rule(*PRODUCTS)
+def _product(info):
+    tensors = [n for n in info.inputs if info.is_tensor(n)]
+    return elementwise(info, [[n] for n in tensors])
+
+
+@register_rule(*QUOTIENTS)
+def _quotient(info):
+    first = info.arg(0, "input")
+    return elementwise(info, [[first]] if first in info.inputs else [])

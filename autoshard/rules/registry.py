@@ -1,0 +1,188 @@
+"""The sharding-rule registry: one function per op family lists the strategies a node may take.
+
+A rule is called with a `NodeInfo` and returns `OpStrategy`s; the all-Replicate strategy is
+implicit and always added. Rules are keyed by op object: the function of a `call_function`
+node, `torch.Tensor.<name>` for a `call_method` node, the module class of a `call_module` node.
+Adding an op is adding one decorated function; the search never changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard, divides
+
+_RULES: dict[Any, Callable] = {}
+# Ops whose result is shape metadata (size, dim, ...): they accept any input placement.
+SHAPE_OPS: set[Any] = set()
+
+
+@dataclass(frozen=True)
+class OpStrategy:
+    """One way to run a node: what it needs of each input and what it produces.
+
+    `inputs` follows `node.all_input_nodes`; None means "no requirement" (a non-tensor input).
+    `grads[i]` is the placement of the gradient the node sends back to input i (default: the
+    required placement, Partial read as Replicate); a column-parallel linear sends Partial for a
+    Replicate input: one all-reduce in backward (Megatron's "copy").
+    `compute` is the share of the op's work a rank does; `comm` lists collectives the op runs
+    itself as (kind, full-tensor bytes); `dim` is TorchShard's label (None / 0 / -1 / 1).
+    """
+
+    name: str
+    output: Any                       # Placement, tuple of them (multi-output), or None
+    inputs: tuple
+    grads: tuple | None = None
+    compute: float = 1.0
+    comm: tuple = ()
+    dim: int | None = None
+
+    def grad(self, i: int):
+        if self.grads is not None:
+            return self.grads[i]
+        req = self.inputs[i]
+        return REPLICATE if isinstance(req, Partial) else req
+
+
+@dataclass
+class NodeInfo:
+    """What a rule may look at: the node, its module, static shapes and the degree."""
+
+    node: fx.Node
+    world_size: int
+    module: torch.nn.Module | None = None
+    chunk_candidates: tuple = ()
+    inputs: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.inputs = list(self.node.all_input_nodes)
+
+    @staticmethod
+    def val(n):
+        return n.meta.get("val") if isinstance(n, fx.Node) else n
+
+    def shape(self, n=None) -> tuple | None:
+        v = self.val(self.node if n is None else n)
+        return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+
+    @property
+    def out_shape(self):
+        return self.shape()
+
+    def is_tensor(self, n) -> bool:
+        return isinstance(self.val(n), torch.Tensor)
+
+    def index(self, n) -> int:
+        return self.inputs.index(n)
+
+    def arg(self, pos: int, name: str, default=None):
+        """A positional-or-keyword argument of the node (call_function/call_method)."""
+        args = self.node.args
+        if pos < len(args):
+            return args[pos]
+        return self.node.kwargs.get(name, default)
+
+    def req(self, mapping: dict, name: str, output, *, grads: dict | None = None, compute=1.0,
+            comm=(), dim=None) -> OpStrategy:
+        """Build a strategy from {input node: placement}; tensor inputs not named need Replicate."""
+        ins = tuple(mapping.get(n, REPLICATE if self.is_tensor(n) else None) for n in self.inputs)
+        gr = None
+        if grads:
+            gr = tuple(grads.get(n, OpStrategy("", None, ins).grad(i)) for i, n in enumerate(self.inputs))
+        return OpStrategy(name, output, ins, gr, compute, tuple(comm), dim)
+
+
+def register_rule(*ops):
+    """Decorator: `fn(info) -> list[OpStrategy]` is the rule of every op in `ops`."""
+    def deco(fn):
+        for op in ops:
+            _RULES[op] = fn
+        return fn
+    return deco
+
+
+def register_shape_op(*ops):
+    for op in ops:
+        SHAPE_OPS.add(op)
+
+
+def op_key(node: fx.Node, modules: dict):
+    """The registry key of a node: function, Tensor method, or module class."""
+    if node.op == "call_function":
+        return node.target
+    if node.op == "call_method":
+        return getattr(torch.Tensor, node.target, node.target)
+    if node.op == "call_module":
+        return type(modules[node.target])
+    return None
+
+
+def lookup(node: fx.Node, modules: dict):
+    """The rule for a node, walking a module's class hierarchy; None if none is registered."""
+    key = op_key(node, modules)
+    if node.op == "call_module":
+        for cls in type(modules[node.target]).__mro__:
+            if cls in _RULES:
+                return _RULES[cls]
+        return None
+    return _RULES.get(key)
+
+
+def replicate_strategy(info: NodeInfo) -> OpStrategy:
+    out = _replicate_like(info.val(info.node))
+    return info.req({}, "replicate", out)
+
+
+def _replicate_like(v):
+    if isinstance(v, torch.Tensor):
+        return REPLICATE
+    if isinstance(v, (tuple, list)):
+        return tuple(_replicate_like(x) for x in v)
+    return None
+
+
+def _fits(placement, v, p) -> bool:
+    if placement is None or isinstance(placement, (Replicate, Partial)):
+        return True
+    if isinstance(placement, tuple):
+        return isinstance(v, (tuple, list)) and all(_fits(pl, x, p) for pl, x in zip(placement, v))
+    return isinstance(v, torch.Tensor) and divides(v.shape, placement, p)
+
+
+def valid(info: NodeInfo, s: OpStrategy) -> bool:
+    """Every shard of every input and output divides evenly over the degree."""
+    p = info.world_size
+    if not _fits(s.output, info.val(info.node), p):
+        return False
+    return all(_fits(pl, info.val(n), p) for pl, n in zip(s.inputs, info.inputs))
+
+
+def strategies(info: NodeInfo) -> tuple[list[OpStrategy], bool]:
+    """All valid strategies of a node (Replicate first) and whether a rule covered it."""
+    node = info.node
+    key = op_key(node, {} if info.module is None else {node.target: info.module})
+    if key in SHAPE_OPS and not info.is_tensor(node):
+        return [OpStrategy("shape", None, tuple(None for _ in info.inputs))], True
+    rule = lookup(node, {node.target: info.module} if info.module is not None else {})
+    base = replicate_strategy(info)
+    if rule is None:
+        tensor_in = any(info.is_tensor(n) for n in info.inputs)
+        return [base], not tensor_in
+    found = [s for s in rule(info) if valid(info, s)]
+    seen, out = set(), [base]
+    for s in found:
+        if (s.output, s.inputs) not in seen and (s.output, s.inputs) != (base.output, base.inputs):
+            seen.add((s.output, s.inputs))
+            out.append(s)
+    return out, True
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+__all__ = ["OpStrategy", "NodeInfo", "register_rule", "register_shape_op", "strategies", "lookup",
+           "norm_dim", "REPLICATE", "PARTIAL", "Shard", "Replicate", "Partial", "Placement"]

@@ -1,0 +1,188 @@
+"""Shape ops: view/reshape family, transpose/permute, expand, split/chunk, indexing, cat, size.
+
+A sharded dim survives a reshape when it is the outermost dim of its group of merged or split
+dims (contiguous blocks stay contiguous); strided shards (chunks > 1) only pass through
+dims that are kept as they are.
+"""
+import builtins
+import operator
+
+import torch
+
+from .registry import PARTIAL, NodeInfo, Shard, norm_dim, register_rule, register_shape_op
+
+aten = torch.ops.aten
+
+
+def view_groups(a, b):
+    """Pair dims of shapes a and b into groups with equal products."""
+    i = j = 0
+    groups = []
+    while i < len(a) and j < len(b):
+        ga, gb, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                ga.append(i); pa *= a[i]; i += 1
+            elif j < len(b):
+                gb.append(j); pb *= b[j]; j += 1
+            else:
+                return None
+        groups.append((ga, gb))
+    return groups
+
+
+def view_map(a, b) -> dict:
+    """{input dim: (output dim, passthrough)} for dims whose shard survives reshaping a to b."""
+    groups = view_groups(tuple(a), tuple(b))
+    if groups is None:
+        return {}
+    out = {}
+    for ga, gb in groups:
+        ia = [d for d in ga if a[d] > 1]
+        ib = [d for d in gb if b[d] > 1]
+        if ia and ib:
+            out[ia[0]] = (ib[0], len(ia) == 1 and len(ib) == 1)
+    return out
+
+
+def mapped(info: NodeInfo, src, dim_map: dict, *, partial=True):
+    """Strategies moving a shard of input `src` along `dim_map` {in dim: (out dim, passthrough)}."""
+    found = []
+    for d_in, (d_out, passthrough) in dim_map.items():
+        for k in (1, *info.chunk_candidates) if passthrough else (1,):
+            found.append(info.req({src: Shard(d_in, k)}, f"shard({d_out})", Shard(d_out, k)))
+    if partial:
+        found.append(info.req({src: PARTIAL}, "partial", PARTIAL))
+    return found
+
+
+@register_rule(torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.flatten, torch.Tensor.flatten,
+               torch.Tensor.unflatten, torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze, torch.squeeze,
+               torch.Tensor.view_as, torch.Tensor.reshape_as, aten.view.default, aten.reshape.default,
+               aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+               aten.flatten.using_ints, aten.unflatten.int)
+def _view(info):
+    src = info.inputs[0]
+    return mapped(info, src, view_map(info.shape(src), info.out_shape))
+
+
+@register_rule(torch.Tensor.expand, torch.Tensor.expand_as, aten.expand.default)
+def _expand(info):
+    src = info.inputs[0]
+    s, o = info.shape(src), info.out_shape
+    off = len(o) - len(s)
+    return mapped(info, src, {a: (a + off, True) for a in range(len(s)) if s[a] == o[a + off] and s[a] > 1},
+                  partial=False)
+
+
+def _perm(info):
+    src = info.inputs[0]
+    nd = len(info.shape(src))
+    t = info.node.target
+    if t in (torch.Tensor.permute, torch.permute, aten.permute.default):
+        dims = info.node.args[1:] if info.node.op == "call_method" else info.node.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = dims[0]
+        perm = [norm_dim(int(d), nd) for d in dims]
+    elif t in (torch.Tensor.t, aten.t.default):
+        perm = [1, 0] if nd == 2 else [0]
+    else:
+        d0 = norm_dim(int(info.arg(1, "dim0")), nd)
+        d1 = norm_dim(int(info.arg(2, "dim1")), nd)
+        perm = list(range(nd))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    return mapped(info, src, {perm[j]: (j, True) for j in range(nd)})
+
+
+register_rule(torch.Tensor.transpose, torch.transpose, aten.transpose.int, torch.Tensor.permute, torch.permute,
+              aten.permute.default, torch.Tensor.t, aten.t.default)(_perm)
+
+
+@register_rule(torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk, aten.split.Tensor,
+               aten.split_with_sizes.default, aten.chunk.default)
+def _split(info):
+    src = info.inputs[0]
+    shape = info.shape(src)
+    outs = info.val(info.node)
+    dim = info.arg(2, "dim", 0)
+    dim = norm_dim(int(dim), len(shape))
+    n = len(outs)
+    found = []
+    for d in range(len(shape)):
+        if d != dim and shape[d] > 1:
+            for k in (1, *info.chunk_candidates):
+                found.append(info.req({src: Shard(d, k)}, f"shard({d})", tuple(Shard(d, k) for _ in range(n))))
+    equal = len({tuple(o.shape) for o in outs}) == 1
+    if equal and n > 1:  # a strided shard of n blocks splits into n ordinary shards
+        found.append(info.req({src: Shard(dim, n)}, f"unfuse({dim})", tuple(Shard(dim) for _ in range(n))))
+    found.append(info.req({src: PARTIAL}, "partial", tuple(PARTIAL for _ in range(n))))
+    return found
+
+
+def index_map(idx, nd: int):
+    """{in dim: out dim} of dims kept whole by a basic index (ints, full slices, None, ...)."""
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) for i in idx):
+        return None
+    used = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    out, i, j = {}, 0, 0
+    for e in idx:
+        if e is Ellipsis:
+            for _ in range(nd - used):
+                out[i] = j; i += 1; j += 1
+        elif e is None:
+            j += 1
+        elif isinstance(e, int):
+            i += 1
+        else:
+            if e == slice(None, None, None):
+                out[i] = j
+            i += 1; j += 1
+    while i < nd:
+        out[i] = j; i += 1; j += 1
+    return out
+
+
+@register_rule(operator.getitem)
+def _getitem(info):
+    src = info.node.args[0]
+    if not info.is_tensor(src):
+        return []      # picking from a tuple: the search forwards the element's placement
+    m = index_map(info.node.args[1], len(info.shape(src)))
+    if m is None:
+        return []
+    return mapped(info, src, {a: (b, True) for a, b in m.items()})
+
+
+@register_rule(aten.slice.Tensor, aten.select.int)
+def _slice(info):
+    src = info.inputs[0]
+    shape = info.shape(src)
+    dim = norm_dim(int(info.arg(1, "dim", 0)), len(shape))
+    drop = info.node.target is aten.select.int
+    keep = {}
+    for d in range(len(shape)):
+        if d != dim:
+            keep[d] = (d - 1 if drop and d > dim else d, True)
+    if info.node.target is aten.slice.Tensor and tuple(info.out_shape) == shape:
+        keep[dim] = (dim, True)
+    return mapped(info, src, keep)
+
+
+@register_rule(torch.cat, torch.concat, aten.cat.default)
+def _cat(info):
+    tensors = [n for n in info.inputs if info.is_tensor(n)]
+    nd = len(info.out_shape)
+    dim = norm_dim(int(info.arg(1, "dim", 0)), nd)
+    found = []
+    for d in range(nd):
+        if d != dim and info.out_shape[d] > 1 and all(len(info.shape(n)) == nd for n in tensors):
+            found.append(info.req({n: Shard(d) for n in tensors}, f"shard({d})", Shard(d)))
+    found.append(info.req({n: PARTIAL for n in tensors}, "partial", PARTIAL))
+    return found
+
+
+register_shape_op(torch.Tensor.size, torch.Tensor.dim, builtins.getattr, aten.sym_size.int, torch.Tensor.numel,
+                  aten.sym_numel.default)

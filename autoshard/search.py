@@ -1,0 +1,638 @@
+"""Search: choose a placement for every node so the cost model's total is smallest.
+
+Decisions live on parameters only: a group of parameters that must agree (a linear's weight and
+bias, a weight tied between an embedding and a head) takes one of the layouts its consumers
+offer. Every other node follows: given its inputs' placements it takes its locally cheapest
+strategy, so a plan is evaluated by one forward propagation, and a change is evaluated by
+re-propagating only the nodes whose inputs changed.
+
+`greedy` visits windows (a group, the groups meeting it within a few ops, the groups it feeds),
+tries every combination in the window and keeps the best, sweeping until nothing improves;
+windows with the same structure and boundary reuse their answer (identical blocks solve once).
+`exact` enumerates every combination of every group: the reference for tests and benchmarks.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import rules
+from .cost import CostModel, grad_fix, grad_of, redistribute
+from .errors import ShardingError
+from .placements import REPLICATE, Partial, Replicate, Shard
+from .rules.registry import NodeInfo, OpStrategy
+
+INF = math.inf
+WINDOW_DEPTH = 10        # ops a window looks ahead of its anchors
+WINDOW_GROUPS = 5        # groups a window enumerates at most
+OUTPUT = OpStrategy("output", None, ())
+
+
+def _tensor(v) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def _nbytes(v) -> int:
+    return v.numel() * v.element_size() if _tensor(v) else 0
+
+
+def _flops(node: fx.Node, s: OpStrategy) -> float:
+    """Forward + backward flops of a node (matmul-like: 2*out*K*3; others: 3 per element)."""
+    v = node.meta.get("val")
+    if not _tensor(v):
+        return 0.0
+    if s.name in ("column", "row", "replicate") and len(node.all_input_nodes) >= 2:
+        w = node.all_input_nodes[1].meta.get("val")
+        if _tensor(w) and w.dim() == 2 and node.target is not torch.ops.aten.embedding.default:
+            return 6.0 * v.numel() * min(w.shape)
+    return 3.0 * v.numel()
+
+
+@dataclass(frozen=True)
+class Group:
+    """Parameters decided together and the layouts they may take (choice 0 is all-Replicate)."""
+
+    params: tuple            # param keys (id of the Parameter)
+    names: tuple             # qualified names, for messages and the report
+    choices: tuple           # tuple of tuples of placements, aligned with params
+    anchors: tuple           # node indices consuming these params
+
+
+class Problem:
+    """A captured graph as arrays the search can evaluate quickly."""
+
+    def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(),
+                 pins: dict | None = None):
+        self.gm, self.p, self.cost = gm, world_size, cost
+        self.nodes = list(gm.graph.nodes)
+        self.idx = {n: i for i, n in enumerate(self.nodes)}
+        modules = dict(gm.named_modules())
+        self.ins = [[self.idx[a] for a in n.all_input_nodes] for n in self.nodes]
+        self.users: list[list[int]] = [[] for _ in self.nodes]
+        for i, ins in enumerate(self.ins):
+            for j in dict.fromkeys(ins):
+                self.users[j].append(i)
+        self.val = [n.meta.get("val") for n in self.nodes]
+        self.nbytes = [_nbytes(v) for v in self.val]
+        self.kind, self.strats, self.unsupported = [], [], []
+        self.param_key: dict[int, int] = {}          # node index -> param key
+        self.param_obj: dict[int, nn.Parameter] = {}
+        self.param_names: dict[int, list] = {}
+        for i, n in enumerate(self.nodes):
+            self.strats.append([])
+            if n.op == "placeholder":
+                self.kind.append("input")
+            elif n.op == "output":
+                self.kind.append("output")
+                self.strats[i] = [OpStrategy("output", None, tuple(REPLICATE if _tensor(self.val[j]) else None
+                                                                   for j in self.ins[i]))]
+            elif n.op == "get_attr":
+                obj = _fetch(gm, n.target)
+                if isinstance(obj, nn.Parameter):
+                    self.kind.append("param")
+                    self.param_key[i] = id(obj)
+                    self.param_obj[id(obj)] = obj
+                    self.param_names.setdefault(id(obj), []).append(n.target)
+                else:
+                    self.kind.append("buffer")
+            elif n.op == "call_function" and n.target.__name__ == "getitem" and \
+                    isinstance(self.val[self.ins[i][0]] if self.ins[i] else None, (tuple, list)):
+                self.kind.append("select")
+            else:
+                self.kind.append("op")
+                info = NodeInfo(n, world_size, modules.get(n.target) if n.op == "call_module" else None,
+                                tuple(chunk_candidates))
+                found, covered = rules.strategies(info)
+                self.strats[i] = found
+                if not covered:
+                    self.unsupported.append(n.name)
+        self.param_nodes: dict[int, list] = {}
+        for i, key in self.param_key.items():
+            self.param_nodes.setdefault(key, []).append(i)
+        self.node_cost = [[self._node_cost(i, s) for s in ss] for i, ss in enumerate(self.strats)]
+        self._edge_cache: dict = {}
+        self.best_memo: dict = {}
+        self.tensor_memo: dict = {}
+        self.groups = self._groups(pins or {})
+        self.group_of_param = {k: g for g, grp in enumerate(self.groups) for k in grp.params}
+
+    # ---------------------------------------------------------------- costs
+    def _node_cost(self, i: int, s: OpStrategy) -> float:
+        c = self.cost.compute_time(_flops(self.nodes[i], s) * s.compute)
+        for kind, nb in s.comm:
+            c += self.cost.comm_time(kind, nb, self.p)
+        return c
+
+    def comm_kinds(self, src, req, grad):
+        """Forward and backward collectives one consumer edge needs (before de-duplication)."""
+        r = redistribute(src, req)
+        if r is None:
+            return None
+        return r[0], r[1] + grad_fix(grad, grad_of(req))
+
+    def edge_cost(self, src, req, grad, nbytes, from_param=False) -> float:
+        if from_param and isinstance(src, Shard) and src != req:
+            return INF       # a sharded parameter is used as stored (no ZeRO-style gathers)
+        key = (src, req, grad, nbytes)
+        c = self._edge_cache.get(key)
+        if c is None:
+            kinds = self.comm_kinds(src, req, grad)
+            c = INF if kinds is None else sum(self.cost.comm_time(k, nbytes, self.p) for k in kinds[0] + kinds[1])
+            self._edge_cache[key] = c
+        return c
+
+    def tensor_cost(self, j: int, place, sidx) -> float:
+        """Communication for tensor j: one redistribution per distinct required placement, and
+        one backward fix per distinct (placement, gradient) pair, however many consumers."""
+        if not self.nbytes[j]:
+            return 0.0
+        key = (j, place[j], *[sidx[c] for c in self.users[j]])
+        hit = self.tensor_memo.get(key)
+        if hit is None:
+            hit = self.tensor_memo[key] = self._tensor_cost(j, place[j], sidx)
+        return hit
+
+    def _tensor_cost(self, j: int, src, sidx) -> float:
+        needs = set()
+        for c in self.users[j]:
+            s = self.strats[c][sidx[c]] if self.strats[c] else None
+            if s is None:
+                continue
+            for slot, k in enumerate(self.ins[c]):
+                if k == j and s.inputs[slot] is not None:
+                    needs.add((s.inputs[slot], s.grad(slot)))
+        total, reqs = 0.0, {}
+        for req, grad in needs:
+            reqs.setdefault(req, set()).add(grad)
+        for req, grads in reqs.items():
+            r = redistribute(src, req)
+            if r is None:
+                return INF
+            total += sum(self.cost.comm_time(k, self.nbytes[j], self.p) for k in r[0] + r[1])
+            for g in grads:
+                total += sum(self.cost.comm_time(k, self.nbytes[j], self.p) for k in grad_fix(g, grad_of(req)))
+        return total
+
+    def param_cost(self, key: int, placement) -> float:
+        obj = self.param_obj[key]
+        nb = obj.numel() * obj.element_size()
+        if isinstance(placement, Shard):
+            nb /= self.p
+        return self.cost.memory_cost(nb)
+
+    # ---------------------------------------------------------------- decisions
+    def _groups(self, pins: dict) -> list[Group]:
+        """Union parameters whose consumers choose their layouts jointly."""
+        options: dict[int, dict[int, set]] = {}          # param key -> consumer -> placements offered
+        for i, key in self.param_key.items():
+            for c in self.users[i]:
+                for s in self.strats[c]:
+                    for slot, k in enumerate(self.ins[c]):
+                        if k == i:
+                            options.setdefault(key, {}).setdefault(c, set()).add(s.inputs[slot])
+        decision = [k for k, per in options.items()
+                    if any(len(v) > 1 for v in per.values())]
+        parent = {k: k for k in decision}
+
+        def find(k):
+            while parent[k] != k:
+                parent[k] = parent[parent[k]]
+                k = parent[k]
+            return k
+        consumers: dict[int, list] = {}
+        for k in decision:
+            for c in options[k]:
+                consumers.setdefault(c, []).append(k)
+        for ks in consumers.values():
+            for k in ks[1:]:
+                parent[find(k)] = find(ks[0])
+        members: dict[int, list] = {}
+        for k in decision:
+            members.setdefault(find(k), []).append(k)
+        groups = []
+        for ks in members.values():
+            ks = sorted(ks, key=lambda k: min(i for i, kk in self.param_key.items() if kk == k))
+            anchors = sorted({c for k in ks for c in options[k]})
+            choices = self._choices(ks, anchors)
+            names = tuple(self.param_names[k][0] for k in ks)
+            choices = _apply_pins(names, choices, ks, self, anchors, pins)
+            groups.append(Group(tuple(ks), names, tuple(choices), tuple(anchors)))
+        groups.sort(key=lambda g: g.anchors[0])
+        _check_pins_known(pins, groups, self)
+        return groups
+
+    def _choices(self, keys, anchors):
+        """Layouts of `keys` that every consumer can run with; all-Replicate first."""
+        per_consumer = []
+        for c in anchors:
+            slots = [[slot for slot, k in enumerate(self.ins[c]) if self.param_key.get(k) == key] for key in keys]
+            combos = set()
+            for s in self.strats[c]:
+                combos.add(tuple(s.inputs[sl[0]] if sl else None for sl in slots))
+            per_consumer.append(combos)
+        candidates = set()
+        for combos in per_consumer:
+            candidates |= combos
+        out = []
+        for cand in candidates:
+            full = tuple(REPLICATE if x is None else x for x in cand)
+            if all(any(all(a is None or a == b for a, b in zip(co, full)) for co in combos) for combos in per_consumer):
+                if full not in out:
+                    out.append(full)
+        rep = tuple(REPLICATE for _ in keys)
+        out.sort(key=lambda ch: (ch != rep, str(ch)))
+        if not out or out[0] != rep:
+            out.insert(0, rep)
+        return out
+
+
+def _fetch(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def owner_of(name: str) -> str:
+    """The module qualified name owning parameter `name`."""
+    return name.rpartition(".")[0]
+
+
+def _apply_pins(names, choices, keys, prob, anchors, pins):
+    owners = {owner_of(n) for k in keys for n in prob.param_names[k]}
+    pinned = [o for o in owners if o in pins]
+    if not pinned:
+        return choices
+    out = list(choices)
+    for o in pinned:
+        want = pins[o]
+        if want not in (None, 0, 1, -1):
+            raise ShardingError(f"pin for {o!r} is {want!r}; a TorchShard dim is None, 0, 1 or -1")
+        keep = []
+        for ch in out:
+            dims = _dims_for_choice(prob, keys, ch, anchors, o)
+            if want is None and all(isinstance(pl, Replicate) for pl in ch):
+                keep.append(ch)
+            elif want is not None and dims and all(d == want or (d in (1, -1) and want in (1, -1)) for d in dims):
+                keep.append(ch)
+        if not keep:
+            shapes = {n: tuple(prob.param_obj[k].shape) for k in keys for n in prob.param_names[k]}
+            raise ShardingError(
+                f"cannot pin {o!r} to dim {want}: no layout of {shapes} splits that way into "
+                f"{prob.p} equal shards (sizes must divide by {prob.p})")
+        out = keep
+    return out
+
+
+def _dims_for_choice(prob, keys, choice, anchors, owner):
+    """TorchShard dims the anchors owned by `owner` would run with under `choice`."""
+    place = dict(zip(keys, choice))
+    dims = []
+    for c in anchors:
+        for s in prob.strats[c]:
+            ok = all(prob.param_key.get(k) not in place or s.inputs[slot] == place[prob.param_key[k]]
+                     for slot, k in enumerate(prob.ins[c]))
+            if ok and s.dim is not None:
+                dims.append(s.dim)
+                break
+    return dims
+
+
+def _check_pins_known(pins, groups, prob):
+    known = {owner_of(n) for names in prob.param_names.values() for n in names}
+    for name in pins:
+        if name not in known:
+            sample = ", ".join(sorted(known)[:8])
+            raise ShardingError(f"pin names {name!r}, which owns no parameter of the model; known: {sample}, ...")
+
+
+class State:
+    """A labelling: the group choices and every node's strategy and output placement."""
+
+    def __init__(self, prob: Problem):
+        self.prob = prob
+        n = len(prob.nodes)
+        self.choice = [0] * len(prob.groups)
+        self.param_place: dict[int, object] = {}
+        self.sidx = [0] * n
+        self.place = [None] * n
+        for i in range(n):
+            self._assign(i, self.place, self.sidx)
+        self.total = self.evaluate()
+
+    # ---------------------------------------------------------------- propagation
+    def placement_of_param(self, key):
+        return self.param_place.get(key, REPLICATE)
+
+    def _best(self, i, place) -> int:
+        """The locally cheapest strategy of node i given its inputs' placements (memoised)."""
+        prob = self.prob
+        key = (i, *[place[j] for j in prob.ins[i]])
+        hit = prob.best_memo.get(key)
+        if hit is None:
+            hit = prob.best_memo[key] = self._best_uncached(i, place)
+        return hit
+
+    def _best_uncached(self, i, place) -> int:
+        prob = self.prob
+        best, best_c = 0, INF
+        for si, s in enumerate(prob.strats[i]):
+            c = prob.node_cost[i][si]
+            for slot, j in enumerate(prob.ins[i]):
+                req = s.inputs[slot]
+                if req is None:
+                    continue
+                c += prob.edge_cost(place[j], req, s.grad(slot), prob.nbytes[j], prob.kind[j] == "param")
+                if c >= best_c:
+                    break
+            if c < best_c:
+                best, best_c = si, c
+        return best
+
+    def _out(self, i, si, place):
+        prob = self.prob
+        kind = prob.kind[i]
+        if kind == "input" or kind == "buffer":
+            return REPLICATE if _tensor(prob.val[i]) else None
+        if kind == "param":
+            return self.placement_of_param(prob.param_key[i])
+        if kind == "select":
+            src = place[prob.ins[i][0]]
+            k = prob.nodes[i].args[1]
+            return src[k] if isinstance(src, tuple) else (REPLICATE if _tensor(prob.val[i]) else None)
+        if kind == "output":
+            return None
+        return prob.strats[i][si].output
+
+    def _assign(self, i, place, sidx):
+        si = self._best(i, place) if self.prob.kind[i] == "op" else 0
+        sidx[i] = si
+        place[i] = self._out(i, si, place)
+
+    def evaluate(self, place=None, sidx=None, param_place=None) -> float:
+        """Total cost of a labelling (defaults: this state's)."""
+        prob = self.prob
+        place = self.place if place is None else place
+        sidx = self.sidx if sidx is None else sidx
+        pp = self.param_place if param_place is None else param_place
+        total = 0.0
+        for i in range(len(prob.nodes)):
+            if prob.strats[i]:
+                total += prob.node_cost[i][sidx[i]]
+            total += prob.tensor_cost(i, place, sidx)
+        for key in prob.param_obj:
+            total += prob.param_cost(key, pp.get(key, REPLICATE))
+        return total
+
+    # ---------------------------------------------------------------- incremental change
+    def trial(self, changes: dict[int, int]):
+        """Cost delta of setting group -> choice in `changes`, and the overlay that does it."""
+        prob = self.prob
+        new_pp = {}
+        heap = []
+        for g, ch in changes.items():
+            grp = prob.groups[g]
+            for key, pl in zip(grp.params, grp.choices[ch]):
+                if pl != self.placement_of_param(key):
+                    new_pp[key] = pl
+        if not new_pp:
+            return 0.0, None
+        pp = _Overlay(self.param_place, new_pp)
+        place = _Overlay(self.place, {})
+        sidx = _Overlay(self.sidx, {})
+        seen = set()
+        for key, pl in new_pp.items():
+            for i in prob.param_nodes[key]:
+                place.new[i] = pl
+                for u in prob.users[i]:
+                    heapq.heappush(heap, u)
+        saved, self.param_place = self.param_place, pp
+        try:
+            while heap:
+                i = heapq.heappop(heap)
+                if i in seen:
+                    continue
+                seen.add(i)
+                si = self._best(i, place) if prob.kind[i] == "op" else 0
+                out = self._out(i, si, place)
+                if si != self.sidx[i]:
+                    sidx.new[i] = si
+                if out != self.place[i]:
+                    place.new[i] = out
+                    for u in prob.users[i]:
+                        heapq.heappush(heap, u)
+        finally:
+            self.param_place = saved
+        changed = set(sidx.new) | set(place.new)
+        tensors = set(changed)
+        for i in changed:
+            tensors.update(prob.ins[i])
+        delta = 0.0
+        for i in changed:
+            if prob.strats[i]:
+                delta += prob.node_cost[i][sidx[i]] - prob.node_cost[i][self.sidx[i]]
+        for j in tensors:
+            delta += prob.tensor_cost(j, place, sidx) - prob.tensor_cost(j, self.place, self.sidx)
+        for key, pl in new_pp.items():
+            delta += prob.param_cost(key, pl) - prob.param_cost(key, self.placement_of_param(key))
+        if math.isnan(delta):
+            delta = INF
+        return delta, (changes, new_pp, place.new, sidx.new)
+
+    def commit(self, delta, overlay):
+        if overlay is None:
+            return
+        changes, new_pp, place_new, sidx_new = overlay
+        for g, ch in changes.items():
+            self.choice[g] = ch
+        self.param_place.update(new_pp)
+        for i, v in place_new.items():
+            self.place[i] = v
+        for i, v in sidx_new.items():
+            self.sidx[i] = v
+        self.total += delta
+
+    def set_choices(self, choices: dict[int, int]) -> float:
+        delta, ov = self.trial({g: c for g, c in choices.items() if c != self.choice[g]})
+        self.commit(delta, ov)
+        return delta
+
+
+class _Overlay:
+    """A list seen through a dict of changes (copy-on-write for trials)."""
+
+    __slots__ = ("base", "new")
+
+    def __init__(self, base, new):
+        self.base, self.new = base, new
+
+    def __getitem__(self, i):
+        return self.new[i] if i in self.new else self.base[i]
+
+    def get(self, k, default=None):
+        if k in self.new:
+            return self.new[k]
+        return self.base.get(k, default)
+
+
+# -------------------------------------------------------------------- windows
+def _reach(prob: Problem, anchors, anchor_set) -> dict[int, int]:
+    """Nodes reachable from `anchors` within WINDOW_DEPTH ops, stopping at other anchors."""
+    depth = {a: 0 for a in anchors}
+    frontier = list(anchors)
+    while frontier:
+        nxt = []
+        for i in frontier:
+            if depth[i] >= WINDOW_DEPTH:
+                continue
+            for u in prob.users[i]:
+                if u not in depth:
+                    depth[u] = depth[i] + 1
+                    if u not in anchor_set:
+                        nxt.append(u)
+        frontier = nxt
+    return depth
+
+
+def windows(prob: Problem) -> list[tuple[int, ...]]:
+    """For each group, the groups it is enumerated with: its siblings (anchors reading the same
+    activation: q, k and v; fc1 and a gate), the groups it feeds before the next anchors (the
+    out-projection after q/k/v, fc2 after fc1) and their siblings, nearest first."""
+    anchor_group = {}
+    for g, grp in enumerate(prob.groups):
+        for a in grp.anchors:
+            anchor_group.setdefault(a, g)
+    anchor_set = set(anchor_group)
+    readers: dict[int, set] = {}          # activation node -> groups whose anchors read it
+    for a, g in anchor_group.items():
+        for j in prob.ins[a]:
+            if prob.kind[j] not in ("param", "buffer"):
+                readers.setdefault(j, set()).add(g)
+
+    def siblings(h):
+        out = set()
+        for a in prob.groups[h].anchors:
+            for j in prob.ins[a]:
+                out |= readers.get(j, set())
+        return out
+
+    out = []
+    for g, grp in enumerate(prob.groups):
+        dist = {h: 0 for h in siblings(g) | {g}}
+        for i, d in _reach(prob, grp.anchors, anchor_set).items():
+            if d > 0 and i in anchor_group:
+                for h in siblings(anchor_group[i]) | {anchor_group[i]}:
+                    dist[h] = min(dist.get(h, INF), d)
+        ranked = sorted(dist, key=lambda h: (h != g, dist[h], h))
+        chosen, combos = [], 1
+        for h in ranked:
+            n = len(prob.groups[h].choices)
+            if len(chosen) < WINDOW_GROUPS and combos * n <= 3 ** WINDOW_GROUPS:
+                chosen.append(h)
+                combos *= n
+        out.append(tuple(sorted(chosen)))
+    return out
+
+
+def _signature(prob: Problem, win, reach_nodes, state: State):
+    """Structure of a window's region plus its boundary placements: equal keys, equal answers."""
+    region = sorted(reach_nodes)
+    pos = {i: k for k, i in enumerate(region)}
+    rows, boundary = [], []
+    for i in region:
+        n = prob.nodes[i]
+        v = prob.val[i]
+        refs = []
+        for j in prob.ins[i]:
+            if j in pos:
+                refs.append(pos[j])
+            else:
+                refs.append(("x", tuple(prob.val[j].shape) if _tensor(prob.val[j]) else None))
+                boundary.append(state.place[j])
+        if n.op == "call_module":
+            tgt = type(prob.gm.get_submodule(n.target)).__name__
+        elif n.op in ("call_method", "call_function"):
+            tgt = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+        else:
+            tgt = n.op
+        rows.append((n.op, str(tgt), tuple(v.shape) if _tensor(v) else None, tuple(refs)))
+    groups = tuple(len(prob.groups[g].choices) for g in win)
+    return (tuple(rows), groups), tuple(boundary)
+
+
+def greedy(prob: Problem, max_sweeps: int = 4) -> State:
+    """Windowed greedy search from all-Replicate; see the module docstring."""
+    state = State(prob)
+    wins = windows(prob)
+    anchor_set = {a for grp in prob.groups for a in grp.anchors}
+    regions = {}
+    cache: dict = {}
+    for sweep in range(max_sweeps):
+        improved = False
+        done = set()
+        for win in wins:
+            if win in done:
+                continue
+            done.add(win)
+            if win not in regions:
+                nodes = set()
+                for g in win:
+                    nodes |= set(_reach(prob, prob.groups[g].anchors, anchor_set))
+                regions[win] = nodes
+            key = _signature(prob, win, regions[win], state)
+            best = cache.get(key)
+            if best is None:
+                best, best_d = tuple(state.choice[g] for g in win), 0.0
+                for combo in itertools.product(*(range(len(prob.groups[g].choices)) for g in win)):
+                    d, _ = state.trial({g: c for g, c in zip(win, combo) if c != state.choice[g]})
+                    if d < best_d - 1e-15:
+                        best, best_d = combo, d
+                cache[key] = best
+            d, ov = state.trial({g: c for g, c in zip(win, best) if c != state.choice[g]})
+            if d < -1e-12 * max(1.0, abs(state.total)):
+                state.commit(d, ov)
+                improved = True
+        if not improved:
+            break
+    improve_single(state)
+    return state
+
+
+def improve_single(state: State) -> None:
+    """Flip one group at a time while the total drops (a final polish after the windows)."""
+    prob = state.prob
+    for _ in range(3):
+        improved = False
+        for g in range(len(prob.groups)):
+            for c in range(len(prob.groups[g].choices)):
+                if c == state.choice[g]:
+                    continue
+                d, ov = state.trial({g: c})
+                if d < -1e-12 * max(1.0, abs(state.total)):
+                    state.commit(d, ov)
+                    improved = True
+        if not improved:
+            return
+
+
+def exact(prob: Problem, limit: int = 200_000) -> State:
+    """Every combination of every group (the product must stay under `limit`)."""
+    state = State(prob)
+    sizes = [len(g.choices) for g in prob.groups]
+    total = math.prod(sizes)
+    if total > limit:
+        raise ValueError(f"exact search over {len(sizes)} groups needs {total} evaluations (> {limit})")
+    best, best_cost = tuple(state.choice), state.total
+    for combo in itertools.product(*(range(n) for n in sizes)):
+        state.set_choices(dict(enumerate(combo)))
+        if state.total < best_cost - 1e-15:
+            best, best_cost = combo, state.total
+    state.set_choices(dict(enumerate(best)))
+    state.total = state.evaluate()
+    return state

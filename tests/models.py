@@ -1,0 +1,107 @@
+"""Small models the tests share: written so torch.fx.symbolic_trace captures them."""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    """Pre-norm residual MLP block (optionally SwiGLU)."""
+
+    def __init__(self, h=64, expansion=4, swiglu=False, dropout=0.0):
+        super().__init__()
+        self.ln = nn.LayerNorm(h)
+        self.fc1 = nn.Linear(h, expansion * h)
+        self.gate = nn.Linear(h, expansion * h, bias=False) if swiglu else None
+        self.fc2 = nn.Linear(expansion * h, h)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        y = self.ln(x)
+        if self.gate is not None:
+            y = F.silu(self.gate(y)) * self.fc1(y)
+        else:
+            y = F.gelu(self.fc1(y))
+        return x + self.drop(self.fc2(y))
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate or fused q/k/v projections."""
+
+    def __init__(self, h=64, heads=4, fused=False, dropout=0.0):
+        super().__init__()
+        self.heads, self.fused = heads, fused
+        if fused:
+            self.qkv = nn.Linear(h, 3 * h)
+        else:
+            self.q, self.k, self.v = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+        self.o = nn.Linear(h, h)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        if self.fused:
+            q, k, v = self.qkv(x).split(C, dim=2)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.drop(self.o(y))
+
+
+class Block(nn.Module):
+    def __init__(self, h=64, heads=4, fused=False, swiglu=False, dropout=0.0):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(h)
+        self.attn = Attention(h, heads, fused, dropout)
+        self.mlp = MLP(h, 4, swiglu, dropout)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return self.mlp(x)
+
+
+class GPT(nn.Module):
+    """GPT-style LM: token + position embeddings, blocks, final norm, head tied to wte or not;
+    returns the loss when targets are given, else the logits."""
+
+    def __init__(self, vocab=128, h=64, heads=4, blocks=2, seq=32, tied=True, fused=False, swiglu=False,
+                 dropout=0.0):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, h)
+        self.wpe = nn.Embedding(seq, h)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList([Block(h, heads, fused, swiglu, dropout) for _ in range(blocks)])
+        self.ln_f = nn.LayerNorm(h)
+        self.head = nn.Linear(h, vocab, bias=False)
+        if tied:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class MLPStack(nn.Module):
+    """`blocks` residual MLP blocks and a final norm (the benchmark model)."""
+
+    def __init__(self, blocks=2, h=64, expansion=4):
+        super().__init__()
+        self.blocks = nn.ModuleList([MLP(h, expansion) for _ in range(blocks)])
+        self.ln = nn.LayerNorm(h)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.ln(x)
