@@ -100,24 +100,29 @@ def layouts(model: torch.nn.Module) -> dict:
     return out
 
 
-def _group(model, group):
+def _group(model, group, needed: bool = True):
+    """(ProcessGroup, size, rank) for `model`; (None, 1, 0) when nothing needs a group."""
+    if not needed:
+        return None, 1, 0
     if group is None:
         group = getattr(model, "_autoshard_group", None)
     pg = get_group(group)
     return pg, dist.get_world_size(pg), dist.get_rank(pg)
 
 
-def _entries(model, state_dict, prefix: str, fn: str):
-    """(key, tensor, model key, model tensor, layout) for each state-dict entry; unknown keys raise."""
+def _entries(model, state_dict, prefix: str, fn: str) -> list:
+    """(key, tensor, model tensor, layout) for each state-dict entry; unknown keys raise."""
     table = layouts(model)
     known = model.state_dict(keep_vars=True)
+    out = []
     for key, value in state_dict.items():
         name = key[len(prefix):] if key.startswith(prefix) else None
         if name not in known:
             raise ShardingError(
                 f"{fn}: state dict key {key!r} (prefix {prefix!r}) matches no entry of "
                 f"{type(model).__name__}.state_dict(); expected keys like {list(known)[:3]}")
-        yield key, value, known[name], table.get(name)
+        out.append((key, value, known[name], table.get(name)))
+    return out
 
 
 def _expect_shape(fn, key, value, shape, what):
@@ -146,9 +151,10 @@ def collect_state_dict(model, state_dict, prefix: str = "", *, dst=None, group=N
 
     With `dst=r` the full tensors are gathered to group rank r only (one tensor at a time); the
     other ranks get an empty dict, so no rank but r ever holds the full model."""
-    pg, p, rank = _group(model, group)
+    entries = _entries(model, state_dict, prefix, "collect_state_dict")
+    pg, p, rank = _group(model, group, dst is not None or any(e[3] for e in entries))
     out = OrderedDict()
-    for key, value, local, layout in _entries(model, state_dict, prefix, "collect_state_dict"):
+    for key, value, local, layout in entries:
         if layout is None or p == 1:
             out[key] = value
             continue
@@ -174,9 +180,10 @@ def _gather_entry(value, layout, pg, p, dst):
 
 def relocate_state_dict(model, state_dict, prefix: str = "", group=None):
     """This rank's shard of every sharded entry of a full `state_dict` (inverse of collect)."""
-    pg, p, rank = _group(model, group)
+    entries = _entries(model, state_dict, prefix, "relocate_state_dict")
+    pg, p, rank = _group(model, group, any(e[3] for e in entries))
     out = OrderedDict()
-    for key, value, local, layout in _entries(model, state_dict, prefix, "relocate_state_dict"):
+    for key, value, local, layout in entries:
         if layout is None or p == 1:
             out[key] = value
             continue

@@ -1,0 +1,21 @@
+"""Single-process references shared by the multi-process tests (independent of autoshard)."""
+import torch
+
+
+def ref_piece(x, dim, p, r, chunks=1):
+    """Rank r's part of Shard(dim, chunks) of `x` on p ranks, computed by reshaping."""
+    dim %= x.dim()
+    size = x.shape[dim]
+    blocked = x.reshape(x.shape[:dim] + (chunks, p, size // (chunks * p)) + x.shape[dim + 1:])
+    return blocked.select(dim + 1, r).reshape(x.shape[:dim] + (size // p,) + x.shape[dim + 1:])
+
+
+def seeded(seed, shape):
+    """A standard-normal tensor from its own generator (the global RNG is untouched)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def close(a, b, **kw):
+    """assert_close at fp32 test tolerance (1e-5); returns True so cases can `return close(...)`."""
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, **kw)
+    return True
