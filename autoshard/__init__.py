@@ -7,6 +7,6 @@ from .state_dict import (collect_state_dict, get_parallel_dim, layouts, register
                          register_parallel_attribute, register_parallel_dim, relocate_state_dict, slice)
 
 __version__ = "0.1.0"
-from .api import plan
+from .api import parallelize, plan
 from .cost import CostModel
 from .plan import Plan

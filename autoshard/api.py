@@ -110,3 +110,55 @@ def _divisibility_notes(prob, p) -> list:
             if any(s % p for s in obj.shape):
                 notes.append(f"{names} {list(obj.shape)} stays replicated: its dims do not divide by {p}")
     return notes
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    return tuple(sorted((n, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)))
+
+
+def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan: Plan | None = None,
+                group=None, rank: int | None = None, **plan_options) -> fx.GraphModule:
+    """This rank's tensor-parallel GraphModule of `model` (plans first unless `plan` is given).
+
+    With a process group (the current tensor-parallel group of autoshard.distributed, or
+    `group=`) its size must be `world_size`. With no process group, `rank=` builds that rank's
+    module for inspection; running it needs the group. Replicated parameters are shared with
+    `model` (not copied); sharded ones are new tensors holding this rank's shard.
+    """
+    from . import distributed as D
+    from .errors import ProcessGroupError
+    from .rewrite import rewrite
+    world_size = _check_world_size(world_size)
+    key = None
+    if D.is_initialized():
+        pg = D.get_group(group)
+        size = torch.distributed.get_world_size(pg)
+        if size != world_size:
+            raise ProcessGroupError(f"parallelize({type(model).__name__}, world_size={world_size}) but the "
+                                    f"tensor-parallel group has {size} ranks")
+        if group is not None:
+            key = D.register_group(pg)
+        grank = torch.distributed.get_rank(pg)
+        if rank is not None and rank != grank:
+            raise ProcessGroupError(f"rank={rank} but this process is rank {grank} of its tensor-parallel group")
+        rank = grank
+    elif rank is None:
+        if world_size != 1:
+            raise ProcessGroupError(f"parallelize(world_size={world_size}) needs an initialised process group "
+                                    "(torch.distributed.init_process_group), or rank= to build one rank's module "
+                                    "for inspection")
+        rank = 0
+    elif not 0 <= rank < world_size:
+        raise ShardingError(f"rank {rank} is outside 0..{world_size - 1}")
+    if plan is None:
+        plan = globals()["plan"](model, world_size, example_inputs, **plan_options)
+    else:
+        if plan_options:
+            raise TypeError(f"plan options {sorted(plan_options)} given together with plan=")
+        if plan.world_size != world_size:
+            raise ShardingError(f"the plan was made for world_size {plan.world_size}, not {world_size}")
+        if plan.fingerprint != tuple(sorted(_fingerprint(model))) and not set(plan.fingerprint) <= set(_fingerprint(model)):
+            missing = sorted(set(plan.fingerprint) - set(_fingerprint(model)))[:4]
+            raise ShardingError(f"the plan was made for another model: {type(model).__name__} lacks parameters "
+                                f"{missing} of the planned one")
+    return rewrite(plan, rank, key)

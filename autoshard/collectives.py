@@ -69,14 +69,13 @@ def _cat_along(pieces, dim: int, chunks: int = 1) -> torch.Tensor:
 def ring_bytes(kind: str, nbytes: int, world_size: int) -> float:
     """Bytes one rank sends in a ring `kind` collective on a tensor of `nbytes` bytes.
 
-    `nbytes` is the full tensor for all_reduce, all_gather and reduce_scatter; for all_to_all
-    it is what one rank holds (it keeps 1/p of it and sends the rest)."""
+    `nbytes` is the full tensor; in an all_to_all a rank holds 1/p of it and sends (p-1)/p of that."""
     if kind not in KINDS:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
     p = int(world_size)
     if p <= 1:
         return 0.0
-    factor = 2 * (p - 1) / p if kind == "all_reduce" else (p - 1) / p
+    factor = {"all_reduce": 2 * (p - 1) / p, "all_to_all": (p - 1) / p / p}.get(kind, (p - 1) / p)
     return factor * nbytes
 
 
@@ -228,7 +227,7 @@ def _all_to_all(x, src_dim, dst_dim, group, op="all_to_all", direction="forward"
     out = torch.empty_like(stacked)
     if not _try_single("all_to_all", group, lambda: dist.all_to_all_single(out, stacked, group=group)):
         dist.all_to_all(list(out.unbind(0)), list(stacked.unbind(0)), group=group)
-    _record(op, "all_to_all", direction, x.nbytes, p)
+    _record(op, "all_to_all", direction, x.nbytes * p, p)
     return torch.cat(out.unbind(0), src_dim)
 
 

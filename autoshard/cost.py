@@ -11,29 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .collectives import KINDS, ring_bytes  # noqa: F401  (one definition of ring bytes)
 from .placements import Partial, Replicate, Shard
-
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-
-
-def ring_bytes(kind: str, nbytes: float, world_size: int) -> float:
-    """Bytes one rank sends for a ring collective over a tensor of `nbytes` (full size)."""
-    p = world_size
-    if p <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (p - 1) / p * nbytes
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (p - 1) / p * nbytes
-    raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
-
 
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Knobs of the objective; validated on construction."""
 
     bandwidth: float = 50e9          # bytes/s a rank sends
-    latency: float = 5e-6            # seconds per ring step
+    latency: float = 1e-6            # seconds per ring step (NVLink-class)
     flops: float = 50e12             # flop/s of one rank
     memory_weight: float = 1e-9      # seconds per byte of training state per rank
     state_factor: float = 4.0        # parameter + gradient + two Adam moments

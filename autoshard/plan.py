@@ -96,6 +96,23 @@ def _op_name(n: fx.Node, gm) -> str:
     return getattr(n.target, "__name__", str(n.target))
 
 
+def module_of(prob, i: int) -> str:
+    """Qualified name of the module that ran node i: a call_module's target, the innermost
+    module of the node's nn_module_stack, or else its parameter's owner (or the node name)."""
+    n = prob.nodes[i]
+    if n.op == "call_module":
+        return n.target
+    stack = n.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        if path:
+            return path
+    for k in prob.ins[i]:
+        if k in prob.param_key:
+            return prob.nodes[k].target.rpartition(".")[0]
+    return n.name
+
+
 def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {})) -> Plan:
     """Freeze a search State into a Plan."""
     p = prob.p
@@ -148,16 +165,11 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
     dims = {}
     for g, grp in enumerate(prob.groups):
         for c in grp.anchors:
-            s = prob.strats[c][state.sidx[c]]
-            for k in prob.ins[c]:
-                if k in prob.param_key and prob.param_key[k] in grp.params:
-                    owner = prob.nodes[k].target.rpartition(".")[0]
-                    dims.setdefault(owner, s.dim)
-    for i, n in enumerate(prob.nodes):
-        if n.op == "call_module" and prob.strats[i] and n.target not in dims:
-            s = prob.strats[i][state.sidx[i]]
-            if s.dim is not None or any(x.dim is not None for x in prob.strats[i]):
-                dims[n.target] = s.dim
+            dims.setdefault(module_of(prob, c), prob.strats[c][state.sidx[c]].dim)
+    for i, n in enumerate(prob.nodes):               # losses and other ops with a TorchShard dim
+        if prob.kind[i] == "op" and any(x.dim is not None for x in prob.strats[i]) and \
+                not any(k in prob.param_key for k in prob.ins[i]):
+            dims.setdefault(module_of(prob, i), prob.strats[i][state.sidx[i]].dim)
     comm_time = sum(prob.cost.comm_time(k, r.nbytes, p) for r in redists for k in r.forward + r.backward)
     comm_time += sum(prob.cost.comm_time(k, nb, p) for d in nodes.values() for k, nb in d.comm)
     from .search import _flops

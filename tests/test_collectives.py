@@ -232,7 +232,7 @@ def test_ring_bytes():
     assert C.ring_bytes("all_reduce", 1000, 4) == 1500
     assert C.ring_bytes("all_gather", 1000, 4) == 750
     assert C.ring_bytes("reduce_scatter", 1000, 2) == 500
-    assert C.ring_bytes("all_to_all", 1000, 2) == 500
+    assert C.ring_bytes("all_to_all", 1000, 2) == 250     # full tensor: a rank sends half of its half
     assert C.ring_bytes("all_reduce", 1000, 1) == 0
     with pytest.raises(ValueError, match="unknown collective kind"):
         C.ring_bytes("broadcast", 1, 2)

@@ -19,7 +19,7 @@ def _cross_entropy(info: NodeInfo):
         if i != 1:
             n *= s
     floats = n * 4
-    # max, sum of exp, target logit (+ sum of logits for label smoothing): all-reduces of n floats
-    comm = [("all_reduce", floats)] * 3
+    # an all-reduce (max) of n floats, then one of the sum of exp and the target logit (2n floats)
+    comm = [("all_reduce", floats), ("all_reduce", 2 * floats)]
     return [info.req({logits: Shard(1), target: REPLICATE}, "vocab", REPLICATE, comm=comm,
                      compute=1 / info.world_size, dim=-1)]

@@ -1,0 +1,303 @@
+"""Rewrite a captured graph by a Plan into this rank's GraphModule.
+
+Parameters become their shards (one copy of the shard, TorchShard attributes, a layout table
+under the original names); every redistribution of the plan becomes collectives of
+autoshard.collectives inserted once per tensor and target placement; ops whose local form
+differs are replaced (row-parallel linear with bias, vocabulary-split embedding and cross
+entropy); size arguments of view/reshape/expand/split become local; size queries on sharded
+tensors report global sizes so that Python shape arithmetic stays in global terms.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import collectives as C
+from .errors import ShardingError
+from .nn import functional as PF
+from .placements import Partial, Replicate, Shard
+from .state_dict import register_parallel_attribute
+
+aten = torch.ops.aten
+
+LINEAR_OPS = {F.linear, aten.linear.default}
+EMBEDDING_OPS = {F.embedding: (0, 1), aten.embedding.default: (1, 0)}       # op -> (index arg, weight arg)
+CROSS_ENTROPY_OPS = {F.cross_entropy, aten.cross_entropy_loss.default}
+VIEW_OPS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, aten.view.default, aten.reshape.default,
+            aten._unsafe_view.default, torch.Tensor.expand, aten.expand.default}
+SPLIT_OPS = {torch.Tensor.split, torch.split, aten.split.Tensor, aten.split_with_sizes.default}
+SIZE_OPS = {torch.Tensor.size, aten.sym_size.int}
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _target(n: fx.Node):
+    return getattr(torch.Tensor, n.target, n.target) if n.op == "call_method" else n.target
+
+
+@fx.wrap
+def global_size(x, dim: int, world_size: int, d=None):
+    """x.size() (or x.size(d)) of the full tensor whose `dim` is split over `world_size` ranks."""
+    s = list(x.size())
+    s[dim] *= world_size
+    return torch.Size(s) if d is None else s[d]
+
+
+def shard_tensor(t: torch.Tensor, placement, rank: int, p: int) -> torch.Tensor:
+    """This rank's shard of `t` (one contiguous copy of the shard only)."""
+    if not isinstance(placement, Shard):
+        return t
+    return C._split_along(t.detach(), placement.dim, p, placement.chunks)[rank].contiguous()
+
+
+def _torchshard_attrs(placement: Shard, ndim: int, label) -> tuple[int, int]:
+    """(parallel_dim, order_type) that TorchShard reads as a split of tensor dim `placement.dim`."""
+    if ndim == 1:
+        return -1, 0
+    if placement.dim == 0:
+        return (0, 1) if label == 0 else (-1, 0)       # vocabulary / Conv1D row  vs  Linear column
+    return (0, 0) if label == 0 else (-1, 1)           # Linear row  vs  embedding hidden / Conv1D column
+
+
+class Rewriter:
+    """Applies one Plan to a structural copy of the captured GraphModule for one rank."""
+
+    def __init__(self, plan, rank: int, group_key):
+        self.plan, self.rank, self.key = plan, rank, group_key
+        self.p = plan.world_size
+        src = plan.graph_module
+        memo = {id(t): t for t in list(src.parameters()) + list(src.buffers())}
+        for n in src.graph.nodes:                     # share tensors and fake values, copy structure
+            if "val" in n.meta:
+                memo[id(n.meta["val"])] = n.meta["val"]
+        self.gm = copy.deepcopy(src, memo)
+        self.old = {n.name: n for n in src.graph.nodes}
+        self.graph = self.gm.graph
+
+    # ------------------------------------------------------------------ helpers
+    def val(self, name):
+        return self.old[name].meta.get("val")
+
+    def placement(self, name):
+        d = self.plan.nodes.get(name)
+        return d.output if d is not None else None
+
+    def call(self, fn, args, kwargs=None, name=None):
+        node = self.graph.call_function(fn, tuple(args), kwargs or {})
+        if name:
+            node.name = self.graph._graph_namespace.create_name(name, node)
+        return node
+
+    # ------------------------------------------------------------------ parameters
+    def shard_parameters(self) -> dict:
+        """Replace sharded parameters by this rank's shard under every alias name (tied weights
+        stay one Parameter); returns the layout table {state-dict name: Shard}."""
+        labels = {}
+        for d in self.plan.nodes.values():
+            if d.dim is not None:
+                for n in self.old[d.node].all_input_nodes:
+                    if n.op == "get_attr":
+                        labels.setdefault(n.target, d.dim)
+        layout_of = {}
+        for name, pl in self.plan.layouts.items():
+            if isinstance(pl, Shard):
+                layout_of.setdefault(id(_get(self.plan.graph_module, name)), (pl, labels.get(name)))
+        new_for, table = {}, {}
+        for name, full in list(self.gm.named_parameters(remove_duplicate=False)):
+            if id(full) not in layout_of:
+                continue
+            pl, label = layout_of[id(full)]
+            if id(full) not in new_for:
+                local = nn.Parameter(shard_tensor(full, pl, self.rank, self.p), requires_grad=full.requires_grad)
+                register_parallel_attribute(local, *_torchshard_attrs(pl, full.dim(), label))
+                new_for[id(full)] = local
+            owner_name, _, attr = name.rpartition(".")
+            (self.gm.get_submodule(owner_name) if owner_name else self.gm).register_parameter(attr, new_for[id(full)])
+            table[name] = pl
+        return table
+
+    # ------------------------------------------------------------------ collectives
+    def redistribute(self, x: fx.Node, r) -> fx.Node:
+        """Collectives turning `x` from r.src into r.dst, then the backward all-reduce of
+        Partial gradients (copy_to) where the consumers send them."""
+        src, dst, key = r.src, r.dst, self.key
+        out = x
+        if r.forward == ("all_reduce",):
+            out = self.call(C.reduce_from, (out,), {"group": key})
+        elif r.forward == ("reduce_scatter",):
+            out = self.call(C.reduce_scatter, (out, dst.dim, dst.chunks), {"group": key})
+        elif r.forward == ("all_gather",):
+            out = self.call(C.gather_from, (out, src.dim, src.chunks), {"group": key})
+        elif r.forward == ("all_to_all",):
+            if src.chunks != 1 or dst.chunks != 1:
+                raise ShardingError(f"{x.name}: all-to-all between strided shards {src} -> {dst} is not supported")
+            out = self.call(C.all_to_all, (out, src.dim, dst.dim), {"group": key})
+        elif isinstance(src, Replicate) and isinstance(dst, Shard):
+            out = self.call(C.scatter_to, (out, dst.dim, dst.chunks), {"group": key})
+        n_back = len(r.backward) - (1 if isinstance(src, Replicate) and isinstance(dst, Shard) else 0) \
+            - (1 if r.forward in (("reduce_scatter",), ("all_to_all",)) else 0)
+        if n_back > 0:
+            if not isinstance(dst, Replicate):
+                raise ShardingError(f"{x.name}: Partial gradients into a {dst} input are not supported")
+            out = self.call(C.copy_to, (out,), {"group": key})
+        return out
+
+    def insert_redistributions(self):
+        nodes = {n.name: n for n in self.graph.nodes}
+        for r in self.plan.redistributions:
+            x = nodes[r.node]
+            first = min((nodes[c] for c in r.consumers), key=lambda n: self._order[n])
+            with self.graph.inserting_before(first):
+                y = self.redistribute(x, r)
+            for c in r.consumers:
+                nodes[c].replace_input_with(x, y)
+
+    # ------------------------------------------------------------------ ops
+    def rewrite_ops(self):
+        for n in list(self.graph.nodes):
+            d = self.plan.nodes.get(n.name)
+            if d is None or n.op not in ("call_function", "call_method", "call_module"):
+                continue
+            t = _target(n)
+            if d.strategy == "row" and isinstance(d.output, Replicate):
+                self._row_with_bias(n, t)
+            elif d.strategy == "vocab" and t in EMBEDDING_OPS:
+                self._vocab_embedding(n, t)
+            elif d.strategy == "vocab":
+                self._vocab_cross_entropy(n, t)
+            elif t in SIZE_OPS or (t is getattr and n.args[1] == "shape"):
+                self._global_size(n, t)
+            if isinstance(d.output, Shard) and t in VIEW_OPS:
+                self._local_sizes(n, d.output)
+            elif t in SPLIT_OPS and d.strategy.startswith("unfuse"):
+                self._local_split(n)
+
+    def _row_with_bias(self, n, t):
+        if t in LINEAR_OPS:
+            x, w, b = n.args[0], n.args[1], n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+            op, add = (F.linear, operator.add) if t is F.linear else (aten.linear.default, aten.add.Tensor)
+            with self.graph.inserting_before(n):
+                y = self.call(op, (x, w))
+        elif t in (aten.addmm.default, torch.addmm):
+            b, x, w = n.args[:3]
+            add = aten.add.Tensor if t is aten.addmm.default else operator.add
+            with self.graph.inserting_before(n):
+                y = self.call(aten.mm.default if t is aten.addmm.default else torch.mm, (x, w))
+        else:
+            raise ShardingError(f"{n.format_node()}: no row-parallel form with a bias")
+        with self.graph.inserting_before(n):
+            y = self.call(C.reduce_from, (y,), {"group": self.key})
+            out = self.call(add, (y, b))
+        n.replace_all_uses_with(out)
+        self.graph.erase_node(n)
+
+    def _vocab_embedding(self, n, t):
+        ia, wa = EMBEDDING_OPS[t]
+        idx, w = n.args[ia], n.args[wa]
+        if t is F.embedding:
+            pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx")
+        else:
+            pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
+            pad = None if pad == -1 else pad
+        with self.graph.inserting_before(n):
+            out = self.call(PF.masked_embedding, (idx, w, pad), {"group": self.key})
+        n.replace_all_uses_with(out)
+        self.graph.erase_node(n)
+
+    def _vocab_cross_entropy(self, n, t):
+        logits, target = n.args[0], n.args[1]
+        if n.op == "call_module":
+            m = self.gm.get_submodule(n.target)
+            kw = dict(weight=m.weight, ignore_index=m.ignore_index, reduction=m.reduction,
+                      label_smoothing=m.label_smoothing)
+            if m.weight is not None:
+                raise ShardingError(f"{n.target}: class weights of nn.CrossEntropyLoss modules are not supported "
+                                    "in the vocabulary-parallel loss; use F.cross_entropy(weight=...)")
+        elif t is F.cross_entropy:
+            a = list(n.args) + [None] * 8
+            kw = dict(weight=n.kwargs.get("weight", a[2]), ignore_index=n.kwargs.get("ignore_index", a[4] if a[4] is not None else -100),
+                      reduction=n.kwargs.get("reduction", a[6] or "mean"),
+                      label_smoothing=n.kwargs.get("label_smoothing", a[7] or 0.0))
+            if n.kwargs.get("size_average") is not None or n.kwargs.get("reduce") is not None:
+                raise ShardingError(f"{n.format_node()}: size_average/reduce are deprecated; use reduction=")
+        else:
+            a = list(n.args) + [None] * 6
+            kw = dict(weight=a[2] if a[2] is not None else n.kwargs.get("weight"),
+                      reduction=_REDUCTIONS[a[3] if a[3] is not None else n.kwargs.get("reduction", 1)],
+                      ignore_index=a[4] if a[4] is not None else n.kwargs.get("ignore_index", -100),
+                      label_smoothing=a[5] if a[5] is not None else n.kwargs.get("label_smoothing", 0.0))
+        kw["group"] = self.key
+        with self.graph.inserting_before(n):
+            out = self.call(PF.vocab_parallel_cross_entropy, (logits, target), kw)
+        n.replace_all_uses_with(out)
+        self.graph.erase_node(n)
+
+    def _global_size(self, n, t):
+        src = n.args[0]
+        pl = self.placement(src.name)
+        if not isinstance(pl, Shard):
+            return
+        d = n.args[1] if len(n.args) > 1 and t is not getattr else n.kwargs.get("dim")
+        with self.graph.inserting_after(n):
+            out = self.call(global_size, (src, pl.dim, self.p), {"d": d})
+        n.replace_all_uses_with(out)
+        self.graph.erase_node(n)
+
+    def _local_sizes(self, n, out: Shard):
+        """Divide the size argument of the sharded dim by the degree (a -1 stays -1)."""
+        sizes = n.args[1:]
+        packed = len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size))
+        if packed:
+            sizes = sizes[0]
+        sizes = list(sizes)
+        d = out.dim
+        if d >= len(sizes):
+            raise ShardingError(f"{n.format_node()}: cannot find the size argument of sharded dim {d}")
+        s = sizes[d]
+        if isinstance(s, fx.Node):
+            with self.graph.inserting_before(n):
+                sizes[d] = self.call(operator.floordiv, (s, self.p))
+        elif s != -1:
+            if s % self.p:
+                raise ShardingError(f"{n.format_node()}: size {s} of sharded dim {d} does not divide by {self.p}")
+            sizes[d] = s // self.p
+        n.args = (n.args[0], sizes) if packed else (n.args[0], *sizes)
+
+    def _local_split(self, n):
+        size = n.args[1]
+        if isinstance(size, int):
+            size = size // self.p
+        elif isinstance(size, (list, tuple)):
+            size = [s // self.p for s in size]
+        else:
+            with self.graph.inserting_before(n):
+                size = self.call(operator.floordiv, (size, self.p))
+        n.args = (n.args[0], size, *n.args[2:])
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> fx.GraphModule:
+        self._order = {n: i for i, n in enumerate(self.graph.nodes)}
+        table = self.shard_parameters()
+        self.insert_redistributions()
+        self.rewrite_ops()
+        self.graph.lint()
+        self.gm.recompile()
+        self.gm._autoshard_layouts = table
+        self.gm._autoshard_group = self.key
+        self.gm._autoshard_plan = self.plan
+        return self.gm
+
+
+def _get(mod, name):
+    for part in name.split("."):
+        mod = getattr(mod, part)
+    return mod
+
+
+def rewrite(plan, rank: int, group_key=None) -> fx.GraphModule:
+    """This rank's GraphModule for `plan`."""
+    return Rewriter(plan, rank, group_key).run()
