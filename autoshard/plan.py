@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from .cost import CostModel, grad_fix, grad_of, redistribute, ring_bytes
+from .cost import CostModel, ring_bytes
 from .placements import Partial, Placement, Replicate, Shard
 
 
@@ -34,12 +34,14 @@ class NodeDecision:
 
 @dataclass(frozen=True)
 class Redistribution:
-    """Tensor `node` goes from `src` to `dst` for `consumers`; `backward` includes the
-    all-reduce of Partial gradients the consumers send back (Megatron's copy)."""
+    """Tensor `node` goes from `src` to `dst` for `consumers`, which send back gradients placed
+    as `grad`; `backward` includes the all-reduce of Partial gradients (Megatron's copy). Two
+    entries for one (node, dst) share the forward collectives, listed on the first only."""
 
     node: str
     src: Placement
     dst: Placement
+    grad: Placement
     forward: tuple
     backward: tuple
     nbytes: int
@@ -133,25 +135,12 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         for kind, nb in s.comm:
             count(kind, nb)
     for j, n in enumerate(prob.nodes):
-        if not prob.nbytes[j] and not isinstance(prob.val[j], torch.Tensor):
+        if not prob.nbytes[j]:
             continue
-        src = state.place[j]
-        by_req: dict = {}
-        for c in prob.users[j]:
-            if not prob.strats[c]:
-                continue
-            s = prob.strats[c][state.sidx[c]]
-            for slot, k in enumerate(prob.ins[c]):
-                if k == j and s.inputs[slot] is not None:
-                    entry = by_req.setdefault(s.inputs[slot], [set(), []])
-                    entry[0].add(s.grad(slot))
-                    entry[1].append(prob.nodes[c].name)
-        for req, (grads, consumers) in by_req.items():
-            fwd, bwd = redistribute(src, req)
-            for g in grads:
-                bwd = bwd + grad_fix(g, grad_of(req))
+        for req, grad, fwd, bwd, consumers in prob.tensor_comms(j, state.place[j], state.sidx):
             if fwd or bwd:
-                r = Redistribution(n.name, src, req, fwd, bwd, prob.nbytes[j], tuple(dict.fromkeys(consumers)))
+                names = tuple(prob.nodes[c].name for c in consumers)
+                r = Redistribution(n.name, state.place[j], req, grad, fwd, bwd, prob.nbytes[j], names)
                 redists.append(r)
                 for kind in fwd + bwd:
                     count(kind, r.nbytes)
@@ -165,7 +154,8 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
     dims = {}
     for g, grp in enumerate(prob.groups):
         for c in grp.anchors:
-            dims.setdefault(module_of(prob, c), prob.strats[c][state.sidx[c]].dim)
+            if any(x.dim is not None for x in prob.strats[c]):      # linear / embedding, not a norm
+                dims.setdefault(module_of(prob, c), prob.strats[c][state.sidx[c]].dim)
     for i, n in enumerate(prob.nodes):               # losses and other ops with a TorchShard dim
         if prob.kind[i] == "op" and any(x.dim is not None for x in prob.strats[i]) and \
                 not any(k in prob.param_key for k in prob.ins[i]):

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import collectives as C
+from .cost import redistribute
 from .errors import ShardingError
 from .nn import functional as PF
 from .placements import Partial, Replicate, Shard
@@ -121,40 +122,44 @@ class Rewriter:
         return table
 
     # ------------------------------------------------------------------ collectives
-    def redistribute(self, x: fx.Node, r) -> fx.Node:
-        """Collectives turning `x` from r.src into r.dst, then the backward all-reduce of
-        Partial gradients (copy_to) where the consumers send them."""
-        src, dst, key = r.src, r.dst, self.key
-        out = x
-        if r.forward == ("all_reduce",):
-            out = self.call(C.reduce_from, (out,), {"group": key})
-        elif r.forward == ("reduce_scatter",):
-            out = self.call(C.reduce_scatter, (out, dst.dim, dst.chunks), {"group": key})
-        elif r.forward == ("all_gather",):
-            out = self.call(C.gather_from, (out, src.dim, src.chunks), {"group": key})
-        elif r.forward == ("all_to_all",):
+    def forward(self, x: fx.Node, src, dst) -> fx.Node:
+        """Collectives turning `x` from `src` into `dst` (each backward is the dual)."""
+        key = self.key
+        kinds = redistribute(src, dst)[0]
+        if kinds == ("all_reduce",):
+            return self.call(C.reduce_from, (x,), {"group": key})
+        if kinds == ("reduce_scatter",):
+            return self.call(C.reduce_scatter, (x, dst.dim, dst.chunks), {"group": key})
+        if kinds == ("all_gather",):
+            return self.call(C.gather_from, (x, src.dim, src.chunks), {"group": key})
+        if kinds == ("all_to_all",):
             if src.chunks != 1 or dst.chunks != 1:
                 raise ShardingError(f"{x.name}: all-to-all between strided shards {src} -> {dst} is not supported")
-            out = self.call(C.all_to_all, (out, src.dim, dst.dim), {"group": key})
-        elif isinstance(src, Replicate) and isinstance(dst, Shard):
-            out = self.call(C.scatter_to, (out, dst.dim, dst.chunks), {"group": key})
-        n_back = len(r.backward) - (1 if isinstance(src, Replicate) and isinstance(dst, Shard) else 0) \
-            - (1 if r.forward in (("reduce_scatter",), ("all_to_all",)) else 0)
-        if n_back > 0:
-            if not isinstance(dst, Replicate):
-                raise ShardingError(f"{x.name}: Partial gradients into a {dst} input are not supported")
-            out = self.call(C.copy_to, (out,), {"group": key})
-        return out
+            return self.call(C.all_to_all, (x, src.dim, dst.dim), {"group": key})
+        if isinstance(src, Replicate) and isinstance(dst, Shard):
+            return self.call(C.scatter_to, (x, dst.dim, dst.chunks), {"group": key})
+        return x
 
     def insert_redistributions(self):
+        """One forward redistribution per (tensor, placement), before its first consumer; a
+        copy_to after it for the consumers that send back Partial gradients."""
         nodes = {n.name: n for n in self.graph.nodes}
+        groups: dict = {}
         for r in self.plan.redistributions:
-            x = nodes[r.node]
-            first = min((nodes[c] for c in r.consumers), key=lambda n: self._order[n])
+            groups.setdefault((r.node, r.dst), []).append(r)
+        for (name, dst), entries in groups.items():
+            x = nodes[name]
+            first = min((nodes[c] for r in entries for c in r.consumers), key=lambda n: self._order[n])
             with self.graph.inserting_before(first):
-                y = self.redistribute(x, r)
-            for c in r.consumers:
-                nodes[c].replace_input_with(x, y)
+                moved = self.forward(x, entries[0].src, dst)
+                for r in entries:
+                    y = moved
+                    if isinstance(r.grad, Partial) and "all_reduce" in r.backward:
+                        if not isinstance(dst, Replicate):
+                            raise ShardingError(f"{name}: Partial gradients into a {dst} input are not supported")
+                        y = self.call(C.copy_to, (moved,), {"group": self.key})
+                    for c in r.consumers:
+                        nodes[c].replace_input_with(x, y)
 
     # ------------------------------------------------------------------ ops
     def rewrite_ops(self):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import math
 from dataclasses import dataclass
 
@@ -101,7 +102,7 @@ class Problem:
                     self.param_names.setdefault(id(obj), []).append(n.target)
                 else:
                     self.kind.append("buffer")
-            elif n.op == "call_function" and n.target.__name__ == "getitem" and \
+            elif n.op == "call_function" and n.target is operator.getitem and \
                     isinstance(self.val[self.ins[i][0]] if self.ins[i] else None, (tuple, list)):
                 self.kind.append("select")
             else:
@@ -115,12 +116,28 @@ class Problem:
         self.param_nodes: dict[int, list] = {}
         for i, key in self.param_key.items():
             self.param_nodes.setdefault(key, []).append(i)
+        self.needs_grad = self._needs_grad()
         self.node_cost = [[self._node_cost(i, s) for s in ss] for i, ss in enumerate(self.strats)]
         self._edge_cache: dict = {}
         self.best_memo: dict = {}
         self.tensor_memo: dict = {}
         self.groups = self._groups(pins or {})
         self.group_of_param = {k: g for g, grp in enumerate(self.groups) for k in grp.params}
+
+    def _needs_grad(self) -> list[bool]:
+        """Whether a gradient flows into each node's output in backward."""
+        out = []
+        for i, n in enumerate(self.nodes):
+            if self.kind[i] == "param":
+                out.append(bool(self.param_obj[self.param_key[i]].requires_grad))
+            elif self.kind[i] in ("input", "buffer", "output"):
+                out.append(False)
+            else:
+                v = self.val[i]
+                vals = v if isinstance(v, (tuple, list)) else (v,)
+                floating = any(_tensor(x) and x.is_floating_point() for x in vals)
+                out.append(floating and any(out[j] for j in self.ins[i]))
+        return out
 
     # ---------------------------------------------------------------- costs
     def _node_cost(self, i: int, s: OpStrategy) -> float:
@@ -129,21 +146,19 @@ class Problem:
             c += self.cost.comm_time(kind, nb, self.p)
         return c
 
-    def comm_kinds(self, src, req, grad):
-        """Forward and backward collectives one consumer edge needs (before de-duplication)."""
-        r = redistribute(src, req)
-        if r is None:
-            return None
-        return r[0], r[1] + grad_fix(grad, grad_of(req))
-
-    def edge_cost(self, src, req, grad, nbytes, from_param=False) -> float:
-        if from_param and isinstance(src, Shard) and src != req:
+    def edge_cost(self, j: int, src, req, grad) -> float:
+        """Cost of one consumer edge from tensor j (before de-duplication across consumers)."""
+        if self.kind[j] == "param" and isinstance(src, Shard) and src != req:
             return INF       # a sharded parameter is used as stored (no ZeRO-style gathers)
-        key = (src, req, grad, nbytes)
+        key = (src, req, grad, self.nbytes[j], self.needs_grad[j])
         c = self._edge_cache.get(key)
         if c is None:
-            kinds = self.comm_kinds(src, req, grad)
-            c = INF if kinds is None else sum(self.cost.comm_time(k, nbytes, self.p) for k in kinds[0] + kinds[1])
+            r = redistribute(src, req)
+            if r is None:
+                c = INF
+            else:
+                kinds = r[0] + (r[1] + grad_fix(grad, grad_of(req)) if self.needs_grad[j] else ())
+                c = sum(self.cost.comm_time(k, self.nbytes[j], self.p) for k in kinds)
             self._edge_cache[key] = c
         return c
 
@@ -159,25 +174,41 @@ class Problem:
         return hit
 
     def _tensor_cost(self, j: int, src, sidx) -> float:
-        needs = set()
+        comms = self.tensor_comms(j, src, sidx)
+        if comms is None:
+            return INF
+        return sum(self.cost.comm_time(k, self.nbytes[j], self.p) for _, _, f, b, _ in comms for k in f + b)
+
+    def tensor_comms(self, j: int, src, sidx):
+        """[(required placement, gradient placement, forward kinds, backward kinds, consumers)]
+        for tensor j held as `src`, or None if a consumer's placement cannot be reached.
+
+        One forward redistribution (and its backward dual) per required placement; consumers
+        that send back Partial gradients share one backward all-reduce (Megatron's copy), the
+        others take the tensor as it is. Backward collectives only where a gradient flows
+        (parameters and what they feed, not data inputs or indices)."""
+        by_req: dict = {}
         for c in self.users[j]:
-            s = self.strats[c][sidx[c]] if self.strats[c] else None
-            if s is None:
+            if not self.strats[c]:
                 continue
+            s = self.strats[c][sidx[c]]
             for slot, k in enumerate(self.ins[c]):
                 if k == j and s.inputs[slot] is not None:
-                    needs.add((s.inputs[slot], s.grad(slot)))
-        total, reqs = 0.0, {}
-        for req, grad in needs:
-            reqs.setdefault(req, set()).add(grad)
-        for req, grads in reqs.items():
+                    consumers = by_req.setdefault(s.inputs[slot], {}).setdefault(s.grad(slot), [])
+                    if c not in consumers:
+                        consumers.append(c)
+        out = []
+        for req, per_grad in by_req.items():
             r = redistribute(src, req)
             if r is None:
-                return INF
-            total += sum(self.cost.comm_time(k, self.nbytes[j], self.p) for k in r[0] + r[1])
-            for g in grads:
-                total += sum(self.cost.comm_time(k, self.nbytes[j], self.p) for k in grad_fix(g, grad_of(req)))
-        return total
+                return None
+            fwd, dual = r
+            grad_flows = self.needs_grad[j]
+            for n, (g, consumers) in enumerate(sorted(per_grad.items(), key=lambda kv: str(kv[0]))):
+                fix = grad_fix(g, grad_of(req)) if grad_flows else ()
+                first = n == 0
+                out.append((req, g, fwd if first else (), (dual if first and grad_flows else ()) + fix, consumers))
+        return out
 
     def param_cost(self, key: int, placement) -> float:
         obj = self.param_obj[key]
@@ -348,7 +379,7 @@ class State:
                 req = s.inputs[slot]
                 if req is None:
                     continue
-                c += prob.edge_cost(place[j], req, s.grad(slot), prob.nbytes[j], prob.kind[j] == "param")
+                c += prob.edge_cost(j, place[j], req, s.grad(slot))
                 if c >= best_c:
                     break
             if c < best_c:

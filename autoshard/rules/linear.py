@@ -28,7 +28,7 @@ def matmul_family(info: NodeInfo, x, w, b, *, w_out_dim: int, w_in_dim: int):
         m = {x: REPLICATE, w: Shard(w_out_dim, k)}
         if b is not None:
             m[b] = Shard(0, k)
-        found.append(info.req(m, "column", Shard(last, k), grads={x: PARTIAL}, compute=1 / p, dim=-1))
+        found.append(info.req(m, "column", Shard(last, k), compute=1 / p, dim=-1))
     m = {x: Shard(len(info.shape(x)) - 1), w: Shard(w_in_dim)}
     if b is None:
         found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0))
@@ -66,8 +66,7 @@ def _matmul(info):
     p = info.world_size
     found = [
         info.req({a: Shard(len(sa) - 2), b: REPLICATE}, "rows", Shard(len(so) - 2), compute=1 / p),
-        info.req({a: REPLICATE, b: Shard(len(sb) - 1)}, "column", Shard(len(so) - 1), compute=1 / p,
-                 grads={a: PARTIAL}, dim=-1),
+        info.req({a: REPLICATE, b: Shard(len(sb) - 1)}, "column", Shard(len(so) - 1), compute=1 / p, dim=-1),
         info.req({a: Shard(len(sa) - 1), b: Shard(len(sb) - 2)}, "row", PARTIAL, compute=1 / p, dim=0),
     ]
     if len(sa) == len(sb) == len(so):       # shared batch dims

@@ -49,7 +49,7 @@ UNARY_LINEAR = [
     operator.neg, torch.neg, torch.Tensor.neg, aten.neg.default, torch.Tensor.contiguous, torch.Tensor.clone,
     torch.clone, aten.clone.default, aten.alias.default, torch.Tensor.float, torch.Tensor.to, torch.Tensor.type,
     torch.Tensor.half, torch.Tensor.bfloat16, aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout,
-    torch.Tensor.detach, aten.detach.default,
+    torch.Tensor.detach, aten.detach.default, aten.contiguous.default,
 ]
 UNARY = [
     F.gelu, F.relu, F.silu, torch.tanh, torch.sigmoid, torch.exp, torch.rsqrt, torch.sqrt, torch.abs, F.dropout,

@@ -25,9 +25,11 @@ class OpStrategy:
     """One way to run a node: what it needs of each input and what it produces.
 
     `inputs` follows `node.all_input_nodes`; None means "no requirement" (a non-tensor input).
-    `grads[i]` is the placement of the gradient the node sends back to input i (default: the
-    required placement, Partial read as Replicate); a column-parallel linear sends Partial for a
-    Replicate input: one all-reduce in backward (Megatron's "copy").
+    `grads[i]` is the placement of the gradient the node sends back to input i. `NodeInfo.req`
+    derives it: a Replicate input of a node whose output is sharded or Partial gets a Partial
+    gradient (its gradient sums over the split dim: a column-parallel linear's input, Megatron's
+    "copy"; a broadcast operand; a replicated weight of a batch-split op); otherwise the required
+    placement, Partial read as Replicate.
     `compute` is the share of the op's work a rank does; `comm` lists collectives the op runs
     itself as (kind, full-tensor bytes); `dim` is TorchShard's label (None / 0 / -1 / 1).
     """
@@ -89,10 +91,17 @@ class NodeInfo:
             comm=(), dim=None) -> OpStrategy:
         """Build a strategy from {input node: placement}; tensor inputs not named need Replicate."""
         ins = tuple(mapping.get(n, REPLICATE if self.is_tensor(n) else None) for n in self.inputs)
-        gr = None
-        if grads:
-            gr = tuple(grads.get(n, OpStrategy("", None, ins).grad(i)) for i, n in enumerate(self.inputs))
+        split = not _all_replicate(output)
+        gr = tuple((grads or {}).get(n, PARTIAL if split and isinstance(r, Replicate) else
+                                     (REPLICATE if isinstance(r, Partial) else r))
+                   for n, r in zip(self.inputs, ins))
         return OpStrategy(name, output, ins, gr, compute, tuple(comm), dim)
+
+
+def _all_replicate(output) -> bool:
+    if isinstance(output, tuple):
+        return all(_all_replicate(o) for o in output)
+    return output is None or isinstance(output, Replicate)
 
 
 def register_rule(*ops):

@@ -185,4 +185,4 @@ def _cat(info):
 
 
 register_shape_op(torch.Tensor.size, torch.Tensor.dim, builtins.getattr, aten.sym_size.int, torch.Tensor.numel,
-                  aten.sym_numel.default)
+                  aten.sym_numel.default, aten._assert_tensor_metadata.default)
