@@ -21,8 +21,10 @@ def _chunk_candidates(gm: fx.GraphModule) -> tuple:
     ks = set()
     for n in gm.graph.nodes:
         v = n.meta.get("val")
+        if n.op == "output":         # a model returning equal-shaped tensors fuses nothing
+            continue
         if isinstance(v, (tuple, list)) and len(v) > 1 and all(isinstance(t, torch.Tensor) for t in v):
-            if len({tuple(t.shape) for t in v}) == 1:
+            if len({(tuple(t.shape), t.dtype) for t in v}) == 1:     # not (values, indices), (out, mask)
                 ks.add(len(v))
     return tuple(sorted(ks))
 

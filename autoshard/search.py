@@ -113,6 +113,9 @@ class Problem:
                 self.strats[i] = found
                 if not covered:
                     self.unsupported.append(n.name)
+        for name, obj in gm.named_parameters(remove_duplicate=False):    # tied aliases (head.weight)
+            if id(obj) in self.param_names and name not in self.param_names[id(obj)]:
+                self.param_names[id(obj)].append(name)
         self.param_nodes: dict[int, list] = {}
         for i, key in self.param_key.items():
             self.param_nodes.setdefault(key, []).append(i)
@@ -337,10 +340,19 @@ def _dims_for_choice(prob, keys, choice, anchors, owner):
 
 def _check_pins_known(pins, groups, prob):
     known = {owner_of(n) for names in prob.param_names.values() for n in names}
-    for name in pins:
+    decided = {owner_of(n) for g in groups for k in g.params for n in prob.param_names[k]}
+    for name, want in pins.items():
         if name not in known:
             sample = ", ".join(sorted(known)[:8])
             raise ShardingError(f"pin names {name!r}, which owns no parameter of the model; known: {sample}, ...")
+        if want not in (None, 0, 1, -1):
+            raise ShardingError(f"pin for {name!r} is {want!r}; a TorchShard dim is None, 0, 1 or -1")
+        if want is not None and name not in decided:      # no layout but Replicate: the pin cannot hold
+            shapes = {n: tuple(prob.param_obj[k].shape) for k, names in prob.param_names.items()
+                      for n in dict.fromkeys(names) if owner_of(n) == name}
+            raise ShardingError(
+                f"cannot pin {name!r} to dim {want}: no layout of {shapes} splits into {prob.p} equal shards "
+                f"(sizes must divide by {prob.p}, and the ops using them need a sharding rule)")
 
 
 class State:
@@ -351,6 +363,10 @@ class State:
         n = len(prob.nodes)
         self.choice = [0] * len(prob.groups)
         self.param_place: dict[int, object] = {}
+        for grp in prob.groups:       # choice 0: all-Replicate, unless a pin removed that option
+            for key, pl in zip(grp.params, grp.choices[0]):
+                if not isinstance(pl, Replicate):
+                    self.param_place[key] = pl
         self.sidx = [0] * n
         self.place = [None] * n
         for i in range(n):
