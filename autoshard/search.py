@@ -133,13 +133,17 @@ class Problem:
         for i, n in enumerate(self.nodes):
             if self.kind[i] == "param":
                 out.append(bool(self.param_obj[self.param_key[i]].requires_grad))
-            elif self.kind[i] in ("input", "buffer", "output"):
+            elif self.kind[i] == "input":          # as the example input: x.requires_grad_() counts
+                out.append(bool(getattr(self.val[i], "requires_grad", False)))
+            elif self.kind[i] in ("buffer", "output"):
                 out.append(False)
             else:
                 v = self.val[i]
                 vals = v if isinstance(v, (tuple, list)) else (v,)
                 floating = any(_tensor(x) and x.is_floating_point() for x in vals)
-                out.append(floating and any(out[j] for j in self.ins[i]))
+                own = n.op == "call_module" and any(   # a leaf module's own weights (LayerNorm)
+                    q.requires_grad for q in self.gm.get_submodule(n.target).parameters())
+                out.append(floating and (own or any(out[j] for j in self.ins[i])))
         return out
 
     # ---------------------------------------------------------------- costs
