@@ -30,6 +30,7 @@ class NodeDecision:
     grads: tuple
     dim: int | None
     comm: tuple                  # collectives the op runs itself: (kind, full bytes)
+    module: str = ""             # qualified name of the module that ran it (the key of Plan.dims)
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,8 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
             continue
         s = prob.strats[i][state.sidx[i]]
         nodes[n.name] = NodeDecision(n.name, _op_name(n, prob.gm), s.name, s.output, s.inputs,
-                                     tuple(s.grad(k) for k in range(len(s.inputs))), s.dim, s.comm)
+                                     tuple(s.grad(k) for k in range(len(s.inputs))), s.dim, s.comm,
+                                     module_of(prob, i))
         for kind, nb in s.comm:
             count(kind, nb)
     for j, n in enumerate(prob.nodes):

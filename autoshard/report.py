@@ -46,7 +46,7 @@ def format_plan(plan) -> str:
             ls = local_shape(t.shape, plan.layouts[pn], p)
             local.append(str(list(ls)))
             mem += _numel(ls) * t.element_size()
-        owner = params[0].rpartition(".")[0] if params else ""
+        owner = (d.module or params[0].rpartition(".")[0]) if params else ""   # a tied weight: the user
         rows.append([owner or name, d.op, ", ".join(full), ", ".join(local), _fmt_dim(d.dim) if params or d.dim is not None else "",
                      d.strategy, "\n".join(comms), _fmt_bytes(mem) if params else ""])
     table = tabulate(rows, headers=["module / node", "op", "weight (full)", "local", "dim", "strategy",
