@@ -21,8 +21,9 @@ def _chunk_candidates(gm: fx.GraphModule) -> tuple:
     ks = set()
     for n in gm.graph.nodes:
         v = n.meta.get("val")
-        if n.op == "output":         # a model returning equal-shaped tensors fuses nothing
-            continue
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        if n.op == "output" or not any(w in name for w in ("split", "chunk")):
+            continue                 # only splits unfuse (not a model's outputs, not (cos, sin))
         if isinstance(v, (tuple, list)) and len(v) > 1 and all(isinstance(t, torch.Tensor) for t in v):
             if len({(tuple(t.shape), t.dtype) for t in v}) == 1:     # not (values, indices), (out, mask)
                 ks.add(len(v))

@@ -165,6 +165,10 @@ class Problem:
                 c = INF
             else:
                 kinds = r[0] + (r[1] + grad_fix(grad, grad_of(req)) if self.needs_grad[j] else ())
+                if r[0] == ("reduce_scatter",):
+                    # a reduce-scatter only looks cheaper than an all-reduce until the shard is
+                    # gathered again; a following node cannot see that, so charge the gather here
+                    kinds += ("all_gather",)
                 c = sum(self.cost.comm_time(k, self.nbytes[j], self.p) for k in kinds)
             self._edge_cache[key] = c
         return c
@@ -279,6 +283,8 @@ class Problem:
             candidates |= combos
         out = []
         for cand in candidates:
+            if any(isinstance(x, Partial) for x in cand):
+                continue                     # a parameter is stored whole or split, never as a summand
             full = tuple(REPLICATE if x is None else x for x in cand)
             if all(any(all(a is None or a == b for a, b in zip(co, full)) for co in combos) for combos in per_consumer):
                 if full not in out:
@@ -573,12 +579,17 @@ def windows(prob: Problem) -> list[tuple[int, ...]]:
                 out |= readers.get(j, set())
         return out
 
+    primary = {g for g, grp in enumerate(prob.groups)
+               if any(s.dim is not None for a in grp.anchors for s in prob.strats[a])}
     out = []
     for g, grp in enumerate(prob.groups):
-        dist = {h: 0 for h in siblings(g) | {g}}
+        if g not in primary:       # e.g. a norm's weight: left to the single-flip pass
+            out.append((g,))
+            continue
+        dist = {h: 0 for h in (siblings(g) | {g}) & primary}
         for i, d in _reach(prob, grp.anchors, anchor_set).items():
-            if d > 0 and i in anchor_group:
-                for h in siblings(anchor_group[i]) | {anchor_group[i]}:
+            if d > 0 and i in anchor_group and anchor_group[i] in primary:
+                for h in (siblings(anchor_group[i]) | {anchor_group[i]}) & primary:
                     dist[h] = min(dist.get(h, INF), d)
         ranked = sorted(dist, key=lambda h: (h != g, dist[h], h))
         chosen, combos = [], 1
