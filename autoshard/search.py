@@ -43,15 +43,26 @@ def _nbytes(v) -> int:
     return v.numel() * v.element_size() if _tensor(v) else 0
 
 
+def _matmul_like(node: fx.Node) -> bool:
+    """Whether the node's sharding rule is the linear / addmm / matmul family's."""
+    from .rules import linear as L
+    from .rules.registry import _RULES, op_key
+    if node.op not in ("call_function", "call_method"):
+        return False
+    return _RULES.get(op_key(node, {})) in (L._linear, L._addmm, L._matmul)
+
+
 def _flops(node: fx.Node, s: OpStrategy) -> float:
-    """Forward + backward flops of a node (matmul-like: 2*out*K*3; others: 3 per element)."""
+    """Forward + backward flops of a node, whichever strategy runs it (the strategy's `compute`
+    scales them): matmul family 3 x 2 * output elements * contraction size; others 3 per element."""
     v = node.meta.get("val")
     if not _tensor(v):
         return 0.0
-    if s.name in ("column", "row", "replicate") and len(node.all_input_nodes) >= 2:
-        w = node.all_input_nodes[1].meta.get("val")
-        if _tensor(w) and w.dim() == 2 and node.target is not torch.ops.aten.embedding.default:
-            return 6.0 * v.numel() * min(w.shape)
+    if _matmul_like(node):
+        for a in node.all_input_nodes:          # x of linear / addmm(b, x, w), a of a @ b
+            x = a.meta.get("val")
+            if _tensor(x) and x.dim() >= 2:
+                return 6.0 * v.numel() * x.shape[-1]
     return 3.0 * v.numel()
 
 
