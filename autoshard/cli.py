@@ -1,0 +1,219 @@
+"""Command line: `python -m autoshard plan MODULE:FACTORY --world-size N ...` prints a sharding plan;
+`python -m autoshard demo ...` runs autoshard.demo.
+
+    python -m autoshard plan tests.factories:gpt --world-size 4 --input-shape 2,64 --dtype long
+    python -m autoshard plan tests.models:GPT --world-size 2 --pin head=None --search exact
+    python -m autoshard plan path/to/model.py:build --world-size 8 --tracer export --json
+
+FACTORY is called with no arguments and returns an nn.Module, or (module, example_inputs) where
+example_inputs is a tuple of positional arguments or a dict of keyword arguments (the builders
+of tests/hf_models.py return that). With --input-shape (repeat it for several positional inputs)
+the inputs are zeros of those shapes and --dtype(s); with neither, a batch of --tokens positions
+is synthesised. Exit status: 0 on success, 1 when planning fails, 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+
+_DTYPES = {"long": "int64", "int": "int32", "int64": "int64", "int32": "int32", "float": "float32",
+           "float32": "float32", "fp32": "float32", "half": "float16", "float16": "float16", "fp16": "float16",
+           "bfloat16": "bfloat16", "bf16": "bfloat16", "bool": "bool"}
+
+
+class CliError(Exception):
+    """A bad argument: printed as `autoshard: error: ...`, exit status 2."""
+
+
+def _shape(text: str) -> tuple:
+    try:
+        dims = tuple(int(s) for s in text.replace("x", ",").split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--input-shape wants comma-separated sizes like 2,64; got {text!r}")
+    if not dims or any(d < 0 for d in dims):
+        raise argparse.ArgumentTypeError(f"--input-shape wants non-negative sizes like 2,64; got {text!r}")
+    return dims
+
+
+def _dtype(text: str) -> str:
+    name = _DTYPES.get(text.lower().removeprefix("torch."))
+    if name is None:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; one of {', '.join(sorted(_DTYPES))}")
+    return name
+
+
+def _pin(text: str) -> tuple:
+    name, sep, dim = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--pin wants NAME=DIM (DIM one of None, 0, 1, -1); got {text!r}")
+    d = dim.strip().lower()
+    if d in ("none", "replicate", "r", ""):
+        return name, None
+    try:
+        value = int(d)
+    except ValueError:
+        value = None
+    if value not in (0, 1, -1):
+        raise argparse.ArgumentTypeError(f"--pin {name}: DIM must be None, 0, 1 or -1; got {dim!r}")
+    return name, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m autoshard",
+                                 description="autoshard: automatic tensor parallelism by torch.fx graph rewriting")
+    sub = ap.add_subparsers(dest="command", metavar="{plan,demo}")
+    sub.required = True
+    pp = sub.add_parser("plan", help="plan a model and print the sharding-plan report",
+                        description="Build a model with MODULE:FACTORY, plan it and print the report.")
+    pp.add_argument("target", metavar="MODULE:FACTORY",
+                    help="importable module (or path to a .py file) and a zero-argument callable in it")
+    pp.add_argument("--world-size", "-n", type=int, required=True, help="tensor-parallel degree")
+    pp.add_argument("--input-shape", type=_shape, action="append", default=[], metavar="D0,D1,...",
+                    help="shape of one positional input (repeat for several); values are zeros")
+    pp.add_argument("--dtype", type=_dtype, action="append", default=[],
+                    help="dtype of the inputs: one for all, or one per --input-shape (default float)")
+    pp.add_argument("--pin", type=_pin, action="append", default=[], metavar="NAME=DIM",
+                    help="fix a module's TorchShard dim (None, 0, 1, -1); repeatable")
+    pp.add_argument("--search", choices=("greedy", "exact"), default="greedy")
+    pp.add_argument("--tracer", choices=("auto", "symbolic_trace", "export"), default="auto")
+    pp.add_argument("--tokens", type=int, default=512, help="positions of a synthesised input (no --input-shape)")
+    pp.add_argument("--bandwidth", type=float, help="bytes/s a rank sends (cost model)")
+    pp.add_argument("--latency", type=float, help="seconds per ring step (cost model)")
+    pp.add_argument("--memory-weight", type=float, help="seconds per byte of training state (cost model)")
+    pp.add_argument("--memory-budget", type=float, help="bytes of training state per rank (cost model)")
+    pp.add_argument("--json", action="store_true", help="print a JSON summary instead of the report")
+    dp = sub.add_parser("demo", help="run autoshard.demo (arguments are passed on)", add_help=False)
+    dp.add_argument("args", nargs=argparse.REMAINDER)
+    return ap
+
+
+def load_factory(target: str):
+    """The callable named by MODULE:FACTORY (MODULE may be a dotted name or a .py path)."""
+    mod_name, sep, attr = target.rpartition(":")
+    if not sep or not mod_name or not attr:
+        raise CliError(f"target must look like MODULE:FACTORY (e.g. tests.factories:gpt), got {target!r}")
+    if mod_name.endswith(".py") or os.sep in mod_name:
+        if not os.path.isfile(mod_name):
+            raise CliError(f"no such file: {mod_name}")
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(mod_name))[0], mod_name)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(mod_name)))
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - reported with its cause
+            raise CliError(f"importing {mod_name} failed: {type(e).__name__}: {e}") from e
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            raise CliError(f"cannot import {mod_name!r}: {e} (run from the directory that holds it, or set "
+                           "PYTHONPATH)") from e
+        except Exception as e:  # noqa: BLE001
+            raise CliError(f"importing {mod_name!r} failed: {type(e).__name__}: {e}") from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
+            raise CliError(f"{mod_name} has no {attr!r}; callables there: {', '.join(names[:20])}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise CliError(f"{target} is a {type(obj).__name__}, not a callable that builds a model")
+    return obj
+
+
+def build_model(target: str):
+    """(model, example_inputs or None) from MODULE:FACTORY."""
+    import torch.nn as nn
+    factory = load_factory(target)
+    try:
+        built = factory()
+    except Exception as e:  # noqa: BLE001
+        raise CliError(f"{target}() failed: {type(e).__name__}: {e}") from e
+    example = None
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
+        built, example = built
+    if not isinstance(built, nn.Module):
+        raise CliError(f"{target}() returned a {type(built).__name__}, not an nn.Module "
+                       "(or a (module, example_inputs) pair)")
+    return built, example
+
+
+def make_inputs(shapes, dtypes):
+    import torch
+    if not shapes:
+        if dtypes:
+            raise CliError("--dtype needs --input-shape")
+        return None
+    if len(dtypes) > 1 and len(dtypes) != len(shapes):
+        raise CliError(f"{len(dtypes)} --dtype for {len(shapes)} --input-shape: give one, or one per shape")
+    dts = [getattr(torch, d) for d in (dtypes or ["float32"])]
+    dts = dts * len(shapes) if len(dts) == 1 else dts
+    return tuple(torch.zeros(s, dtype=d) for s, d in zip(shapes, dts))
+
+
+def summary(plan) -> dict:
+    """What --json prints: the plan's decisions and predicted costs."""
+    return {
+        "world_size": plan.world_size, "tracer": plan.tracer, "search": plan.search,
+        "dims": dict(plan.dims), "layouts": {k: str(v) for k, v in plan.layouts.items()},
+        "comm_bytes": plan.comm_bytes, "comm_by_kind": {k: list(v) for k, v in plan.comm_by_kind.items()},
+        "comm_time": plan.comm_time, "compute_time": plan.compute_time, "step_time": plan.step_time,
+        "params_total": plan.params_total, "params_per_rank": plan.params_per_rank,
+        "unsupported": list(plan.unsupported), "notes": list(plan.notes), "search_seconds": plan.search_seconds,
+    }
+
+
+def cmd_plan(args) -> int:
+    import autoshard
+    if args.world_size < 1:
+        raise CliError(f"--world-size must be >= 1, got {args.world_size}")
+    model, example = build_model(args.target)
+    inputs = make_inputs(args.input_shape, args.dtype)
+    if inputs is not None:
+        example = inputs
+    knobs = {k: getattr(args, k) for k in ("bandwidth", "latency", "memory_weight", "memory_budget")
+             if getattr(args, k) is not None}
+    pins = dict(args.pin)
+    plan = autoshard.plan(model, args.world_size, example, pin=pins or None, search=args.search,
+                          tracer=args.tracer, tokens=args.tokens, **knobs)
+    if args.json:
+        print(json.dumps(summary(plan), indent=1))
+    else:
+        print(plan)
+    return 0
+
+
+def cmd_demo(argv) -> int:
+    try:
+        demo = importlib.import_module("autoshard.demo")
+    except ModuleNotFoundError as e:
+        if e.name == "autoshard.demo":
+            raise CliError("autoshard.demo is not available in this installation") from e
+        raise
+    rc = demo.main(list(argv))
+    return int(rc or 0)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["demo"]:                 # everything after `demo` belongs to the demo
+        try:
+            return cmd_demo(argv[1:])
+        except CliError as e:
+            parser.exit(2, f"autoshard: error: {e}\n")
+    args = parser.parse_args(argv)
+    from .errors import AutoshardError
+    try:
+        return cmd_plan(args)
+    except CliError as e:
+        parser.exit(2, f"autoshard: error: {e}\n")
+    except (AutoshardError, ValueError, TypeError) as e:
+        parser.exit(1, f"autoshard: planning {args.target} at world size {args.world_size} failed: "
+                       f"{type(e).__name__}: {e}\n")
