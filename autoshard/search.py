@@ -31,7 +31,9 @@ from .rules.registry import NodeInfo, OpStrategy
 
 INF = math.inf
 WINDOW_DEPTH = 10        # ops a window looks ahead of its anchors
-WINDOW_GROUPS = 5        # groups a window enumerates at most
+WINDOW_GROUPS = 4        # groups a window enumerates at most (q, k, v and the out-projection)
+WINDOW_COMBOS = 3 ** 4   # combinations a window enumerates at most
+SIGNATURE_DEPTH = 6      # ops past a window's anchors that its cached answer depends on
 OUTPUT = OpStrategy("output", None, ())
 
 
@@ -96,6 +98,7 @@ class Problem:
         self.param_key: dict[int, int] = {}          # node index -> param key
         self.param_obj: dict[int, nn.Parameter] = {}
         self.param_names: dict[int, list] = {}
+        memo: dict = {}           # identical nodes (every block of a stack) share their strategies
         for i, n in enumerate(self.nodes):
             self.strats.append([])
             if n.op == "placeholder":
@@ -118,9 +121,14 @@ class Problem:
                 self.kind.append("select")
             else:
                 self.kind.append("op")
-                info = NodeInfo(n, world_size, modules.get(n.target) if n.op == "call_module" else None,
-                                tuple(chunk_candidates))
-                found, covered = rules.strategies(info)
+                module = modules.get(n.target) if n.op == "call_module" else None
+                key = _structure(n, module)
+                hit = memo.get(key) if key is not None else None
+                if hit is None:
+                    hit = rules.strategies(NodeInfo(n, world_size, module, tuple(chunk_candidates)))
+                    if key is not None:
+                        memo[key] = hit
+                found, covered = hit
                 self.strats[i] = found
                 if not covered:
                     self.unsupported.append(n.name)
@@ -305,6 +313,35 @@ class Problem:
         if not out or out[0] != rep:
             out.insert(0, rep)
         return out
+
+
+def _structure(n: fx.Node, module) -> tuple | None:
+    """What a rule can see of a node, with inputs replaced by (position, shape, dtype): equal
+    keys give equal strategies (they refer to inputs by position). None when not hashable."""
+    inputs = n.all_input_nodes
+
+    def norm(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            return ("in", inputs.index(a), tuple(v.shape) if _tensor(v) else type(v).__name__,
+                    str(v.dtype) if _tensor(v) else None)
+        if isinstance(a, (tuple, list)):
+            return tuple(norm(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, norm(x)) for k, x in a.items()))
+        return a if isinstance(a, (int, float, str, bool, type(None), torch.dtype, slice)) else repr(a)
+
+    v = n.meta.get("val")
+    out = tuple(v.shape) if _tensor(v) else (tuple(tuple(x.shape) if _tensor(x) else None for x in v)
+                                             if isinstance(v, (tuple, list)) else None)
+    target = type(module) if module is not None else n.target
+    extra = module.extra_repr() if module is not None else None
+    try:
+        key = (n.op, target, extra, norm(n.args), norm(n.kwargs), out)
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _fetch(gm, target):
@@ -550,14 +587,14 @@ class _Overlay:
 
 
 # -------------------------------------------------------------------- windows
-def _reach(prob: Problem, anchors, anchor_set) -> dict[int, int]:
-    """Nodes reachable from `anchors` within WINDOW_DEPTH ops, stopping at other anchors."""
+def _reach(prob: Problem, anchors, anchor_set, limit: int = WINDOW_DEPTH) -> dict[int, int]:
+    """Nodes reachable from `anchors` within `limit` ops, stopping at other anchors."""
     depth = {a: 0 for a in anchors}
     frontier = list(anchors)
     while frontier:
         nxt = []
         for i in frontier:
-            if depth[i] >= WINDOW_DEPTH:
+            if depth[i] >= limit:
                 continue
             for u in prob.users[i]:
                 if u not in depth:
@@ -602,12 +639,12 @@ def windows(prob: Problem) -> list[tuple[int, ...]]:
             if d > 0 and i in anchor_group and anchor_group[i] in primary:
                 for h in (siblings(anchor_group[i]) | {anchor_group[i]}) & primary:
                     dist[h] = min(dist.get(h, INF), d)
-        ranked = sorted(dist, key=lambda h: (h != g, dist[h], h))
         chosen, combos = [], 1
-        for h in ranked:
-            n = len(prob.groups[h].choices)
-            if len(chosen) < WINDOW_GROUPS and combos * n <= 3 ** WINDOW_GROUPS:
-                chosen.append(h)
+        for h in sorted(dist, key=lambda h: (h != g, dist[h], h)):
+            unit = [u for u in sorted((siblings(h) | {h}) & primary) if u not in chosen]
+            n = math.prod(len(prob.groups[u].choices) for u in unit)
+            if h == g or (len(chosen) + len(unit) <= WINDOW_GROUPS and combos * n <= WINDOW_COMBOS):
+                chosen += unit                # siblings enter a window together or not at all
                 combos *= n
         out.append(tuple(sorted(chosen)))
     return out
@@ -656,7 +693,7 @@ def greedy(prob: Problem, max_sweeps: int = 4) -> State:
             if win not in regions:
                 nodes = set()
                 for g in win:
-                    nodes |= set(_reach(prob, prob.groups[g].anchors, anchor_set))
+                    nodes |= set(_reach(prob, prob.groups[g].anchors, anchor_set, SIGNATURE_DEPTH))
                 regions[win] = nodes
             key = _signature(prob, win, regions[win], state)
             best = cache.get(key)
