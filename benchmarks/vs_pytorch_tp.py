@@ -25,7 +25,7 @@ dimension that differs) before anything is timed; a wrong autoshard is reported 
 vs_pytorch_tp[_quick].json`` and ``.png``.
 
     python benchmarks/vs_pytorch_tp.py --quick      # one case, world 2 (~30 s on 2 cores)
-    python benchmarks/vs_pytorch_tp.py              # + larger sizes and world 4 (5-8 min)
+    python benchmarks/vs_pytorch_tp.py              # + larger sizes and world 4 (5-9 min)
 
 Targets (from the issue): autoshard/hand <= 1.05 and autoshard/dtensor <= 0.85 for
 8 blocks, hidden 256, 64 tokens, world 2; autoshard/dtensor <= 1.0 at larger sizes.
@@ -262,11 +262,26 @@ def _check_grads_by_name(model: nn.Module, full: MLPStack, rank: int, world: int
     return f"{checked} gradients checked" + (f", {len(unmatched)} unmatched names" if unmatched else "")
 
 
-def run_cases(cases: list[Case], optim: str) -> list[dict]:
-    """Rank body: every case of one world size. Returns (on every rank) the figures."""
+def _effective_budget(case: Case, later_budget_s: float, deadline: float | None) -> float:
+    """The case's timed-round budget, cut when the run is behind its overall time limit:
+    a share (by budget) of 60% of the time left, the rest kept for the untimed work."""
+    if deadline is None:
+        return case.budget_s
+    left = max(0.0, deadline - time.time())
+    return min(case.budget_s, 0.6 * left * case.budget_s / (case.budget_s + later_budget_s))
+
+
+def run_cases(cases: list[Case], optim: str, deadline: float | None = None,
+              budget_after_s: float = 0.0) -> list[dict]:
+    """Rank body: every case of one world size. Returns (on every rank) the figures.
+
+    ``deadline`` (``time.time()`` seconds) is the whole run's target end; ``budget_after_s``
+    the timed-round budgets of the cases that later launches will run."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
-    for case in cases:
+    for i_case, case in enumerate(cases):
+        later = budget_after_s + sum(c.budget_s for c in cases[i_case + 1:])
+        budget = _effective_budget(case, later, deadline)
         assert case.world == world, (case, world)
         t_case = time.perf_counter()
         full = MLPStack(case.blocks, case.hidden, case.expansion, seed=0)
@@ -333,7 +348,7 @@ def run_cases(cases: list[Case], optim: str) -> list[dict]:
                  for n in ok}
         comm = {n: count_collectives(steps[n]) for n in ok}
         times = time_interleaved(steps, warmup=case.warmup, rounds=case.rounds,
-                                 budget_s=case.budget_s)
+                                 budget_s=budget)
         peaks = torch.tensor([step_peak_bytes(steps[n]) for n in ok], dtype=torch.float64)
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
 
@@ -357,6 +372,7 @@ def run_cases(cases: list[Case], optim: str) -> list[dict]:
         T, h, L, p = case.tokens, case.hidden, case.blocks, case.world
         results.append({
             "case": case.name, "config": asdict(case), "optim": optim,
+            "budget_s_used": budget,
             "reference_loss": ref_loss, "variants": variants,
             "ratios": ratios,                   # ratio of the medians
             "paired_ratios": paired,            # median over rounds of the per-round ratio
@@ -377,8 +393,8 @@ def _cases(quick: bool, rounds: int | None, budget: float | None) -> list[Case]:
         cases = [Case(warmup=3, rounds=60, budget_s=25.0, control=True)]
     else:
         cases = [
-            # timed-round budgets sum to 210 s: about 5 min in all on an idle 2-core machine,
-            # 7-8 min when other jobs load it (load average 6-8)
+            # timed-round budgets sum to 210 s: about 5 min in all on an idle 2-core machine;
+            # when other jobs load it, --time-limit (480 s) cuts later cases' rounds
             Case(hidden=256, tokens=64, world=2, warmup=5, rounds=100, budget_s=45.0, control=True),
             Case(hidden=512, tokens=256, world=2, warmup=3, rounds=40, budget_s=45.0),
             Case(hidden=1024, tokens=512, world=2, warmup=1, rounds=20, budget_s=50.0),
@@ -508,6 +524,9 @@ def main(argv=None) -> int:
                     help="optimizer step inside each timed step (default: none, fwd+bwd only)")
     ap.add_argument("--rounds", type=int, help="timed rounds per case (upper bound)")
     ap.add_argument("--budget", type=float, help="seconds of timed rounds per case")
+    ap.add_argument("--time-limit", type=float,
+                    help="target seconds for the whole run: later cases get fewer rounds (never "
+                         "below 5) when earlier ones overran (default: 100 quick, 480 full)")
     ap.add_argument("--name", help="results file stem (default vs_pytorch_tp[_quick])")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -516,10 +535,14 @@ def main(argv=None) -> int:
         print(f"note: 1-minute load average is {load0:.2f} on {os.cpu_count()} cores before the "
               "run; other processes will perturb the timings", file=sys.stderr)
     cases = _cases(args.quick, args.rounds, args.budget)
+    limit = args.time_limit if args.time_limit is not None else (100.0 if args.quick else 480.0)
+    deadline = time.time() + limit
     results = []
-    for world in sorted({c.world for c in cases}):
+    worlds = sorted({c.world for c in cases})
+    for k, world in enumerate(worlds):
+        after = sum(c.budget_s for c in cases if c.world in worlds[k + 1:])
         results += launch(run_cases, world, [c for c in cases if c.world == world], args.optim,
-                          timeout_s=1200)
+                          deadline, after, timeout_s=max(1200.0, 2 * limit))
     verdicts = report(results)
     name = args.name or ("vs_pytorch_tp_quick" if args.quick else "vs_pytorch_tp")
     png = plot(results, name)
