@@ -116,6 +116,15 @@ def module_of(prob, i: int) -> str:
     return n.name
 
 
+def _parallel_layer(n: fx.Node) -> bool:
+    """A linear / addmm / matmul / embedding op: a TorchShard parallel layer, listed in Plan.dims
+    (None when it stays whole)."""
+    from .rules import linear as L
+    from .rules.registry import _RULES, op_key
+    return n.op in ("call_function", "call_method") and \
+        _RULES.get(op_key(n, {})) in (L._linear, L._addmm, L._matmul, L._embedding, L._aten_embedding)
+
+
 def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {})) -> Plan:
     """Freeze a search State into a Plan."""
     p = prob.p
@@ -158,6 +167,9 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         for c in grp.anchors:
             if any(x.dim is not None for x in prob.strats[c]):      # linear / embedding, not a norm
                 dims.setdefault(module_of(prob, c), prob.strats[c][state.sidx[c]].dim)
+    for i, n in enumerate(prob.nodes):               # a linear / embedding left whole (sizes do not divide)
+        if prob.kind[i] == "op" and any(k in prob.param_key for k in prob.ins[i]) and _parallel_layer(n):
+            dims.setdefault(module_of(prob, i), prob.strats[i][state.sidx[i]].dim)
     for i, n in enumerate(prob.nodes):               # losses and other ops with a TorchShard dim
         if prob.kind[i] == "op" and any(x.dim is not None for x in prob.strats[i]) and \
                 not any(k in prob.param_key for k in prob.ins[i]):
