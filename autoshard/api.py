@@ -164,4 +164,4 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
             missing = sorted(set(plan.fingerprint) - set(_fingerprint(model)))[:4]
             raise ShardingError(f"the plan was made for another model: {type(model).__name__} lacks parameters "
                                 f"{missing} of the planned one")
-    return rewrite(plan, rank, key)
+    return rewrite(plan, rank, key, model)

@@ -67,7 +67,7 @@ def _torchshard_attrs(placement: Shard, ndim: int, label) -> tuple[int, int]:
 class Rewriter:
     """Applies one Plan to a structural copy of the captured GraphModule for one rank."""
 
-    def __init__(self, plan, rank: int, group_key):
+    def __init__(self, plan, rank: int, group_key, model=None):
         self.plan, self.rank, self.key = plan, rank, group_key
         self.p = plan.world_size
         src = plan.graph_module
@@ -76,6 +76,8 @@ class Rewriter:
             if "val" in n.meta:
                 memo[id(n.meta["val"])] = n.meta["val"]
         self.gm = copy.deepcopy(src, memo)
+        if model is not None:
+            _bind_tensors(self.gm, model)
         self.old = {n.name: n for n in src.graph.nodes}
         self.graph = self.gm.graph
 
@@ -107,11 +109,13 @@ class Rewriter:
         for name, pl in self.plan.layouts.items():
             if isinstance(pl, Shard):
                 layout_of.setdefault(id(_get(self.plan.graph_module, name)), (pl, labels.get(name)))
+        by_name = {name: layout_of[id(_get(self.plan.graph_module, name))] for name, pl in self.plan.layouts.items()
+                   if isinstance(pl, Shard)}          # by name: the tensors may be another model's
         new_for, table = {}, {}
         for name, full in list(self.gm.named_parameters(remove_duplicate=False)):
-            if id(full) not in layout_of:
+            if name not in by_name:
                 continue
-            pl, label = layout_of[id(full)]
+            pl, label = by_name[name]
             if id(full) not in new_for:
                 local = nn.Parameter(shard_tensor(full, pl, self.rank, self.p), requires_grad=full.requires_grad)
                 register_parallel_attribute(local, *_torchshard_attrs(pl, full.dim(), label))
@@ -297,12 +301,31 @@ class Rewriter:
         return self.gm
 
 
+def _bind_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make `gm` hold `model`'s parameters and buffers under the same names (tied ones stay tied):
+    a plan may have been captured from another instance of the same architecture."""
+    for named, get, register in ((model.named_parameters(remove_duplicate=False), gm.get_parameter, "register_parameter"),
+                                 (model.named_buffers(remove_duplicate=False), gm.get_buffer, "register_buffer")):
+        for name, t in named:
+            try:
+                if get(name) is t:
+                    continue
+            except AttributeError:
+                continue
+            owner_name, _, attr = name.rpartition(".")
+            owner = gm.get_submodule(owner_name) if owner_name else gm
+            if register == "register_parameter":
+                owner.register_parameter(attr, t)
+            else:
+                owner.register_buffer(attr, t, persistent=attr not in owner._non_persistent_buffers_set)
+
+
 def _get(mod, name):
     for part in name.split("."):
         mod = getattr(mod, part)
     return mod
 
 
-def rewrite(plan, rank: int, group_key=None) -> fx.GraphModule:
-    """This rank's GraphModule for `plan`."""
-    return Rewriter(plan, rank, group_key).run()
+def rewrite(plan, rank: int, group_key=None, model=None) -> fx.GraphModule:
+    """This rank's GraphModule for `plan`, holding `model`'s tensors (default: the planned ones)."""
+    return Rewriter(plan, rank, group_key, model).run()
