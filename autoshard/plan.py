@@ -155,13 +155,17 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
                 redists.append(r)
                 for kind in fwd + bwd:
                     count(kind, r.nbytes)
-    layouts, total, per_rank = {}, 0, 0
+    layouts, total, per_rank, seen = {}, 0, 0, set()
     for key, obj in prob.param_obj.items():
         pl = state.placement_of_param(key)
         for name in prob.param_names[key]:
             layouts[name] = pl
-        total += obj.numel()
-        per_rank += obj.numel() // p if isinstance(pl, Shard) else obj.numel()
+    for name, obj in prob.gm.named_parameters(remove_duplicate=False):
+        pl = layouts.setdefault(name, layouts.get(next(iter(prob.param_names.get(id(obj), [])), None), Replicate()))
+        if id(obj) not in seen:       # parameters inside leaf modules (LayerNorm) count too
+            seen.add(id(obj))
+            total += obj.numel()
+            per_rank += obj.numel() // p if isinstance(pl, Shard) else obj.numel()
     dims = {}
     for g, grp in enumerate(prob.groups):
         for c in grp.anchors:

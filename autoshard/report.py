@@ -49,6 +49,9 @@ def format_plan(plan) -> str:
         owner = (d.module or params[0].rpartition(".")[0]) if params else ""   # a tied weight: the user
         rows.append([owner or name, d.op, ", ".join(full), ", ".join(local), _fmt_dim(d.dim) if params or d.dim is not None else "",
                      d.strategy, "\n".join(comms), _fmt_bytes(mem) if params else ""])
+    for consumer, comms in comm_of.items():     # the graph output: gathers of returned tensors
+        if consumer not in plan.nodes:
+            rows.append([consumer, "output", "", "", "", "", "\n".join(comms), ""])
     table = tabulate(rows, headers=["module / node", "op", "weight (full)", "local", "dim", "strategy",
                                     "collectives inserted (per rank)", "params/rank"], tablefmt="simple")
     kinds = ", ".join(f"{k}: {c} x, {_fmt_bytes(b)}" for k, (c, b) in sorted(plan.comm_by_kind.items())) or "none"
