@@ -47,11 +47,10 @@ def _nbytes(v) -> int:
 
 def _matmul_like(node: fx.Node) -> bool:
     """Whether the node's sharding rule is the linear / addmm / matmul family's."""
-    from .rules import linear as L
-    from .rules.registry import _RULES, op_key
     if node.op not in ("call_function", "call_method"):
         return False
-    return _RULES.get(op_key(node, {})) in (L._linear, L._addmm, L._matmul)
+    L = rules.linear
+    return rules.registry._RULES.get(rules.registry.op_key(node, {})) in (L._linear, L._addmm, L._matmul)
 
 
 def _flops(node: fx.Node, s: OpStrategy) -> float:
@@ -143,6 +142,7 @@ class Problem:
         self._edge_cache: dict = {}
         self.best_memo: dict = {}
         self.tensor_memo: dict = {}
+        self._param_memo: dict = {}
         self.groups = self._groups(pins or {})
         self.group_of_param = {k: g for g, grp in enumerate(self.groups) for k in grp.params}
 
@@ -241,11 +241,14 @@ class Problem:
         return out
 
     def param_cost(self, key: int, placement) -> float:
-        obj = self.param_obj[key]
-        nb = obj.numel() * obj.element_size()
-        if isinstance(placement, Shard):
-            nb /= self.p
-        return self.cost.memory_cost(nb)
+        hit = self._param_memo.get((key, placement))
+        if hit is None:
+            obj = self.param_obj[key]
+            nb = obj.numel() * obj.element_size()
+            if isinstance(placement, Shard):
+                nb /= self.p
+            hit = self._param_memo[(key, placement)] = self.cost.memory_cost(nb)
+        return hit
 
     # ---------------------------------------------------------------- decisions
     def _groups(self, pins: dict) -> list[Group]:
@@ -278,7 +281,7 @@ class Problem:
             members.setdefault(find(k), []).append(k)
         groups = []
         for ks in members.values():
-            ks = sorted(ks, key=lambda k: min(i for i, kk in self.param_key.items() if kk == k))
+            ks = sorted(ks, key=lambda k: min(self.param_nodes[k]))
             anchors = sorted({c for k in ks for c in options[k]})
             choices = self._choices(ks, anchors)
             names = tuple(self.param_names[k][0] for k in ks)
@@ -429,6 +432,8 @@ class State:
         self.place = [None] * n
         for i in range(n):
             self._assign(i, self.place, self.sidx)
+        # communication cost of every tensor under this labelling, kept current by commit()
+        self.tcost = [prob.tensor_cost(j, self.place, self.sidx) for j in range(n)]
         self.total = self.evaluate()
 
     # ---------------------------------------------------------------- propagation
@@ -497,7 +502,10 @@ class State:
 
     # ---------------------------------------------------------------- incremental change
     def trial(self, changes: dict[int, int]):
-        """Cost delta of setting group -> choice in `changes`, and the overlay that does it."""
+        """Cost delta of setting group -> choice in `changes`, and the overlay that does it.
+
+        Re-propagates in place from the changed parameters (in topological order) and undoes
+        the change before returning; old tensor costs come from `tcost`, not recomputed."""
         prob = self.prob
         new_pp = {}
         heap = []
@@ -508,52 +516,62 @@ class State:
                     new_pp[key] = pl
         if not new_pp:
             return 0.0, None
-        pp = _Overlay(self.param_place, new_pp)
-        place = _Overlay(self.place, {})
-        sidx = _Overlay(self.sidx, {})
+        place, sidx, kind, users = self.place, self.sidx, prob.kind, prob.users
+        old_place, old_sidx = {}, {}          # undo log: node -> value before the trial
         seen = set()
-        for key, pl in new_pp.items():
-            for i in prob.param_nodes[key]:
-                place.new[i] = pl
-                for u in prob.users[i]:
-                    heapq.heappush(heap, u)
-        saved, self.param_place = self.param_place, pp
+        saved, self.param_place = self.param_place, _Overlay(self.param_place, new_pp)
         try:
+            for key, pl in new_pp.items():
+                for i in prob.param_nodes[key]:
+                    old_place.setdefault(i, place[i])
+                    place[i] = pl
+                    for u in users[i]:
+                        heapq.heappush(heap, u)
             while heap:
                 i = heapq.heappop(heap)
                 if i in seen:
                     continue
                 seen.add(i)
-                si = self._best(i, place) if prob.kind[i] == "op" else 0
+                si = self._best(i, place) if kind[i] == "op" else 0
                 out = self._out(i, si, place)
-                if si != self.sidx[i]:
-                    sidx.new[i] = si
-                if out != self.place[i]:
-                    place.new[i] = out
-                    for u in prob.users[i]:
+                if si != sidx[i]:
+                    old_sidx[i] = sidx[i]
+                    sidx[i] = si
+                if out != place[i]:
+                    old_place[i] = place[i]
+                    place[i] = out
+                    for u in users[i]:
                         heapq.heappush(heap, u)
+            changed = set(old_sidx) | set(old_place)
+            tensors = set(changed)
+            for i in changed:
+                tensors.update(prob.ins[i])
+            delta = 0.0
+            for i in changed:
+                if prob.strats[i]:
+                    delta += prob.node_cost[i][sidx[i]] - prob.node_cost[i][old_sidx.get(i, sidx[i])]
+            tcost, tnew = self.tcost, {}
+            for j in tensors:
+                c = tnew[j] = prob.tensor_cost(j, place, sidx)
+                delta += c - tcost[j]
+            place_new = {i: place[i] for i in old_place}
+            sidx_new = {i: sidx[i] for i in old_sidx}
         finally:
             self.param_place = saved
-        changed = set(sidx.new) | set(place.new)
-        tensors = set(changed)
-        for i in changed:
-            tensors.update(prob.ins[i])
-        delta = 0.0
-        for i in changed:
-            if prob.strats[i]:
-                delta += prob.node_cost[i][sidx[i]] - prob.node_cost[i][self.sidx[i]]
-        for j in tensors:
-            delta += prob.tensor_cost(j, place, sidx) - prob.tensor_cost(j, self.place, self.sidx)
+            for i, v in old_place.items():
+                place[i] = v
+            for i, v in old_sidx.items():
+                sidx[i] = v
         for key, pl in new_pp.items():
             delta += prob.param_cost(key, pl) - prob.param_cost(key, self.placement_of_param(key))
         if math.isnan(delta):
             delta = INF
-        return delta, (changes, new_pp, place.new, sidx.new)
+        return delta, (changes, new_pp, place_new, sidx_new, tnew)
 
     def commit(self, delta, overlay):
         if overlay is None:
             return
-        changes, new_pp, place_new, sidx_new = overlay
+        changes, new_pp, place_new, sidx_new, tnew = overlay
         for g, ch in changes.items():
             self.choice[g] = ch
         self.param_place.update(new_pp)
@@ -561,6 +579,8 @@ class State:
             self.place[i] = v
         for i, v in sidx_new.items():
             self.sidx[i] = v
+        for j, c in tnew.items():
+            self.tcost[j] = c
         self.total += delta
 
     def set_choices(self, choices: dict[int, int]) -> float:
@@ -650,8 +670,9 @@ def windows(prob: Problem) -> list[tuple[int, ...]]:
     return out
 
 
-def _signature(prob: Problem, win, reach_nodes, state: State):
-    """Structure of a window's region plus its boundary placements: equal keys, equal answers."""
+def _window_shape(prob: Problem, win, reach_nodes):
+    """The structure of a window's region (state-independent) and the outside nodes it reads,
+    whose placements complete its signature."""
     region = sorted(reach_nodes)
     pos = {i: k for k, i in enumerate(region)}
     rows, boundary = [], []
@@ -664,7 +685,7 @@ def _signature(prob: Problem, win, reach_nodes, state: State):
                 refs.append(pos[j])
             else:
                 refs.append(("x", tuple(prob.val[j].shape) if _tensor(prob.val[j]) else None))
-                boundary.append(state.place[j])
+                boundary.append(j)
         if n.op == "call_module":
             tgt = type(prob.gm.get_submodule(n.target)).__name__
         elif n.op in ("call_method", "call_function"):
@@ -676,12 +697,18 @@ def _signature(prob: Problem, win, reach_nodes, state: State):
     return (tuple(rows), groups), tuple(boundary)
 
 
+def _signature(prob: Problem, win, reach_nodes, state: State):
+    """Structure of a window's region plus its boundary placements: equal keys, equal answers."""
+    shape, boundary = _window_shape(prob, win, reach_nodes)
+    return shape, tuple(state.place[j] for j in boundary)
+
+
 def greedy(prob: Problem, max_sweeps: int = 4) -> State:
     """Windowed greedy search from all-Replicate; see the module docstring."""
     state = State(prob)
     wins = windows(prob)
     anchor_set = {a for grp in prob.groups for a in grp.anchors}
-    regions = {}
+    regions, shapes = {}, {}
     cache: dict = {}
     for sweep in range(max_sweeps):
         improved = False
@@ -690,12 +717,14 @@ def greedy(prob: Problem, max_sweeps: int = 4) -> State:
             if win in done:
                 continue
             done.add(win)
-            if win not in regions:
+            if win not in regions:      # (structure id, boundary nodes): the structure is fixed
                 nodes = set()
                 for g in win:
                     nodes |= set(_reach(prob, prob.groups[g].anchors, anchor_set, SIGNATURE_DEPTH))
-                regions[win] = nodes
-            key = _signature(prob, win, regions[win], state)
+                shape, boundary = _window_shape(prob, win, nodes)
+                regions[win] = (shapes.setdefault(shape, len(shapes)), boundary)
+            shape_id, boundary = regions[win]
+            key = (shape_id, tuple(state.place[j] for j in boundary))
             best = cache.get(key)
             if best is None:
                 best, best_d = tuple(state.choice[g] for g in win), 0.0
