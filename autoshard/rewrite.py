@@ -52,7 +52,9 @@ def shard_tensor(t: torch.Tensor, placement, rank: int, p: int) -> torch.Tensor:
     """This rank's shard of `t` (one contiguous copy of the shard only)."""
     if not isinstance(placement, Shard):
         return t
-    return C._split_along(t.detach(), placement.dim, p, placement.chunks)[rank].contiguous()
+    piece = C._split_along(t.detach(), placement.dim, p, placement.chunks)[rank]
+    # a view (a dim-0 block is contiguous already) would keep the whole tensor alive: copy it once
+    return piece if piece._base is None else piece.clone(memory_format=torch.contiguous_format)
 
 
 def _torchshard_attrs(placement: Shard, ndim: int, label) -> tuple[int, int]:
@@ -302,8 +304,9 @@ class Rewriter:
 
 
 def _bind_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Make `gm` hold `model`'s parameters and buffers under the same names (tied ones stay tied):
-    a plan may have been captured from another instance of the same architecture."""
+    """Make `gm` hold `model`'s parameters and buffers under the same names (tied ones stay tied;
+    a plan may have been captured from another instance of the same architecture), listed in the
+    model's order (fx registers submodules in the order forward first uses them)."""
     for named, get, register in ((model.named_parameters(remove_duplicate=False), gm.get_parameter, "register_parameter"),
                                  (model.named_buffers(remove_duplicate=False), gm.get_buffer, "register_buffer")):
         for name, t in named:
@@ -318,6 +321,18 @@ def _bind_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
                 owner.register_parameter(attr, t)
             else:
                 owner.register_buffer(attr, t, persistent=attr not in owner._non_persistent_buffers_set)
+    for name, theirs in model.named_modules(remove_duplicate=False):   # the model's order, not forward's:
+        try:                                                            # state_dict() and parameters() match
+            ours = gm.get_submodule(name) if name else gm
+        except AttributeError:
+            continue
+        for attr in ("_parameters", "_buffers", "_modules"):
+            mine, model_order = getattr(ours, attr), getattr(theirs, attr)
+            keys = [k for k in model_order if k in mine] + [k for k in mine if k not in model_order]
+            if list(mine) != keys:
+                items = [(k, mine[k]) for k in keys]
+                mine.clear()
+                mine.update(items)
 
 
 def _get(mod, name):
