@@ -1,0 +1,170 @@
+"""Train a small GPT with autoshard: tensor parallelism inside groups of --tp ranks, data
+parallelism (DDP) across the groups.
+
+One machine, 4 processes as 2 tensor-parallel x 2 data-parallel (gloo on CPU, NCCL on GPUs):
+
+    torchrun --nproc_per_node 4 docs/examples/train_gpt.py --tp 2
+
+Two machines of 8 GPUs, tensor parallel inside a machine, data parallel across (run on both,
+--node_rank 0 and 1):
+
+    torchrun --nnodes 2 --node_rank 0 --master_addr HOST0 --master_port 29500 \
+        --nproc_per_node 8 docs/examples/train_gpt.py --tp 8
+
+Every rank builds the same model from the same seed; `autoshard.parallelize` keeps this
+rank's shards. Ranks of one tensor-parallel group read the same batch; data-parallel replicas
+read different ones. The sharded parameters are registered for DDP to ignore and averaged over
+the data-parallel group by autoshard; DDP averages the replicated ones over the same group.
+`--timeout` bounds the rendezvous and every collective: a rank that dies or never arrives ends
+the others with an error instead of a hang.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import autoshard
+from autoshard import distributed as ad
+
+
+class Block(nn.Module):
+    def __init__(self, h, heads, dropout):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, pre-norm blocks, LM head tied to the token embedding."""
+
+    def __init__(self, vocab, h, heads, layers, seq, dropout=0.0):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
+        self.blocks = nn.ModuleList([Block(h, heads, dropout) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(h)
+        self.head = nn.Linear(h, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        for m in self.modules():                  # GPT-2's initialisation
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=None,
+                    help="tensor-parallel degree (consecutive ranks form a group; default: all ranks)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per data-parallel replica per step")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="seconds the rendezvous and each collective may wait for the other ranks")
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl with CUDA, else gloo")
+    ap.add_argument("--save", default=None, help="write the full (collected) state dict here from rank 0")
+    ap.add_argument("--quiet", action="store_true", help="do not print the plan report")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if "RANK" not in os.environ:
+        sys.exit("run me under torchrun, e.g.: torchrun --nproc_per_node 2 docs/examples/train_gpt.py --tp 2")
+    backend = args.backend or ad.default_backend()
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(ad.local_rank())
+    device = torch.device("cuda", ad.local_rank()) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+    world = int(os.environ["WORLD_SIZE"])
+    tp = world if args.tp is None else args.tp
+    ad.init_process_group(tp, backend=backend, timeout=timedelta(seconds=args.timeout))
+    rank, dp_group = dist.get_rank(), ad.get_data_parallel_group()
+    dp, dp_rank = world // tp, rank // tp
+    log = print if rank == 0 else (lambda *a, **k: None)
+
+    torch.manual_seed(args.seed)            # the same initial model (and dropout masks) everywhere
+    model = GPT(args.vocab, args.hidden, args.heads, args.layers, args.seq, args.dropout).to(device)
+    data = torch.Generator().manual_seed(args.seed + 1 + dp_rank)     # one stream per replica
+
+    def batch():
+        x = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=data)
+        x[:, 1:] = (x[:, :-1] + 1) % args.vocab     # a learnable rule: the next token is this one + 1
+        return x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)
+
+    t0 = time.perf_counter()
+    gm = autoshard.parallelize(model, tp, batch())
+    plan = gm._autoshard_plan
+    if not args.quiet:
+        log(plan.report())
+    log(f"world {world} = {tp} tensor-parallel x {dp} data-parallel ({backend}); "
+        f"planned and sharded in {time.perf_counter() - t0:.1f} s")
+    train = gm
+    if dp > 1:
+        autoshard.register_ddp_parameters_to_ignore(gm)
+        train = DDP(gm, process_group=dp_group, device_ids=[device.index] if cuda else None)
+    opt = torch.optim.AdamW(train.parameters(), lr=args.lr)
+
+    t0 = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        idx, targets = batch()
+        with autoshard.collectives.count_comm() as comm:
+            loss = train(idx, targets)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        opt.step()
+        shown = loss.detach().clone()
+        if dp > 1:
+            dist.all_reduce(shown, group=dp_group)
+            shown /= dp
+        log(f"step {step:3d}  loss {shown.item():.4f}  tensor-parallel bytes sent {comm.bytes / 1e6:.3f} MB "
+            f"(plan {plan.comm_bytes / 1e6:.3f} MB)  {time.perf_counter() - t0:.2f} s")
+
+    if args.save:
+        full = autoshard.collect_state_dict(gm, gm.state_dict(), dst=0) if dp_rank == 0 else {}
+        if rank == 0:
+            torch.save(full, args.save)
+            log(f"saved the full state dict ({len(full)} tensors) to {args.save}")
+    ad.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

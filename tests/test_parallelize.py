@@ -1,0 +1,447 @@
+"""parallelize(): each rank's GraphModule computes what the single-process model computes.
+
+At world sizes 2 and 4 (gloo, CPU), for an MLP returning logits, a GPT with its loss inside, a
+fused q/k/v GPT, a tied-embedding GPT returning logits and a LayerNorm/residual/dropout/SwiGLU mix:
+forward output, loss and every collected gradient equal the model's (fp32, 1e-5 relative), five
+optimizer steps stay equal, state dicts round-trip through relocate/collect, and the bytes the
+collectives moved (count_comm) equal the plan's prediction while torch's CommDebugMode counts the
+same collectives. Then: tensor-parallel subgroups (group=), 2 TP x 2 DP with DDP, rank= without a
+process group, clear errors for bad input, and the demo / torchrun example as users run them.
+"""
+import copy
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard import distributed as ad
+from autoshard.collectives import _cat_along, count_comm
+from autoshard.errors import CaptureError, ProcessGroupError, ShardingError
+from autoshard.nn import functional as PF
+from models import GPT, MLPStack
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "docs", "examples", "train_gpt.py")
+VOCAB = 2048          # large enough (x 128 tokens) that the vocabulary-parallel loss beats gathering logits
+
+
+# ----------------------------------------------------------------------------- models and checks
+
+class Classifier(nn.Module):
+    """Residual MLP blocks and a linear head returning logits (the loss is computed outside)."""
+
+    def __init__(self, classes=32):
+        super().__init__()
+        self.body = MLPStack(blocks=2, h=64)
+        self.head = nn.Linear(64, classes)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _tokens(seed, batch=4, seq=32, vocab=VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(vocab, (batch, seq), generator=g), torch.randint(vocab, (batch, seq), generator=g)
+
+
+def _build(name, seed=0):
+    """(model, example args, batch(seed) -> args, loss(output, args) -> scalar)."""
+    torch.manual_seed(seed)
+    if name == "mlp_logits":
+        model = Classifier()
+        batch = lambda s: (torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(s)),)  # noqa: E731
+        loss = lambda out, args: F.cross_entropy(out.reshape(-1, 32), args[0].argmax(-1).reshape(-1) % 32)  # noqa: E731
+    elif name == "tied_logits":
+        model = GPT(vocab=VOCAB, blocks=1, tied=True)
+        batch = lambda s: _tokens(s)[:1]  # noqa: E731
+        loss = lambda out, args: F.cross_entropy(out.reshape(-1, VOCAB), ((args[0] + 1) % VOCAB).reshape(-1))  # noqa: E731
+    else:
+        kw = {"gpt_loss": dict(blocks=2, tied=False), "fused_qkv": dict(blocks=1, fused=True, tied=False),
+              "mix": dict(blocks=2, tied=True, swiglu=True, dropout=0.1)}[name]
+        model = GPT(vocab=VOCAB, **kw)
+        batch = _tokens
+        loss = lambda out, args: out  # noqa: E731
+    if name == "mix":
+        model.eval()                  # dropout off for the comparisons (checked separately below)
+    return model, batch(seed), batch, loss
+
+
+def _close(actual, expected, what):
+    """fp32 agreement, 1e-5 relative to the tensor's scale."""
+    expected = expected.detach()
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual.detach(), expected, rtol=1e-5, atol=1e-5 * scale + 1e-8,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _grads(module):
+    return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _check_grads(gm, ref, what):
+    collected = autoshard.collect_state_dict(gm, _grads(gm))
+    expected = _grads(ref)
+    assert set(collected) == set(expected), (sorted(collected), sorted(expected))
+    for key, g in expected.items():
+        _close(collected[key], g, f"{what}: grad of {key}")
+
+
+def _check_full(full, ref, what):
+    expected = ref.state_dict()
+    assert list(full) == list(expected), f"{what}: keys {list(full)} != {list(expected)}"
+    for key, value in expected.items():
+        _close(full[key], value, f"{what}: {key}")
+
+
+# ----------------------------------------------------------------------------- the equivalence case
+
+def _equivalence(rank, p, name):
+    """Everything one model must satisfy at degree p; returns numbers for the test to compare."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model, args, batch, loss_fn = _build(name)
+    ref = copy.deepcopy(model)                      # parallelize shares replicated tensors with `model`
+    gm = autoshard.parallelize(model, p, args)
+    plan = gm._autoshard_plan
+
+    # names, sharing and shard storage
+    assert list(gm.state_dict()) == list(ref.state_dict())
+    layouts = autoshard.layouts(gm)
+    assert layouts, f"{name}: nothing was sharded"
+    for key, full in ref.named_parameters(remove_duplicate=False):
+        local = gm.get_parameter(key)
+        if key in layouts:
+            shape = list(full.shape)
+            shape[layouts[key].dim] //= p
+            assert list(local.shape) == shape, (key, local.shape, shape)
+            assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), key   # shard only
+        else:
+            assert local is model.get_parameter(key), f"{key}: a replicated parameter must be shared, not copied"
+
+    # one forward + backward, counted by autoshard and by torch
+    with CommDebugMode() as torch_counts, count_comm() as ours:
+        out = gm(*args)
+        loss = loss_fn(out, args)
+        loss.backward()
+    ref_out = ref(*args)
+    ref_loss = loss_fn(ref_out, args)
+    ref_loss.backward()
+    _close(out, ref_out, f"{name}: output")
+    _close(loss, ref_loss, f"{name}: loss")
+    _check_grads(gm, ref, name)
+    vocab_parallel = any(n.target is PF.vocab_parallel_cross_entropy for n in gm.graph.nodes)
+
+    # a batch of another size runs through the same module: fx graphs read sizes with size()
+    # (torch.export graphs are specialised to the example's shapes and guard against others)
+    if plan.tracer == "symbolic_trace":
+        other = tuple(a[:2] for a in batch(11))
+        _close(loss_fn(gm(*other), other), loss_fn(ref(*other), other), f"{name}: loss on another batch size")
+
+    # five optimizer steps stay equal (SGD with momentum: Adam would amplify fp32 rounding of
+    # gradients that are zero in exact arithmetic, like a key bias under softmax)
+    opt = torch.optim.SGD(gm.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(5):
+        args_s = batch(100 + step)
+        for module, optim in ((gm, opt), (ref, ref_opt)):
+            optim.zero_grad()
+            l_s = loss_fn(module(*args_s), args_s)
+            l_s.backward()
+            optim.step()
+            if module is gm:
+                mine = l_s
+        _close(mine, l_s, f"{name}: loss at step {step + 1}")
+    full = autoshard.collect_state_dict(gm, gm.state_dict())
+    _check_full(full, ref, f"{name} after 5 steps")
+
+    # state dict round trip: relocate(collect(local)) is local; a module built from another
+    # instance with the same plan and loaded with relocate(reference) computes like the reference
+    local = autoshard.relocate_state_dict(gm, full)
+    assert list(local) == list(gm.state_dict())
+    for key, value in gm.state_dict().items():
+        assert torch.equal(local[key], value), key
+    fresh_model, _, _, _ = _build(name, seed=123)
+    fresh = autoshard.parallelize(fresh_model, p, plan=plan)
+    fresh.load_state_dict(autoshard.relocate_state_dict(fresh, ref.state_dict()))
+    _close(loss_fn(fresh(*args), args), loss_fn(ref(*args), args), f"{name}: loss after relocate + load")
+
+    result = dict(measured=ours.bytes, predicted=plan.comm_bytes, calls=ours.calls,
+                  planned_calls=sum(c for c, _ in plan.comm_by_kind.values()),
+                  torch_calls=torch_counts.get_total_counts(), vocab_parallel=vocab_parallel,
+                  loss=float(loss))
+    if name == "mix":
+        result.update(_dropout_honoured(gm, ref, args, p))
+    return result
+
+
+def _dropout_honoured(gm, ref, args, p):
+    """Dropout modules follow train()/eval(); with the same seed everywhere, train-mode outputs are
+    the same on every rank and equal the reference's where every dropout runs on a whole tensor."""
+    def run(module, train):
+        module.train(train)
+        torch.manual_seed(5)
+        with torch.no_grad():
+            return module(*args)
+    train, evaluated = run(gm, True), run(gm, False)
+    assert not torch.allclose(train, evaluated), "dropout is not applied in train mode"
+    _close(evaluated, run(ref, False), "eval-mode loss")
+    every = [torch.zeros_like(train) for _ in range(p)]
+    dist.all_gather(every, train.contiguous())
+    assert all(torch.equal(e, every[0]) for e in every), "train-mode outputs differ between ranks"
+    drops = [d for d in gm._autoshard_plan.nodes.values() if d.op == "Dropout"]
+    whole = bool(drops) and all(isinstance(d.output, autoshard.Replicate) for d in drops)
+    if whole:
+        _close(train, run(ref, True), "train-mode loss (same dropout masks)")
+    return dict(dropout_whole=whole)
+
+
+MODELS = ["mlp_logits", "gpt_loss", "fused_qkv", "tied_logits", "mix"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("world", ["dist2", "dist4"])
+def test_equals_single_process(world, name, request):
+    results = request.getfixturevalue(world).run(_equivalence, name, timeout=120)
+    for r in results:
+        assert r["measured"] == pytest.approx(r["predicted"], rel=0.01), r
+        assert r["calls"] == r["planned_calls"] == r["torch_calls"], r
+        assert r["measured"] > 0, r
+        assert r["loss"] == results[0]["loss"]                       # every rank returns the full loss
+    if name in ("gpt_loss", "fused_qkv", "mix"):
+        assert results[0]["vocab_parallel"], f"{name}: the loss is not computed vocabulary-parallel"
+    if name == "mix":
+        assert results[0]["dropout_whole"]
+
+
+# ----------------------------------------------------------------------------- groups
+
+def _subgroups(rank, p):
+    """World 4 as two independent tensor-parallel pairs passed with group=."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    model, args, _, loss_fn = _build("fused_qkv", seed=rank // 2)     # each pair its own model
+    ref = copy.deepcopy(model)
+    with pytest.raises(ProcessGroupError, match=r"world_size=4\) but the tensor-parallel group has 2 ranks"):
+        autoshard.parallelize(model, 4, args, group=mine)
+    with pytest.raises(ProcessGroupError, match="tensor-parallel group has 4 ranks"):
+        autoshard.parallelize(model, 2, args)                        # the default group is the world
+    gm = autoshard.parallelize(model, 2, args, group=mine)
+    with count_comm() as c:
+        loss = loss_fn(gm(*args), args)
+        loss.backward()
+    ref_loss = loss_fn(ref(*args), args)
+    ref_loss.backward()
+    _close(loss, ref_loss, "loss in a subgroup")
+    _check_grads(gm, ref, "subgroup")
+    assert c.bytes == pytest.approx(gm._autoshard_plan.comm_bytes, rel=0.01)
+    return float(loss)
+
+
+def test_tensor_parallel_subgroups(dist4):
+    losses = dist4.run(_subgroups)
+    assert losses[0] == losses[1] and losses[2] == losses[3] and losses[0] != losses[2]
+
+
+def _ddp_2x2(rank, p):
+    """World 4 as TP groups {0,1}, {2,3} and DP groups {0,2}, {1,3}: DDP over the DP group with the
+    sharded parameters ignored trains like one process on the whole batch."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ad.init_process_group(2)
+    model, args, _, loss_fn = _build("gpt_loss")
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, 2, args)
+    ignored = autoshard.register_ddp_parameters_to_ignore(gm)
+    assert ignored and set(ignored) == set(autoshard.layouts(gm))
+    ddp = DDP(gm, process_group=ad.get_data_parallel_group())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    half = slice(2 * (rank // 2), 2 * (rank // 2) + 2)               # this replica's half of the batch
+    for step in range(3):
+        idx, targets = _tokens(200 + step)
+        opt.zero_grad()
+        ddp(idx[half], targets[half]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(idx, targets).backward()
+        ref_opt.step()
+    _check_full(autoshard.collect_state_dict(gm, gm.state_dict()), ref, "2 TP x 2 DP after 3 steps")
+    return True
+
+
+def test_ddp_across_tensor_parallel_groups(dist4):
+    assert all(dist4.run(_ddp_2x2, timeout=120))
+
+
+def _bad_groups(rank, p):
+    model, args, _, _ = _build("gpt_loss")
+    with pytest.raises(ProcessGroupError, match=r"world_size=4\) but the tensor-parallel group has 2 ranks"):
+        autoshard.parallelize(model, 4, args)
+    with pytest.raises(ProcessGroupError, match=f"rank={1 - rank} but this process is rank {rank}"):
+        autoshard.parallelize(model, 2, args, rank=1 - rank)
+    with pytest.raises(ProcessGroupError, match="group size 3 must be >= 1 and divide the world size 2"):
+        ad.init_process_group(3)
+    return True
+
+
+def test_world_size_that_does_not_match_the_group(dist2):
+    assert all(dist2.run(_bad_groups))
+
+
+# ----------------------------------------------------------------------------- one process
+
+def test_rank_without_process_group_builds_that_ranks_module():
+    assert not dist.is_initialized()
+    model, args, _, _ = _build("fused_qkv")
+    plan = autoshard.plan(model, 2, args)
+    shards = [autoshard.parallelize(model, 2, plan=plan, rank=r) for r in range(2)]
+    layouts = autoshard.layouts(shards[0])
+    assert "blocks.0.attn.qkv.weight" in layouts and layouts["blocks.0.attn.qkv.weight"].chunks == 3
+    for key, full in model.state_dict(keep_vars=True).items():
+        pieces = [gm.state_dict()[key] for gm in shards]
+        if key in layouts:                                          # the ranks' shards make the tensor
+            assert torch.equal(_cat_along(pieces, layouts[key].dim, layouts[key].chunks), full.detach()), key
+        else:                                                       # replicated: the model's own tensor
+            assert all(piece.data_ptr() == full.data_ptr() for piece in pieces), key
+    assert "autoshard_collectives" in shards[0].code                # collectives are named graph nodes
+    with pytest.raises(ProcessGroupError, match="needs a process group"):
+        shards[0](*args)                                            # running it needs the group
+    with pytest.raises(ProcessGroupError, match=r"needs an initialised process group .* or rank="):
+        autoshard.parallelize(model, 2, args)
+    with pytest.raises(ShardingError, match="rank 2 is outside 0..1"):
+        autoshard.parallelize(model, 2, plan=plan, rank=2)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:                                             # Python control flow on a value
+            return self.fc(x)
+        return -self.fc(x)
+
+
+def test_bad_input_errors():
+    x = torch.randn(2, 8)
+    with pytest.raises(CaptureError) as e:
+        autoshard.parallelize(DataDependent(), 2, (x,), rank=0)
+    text = str(e.value)
+    assert "could not capture DataDependent" in text
+    assert re.search(r"symbolic_trace failed: \w+", text) and re.search(r"export failed: \w+", text), text
+    assert "try:" in text
+    model, args, _, _ = _build("gpt_loss")
+    plan = autoshard.plan(model, 2, args)
+    other = GPT(vocab=VOCAB, blocks=1, tied=False)
+    with pytest.raises(ShardingError, match="the plan was made for another model: GPT lacks parameters"):
+        autoshard.parallelize(other, 2, plan=plan, rank=0)
+    with pytest.raises(ShardingError, match="made for another model"):
+        autoshard.parallelize(Classifier(), 2, plan=plan, rank=0)
+    with pytest.raises(ShardingError, match="the plan was made for world_size 2, not 4"):
+        autoshard.parallelize(model, 4, plan=plan, rank=0)
+    with pytest.raises(ShardingError, match="world_size must be >= 1, got 0"):
+        autoshard.parallelize(model, 0, args, rank=0)
+    with pytest.raises(TypeError, match="given together with plan="):
+        autoshard.parallelize(model, 2, plan=plan, rank=0, search="exact")
+
+
+# ----------------------------------------------------------------------------- as users run it
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SMALL = ["--vocab", "512", "--hidden", "32", "--heads", "2", "--layers", "1", "--seq", "16", "--batch", "4", "--quiet"]
+
+
+def test_demo_losses_agree(capfd):
+    from autoshard import demo
+    assert demo.main(["--steps", "3"]) == 0
+    out = capfd.readouterr().out
+    assert "autoshard plan" in out and "OK: the tensor-parallel model trains like the single-process one" in out
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2, 3]
+    assert all(abs(float(a) - float(b)) <= 1e-4 for _, a, b, _ in rows)
+    ratios = re.findall(r"^\s+[01]\s+\d+\s+.*\s([\d.]+)$", out, re.M)
+    assert len(ratios) == 2 and all(abs(float(r) - 1) <= 0.01 for r in ratios), out
+
+
+def test_torchrun_example_two_ranks():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           EXAMPLE, "--tp", "2", "--steps", "2", *SMALL]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "world 2 = 2 tensor-parallel x 1 data-parallel (gloo)" in done.stdout
+    sent = re.findall(r"bytes sent ([\d.]+) MB \(plan ([\d.]+) MB\)", done.stdout)
+    assert len(sent) == 2 and all(a == b for a, b in sent), done.stdout
+
+
+def _launch(rank, world, port, *args):
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank,
+               LOCAL_WORLD_SIZE=world)
+    return subprocess.Popen([sys.executable, EXAMPLE, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_tensor_parallel_degree_that_does_not_divide_the_world():
+    done = subprocess.run([sys.executable, EXAMPLE, "--tp", "2", *SMALL], capture_output=True, text=True,
+                          env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(), WORLD_SIZE=1, RANK=0),
+                          timeout=60)
+    assert done.returncode != 0
+    assert "ProcessGroupError: tensor-parallel group size 2 must be >= 1 and divide the world size 1" in done.stderr
+
+
+def test_missing_rank_ends_with_an_error_within_the_timeout():
+    """WORLD_SIZE=2 but only rank 0 comes: the rendezvous gives up after --timeout seconds."""
+    t0 = time.monotonic()
+    proc = _launch(0, 2, _free_port(), "--tp", "2", "--timeout", "3", *SMALL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert re.search(r"Timed out after \d+ seconds waiting for clients\. 1/2 clients joined", out), out[-2000:]
+    assert time.monotonic() - t0 < 45
+
+
+def test_a_rank_that_dies_ends_the_others_with_an_error():
+    port = _free_port()
+    procs = [_launch(r, 2, port, "--tp", "2", "--steps", "100000", "--timeout", "10", *SMALL) for r in range(2)]
+    watchdog = threading.Timer(120, lambda: [proc.kill() for proc in procs])
+    watchdog.start()
+    try:
+        lines = []
+        for line in procs[0].stdout:                              # wait until training runs
+            lines.append(line)
+            if line.startswith("step   2"):
+                break
+        assert any(line.startswith("step   2") for line in lines), "".join(lines)[-2000:]
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        rest, _ = procs[0].communicate(timeout=40)
+        assert procs[0].returncode not in (0, None)
+        assert time.monotonic() - t0 < 30
+        assert re.search(r"Connection (reset|closed) by peer|Timed out", rest), rest[-2000:]
+    finally:
+        watchdog.cancel()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
