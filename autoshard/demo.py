@@ -140,23 +140,23 @@ def _rank(rank: int, opts, port: int, results) -> None:
                 worst = max(worst, diff)
                 say(f"{step:4d}  {loss.item():14.6f}  {ref_loss.item():15.6f}  {diff:12.2e}")
         seconds = time.perf_counter() - t0
-        mine = (comm.calls / opts.steps, comm.bytes / opts.steps,
-                {k: (c / opts.steps, b / opts.steps) for k, (c, b) in comm.by_kind.items()})
-        every = [None] * p
-        dist.all_gather_object(every, mine)
+        mine = torch.tensor([comm.calls / opts.steps, comm.bytes / opts.steps], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(p)]
+        dist.all_gather(every, mine)                   # (all_gather_object would need numpy)
         if rank == 0:
             planned = sum(c for c, _ in plan.comm_by_kind.values())
             say("\ncommunication per training step (forward + backward), bytes each rank sent:")
             say(f"{'rank':>4}  {'collectives':>11}  {'measured':>12}  {'predicted':>12}  {'measured/predicted':>18}")
-            for r, (calls, nbytes, _) in enumerate(every):
+            for r, (calls, nbytes) in enumerate(t.tolist() for t in every):
                 say(f"{r:4d}  {calls:11.0f}  {_fmt_bytes(nbytes):>12}  {_fmt_bytes(plan.comm_bytes):>12}  "
                     f"{nbytes / plan.comm_bytes if plan.comm_bytes else float('nan'):18.4f}")
-            kinds = ", ".join(f"{k} {c:.0f} x {_fmt_bytes(b)}" for k, (c, b) in sorted(every[0][2].items()))
+            kinds = ", ".join(f"{k} {c / opts.steps:.0f} x {_fmt_bytes(b / opts.steps)}"
+                              for k, (c, b) in sorted(comm.by_kind.items()))
             say(f"  measured by kind (rank 0): {kinds}; the plan predicted {planned} collectives, "
                 f"{_fmt_bytes(plan.comm_bytes)} (plan.comm_bytes)")
             say(f"\n{opts.steps} steps in {seconds:.1f} s; largest |loss difference| {worst:.2e} "
                 f"(tolerance {opts.tol:g})")
-            ok = worst <= opts.tol and all(abs(b - plan.comm_bytes) <= 0.01 * plan.comm_bytes for _, b, _ in every)
+            ok = worst <= opts.tol and all(abs(t[1].item() - plan.comm_bytes) <= 0.01 * plan.comm_bytes for t in every)
             say("OK: the tensor-parallel model trains like the single-process one" if ok else
                 "MISMATCH: see the numbers above")
             results.put(ok)
