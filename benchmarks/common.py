@@ -8,10 +8,11 @@ Conventions every benchmark follows (and prints in its JSON):
 - A *step* is forward + loss + backward (+ the optimizer step when one is given), then
   ``zero_grad(set_to_none=True)``.
 - Timing: warm-up steps for every variant, then rounds in which each variant runs one step
-  in turn (the order rotates by one each round so no variant always goes first). Every
-  timed step is preceded by ``dist.barrier()``; a step's time is the *maximum over ranks* of
-  the wall time from leaving the barrier to finishing the step. Reported: the median (and
-  quartiles) over rounds.
+  in turn (the order rotates by one each round so no variant always goes first), until a
+  round cap or a time budget is reached. Every timed step is preceded by
+  ``dist.barrier()``; a step's time is the *maximum over ranks* of the wall time from
+  leaving the barrier to finishing the step. Reported: the median (and quartiles) over
+  rounds.
 - Memory: ``param_bytes`` is the storage of the parameters this rank holds (DTensor: the
   local shard). ``step_peak_bytes`` is the peak, above the level at the start of the step,
   of bytes held by torch's CPU allocator during one step, from ``torch.profiler``'s
@@ -53,6 +54,7 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 __all__ = [
     "REPO_ROOT", "RESULTS_DIR", "launch", "TrainStep", "time_interleaved", "summarize",
     "step_peak_bytes", "param_bytes", "maxrss_bytes", "CollectiveCounter", "count_collectives",
+    "measure_step",
     "fmt_counts", "write_json", "save_figure", "print_table", "env_info", "fmt_bytes",
     "use_agg_backend",
 ]
@@ -185,33 +187,27 @@ class TrainStep:
 
 
 def time_interleaved(steps: dict[str, Callable[[], Any]], *, warmup: int = 3, rounds: int = 20,
-                     group=None, budget_s: float | None = None) -> dict[str, list[float]]:
+                     group=None, budget_s: float | None = None,
+                     min_rounds: int = 5) -> dict[str, list[float]]:
     """Time ``steps`` (name -> a callable running one step) in interleaved rounds.
 
     Call on every rank with the same names in the same order. Each variant first runs
     ``warmup`` untimed steps. Then, in round ``r``, every variant runs one step, the order
     rotated by ``r``; each step is preceded by a ``dist.barrier`` and timed on every rank.
-    With ``budget_s``, the number of rounds is cut to what fits in that many seconds at the
-    warm-up pace (never below 5 nor above ``rounds``). Returns name -> per-round step
-    times in milliseconds, each the maximum over ranks (identical on every rank).
+    With ``budget_s``, rounds stop once that many seconds have passed since the first
+    round began (the ranks agree after each round; never fewer than ``min_rounds``, never
+    more than ``rounds``). Returns name -> per-round step times in milliseconds, each the
+    maximum over ranks (identical on every rank).
     """
     names = list(steps)
     distributed = dist.is_available() and dist.is_initialized()
     barrier = (lambda: dist.barrier(group=group)) if distributed else (lambda: None)
-    warm_time = 0.0
     for name in names:
-        for i in range(warmup):
+        for _ in range(warmup):
             barrier()
-            t0 = time.perf_counter()
             steps[name]()
-            if i == warmup - 1:
-                warm_time += time.perf_counter() - t0
-    if budget_s is not None and warm_time > 0:
-        est = torch.tensor([budget_s / warm_time], dtype=torch.float64)
-        if distributed:                                          # every rank must agree
-            dist.all_reduce(est, op=dist.ReduceOp.MIN, group=group)
-        rounds = max(5, min(rounds, int(est.item())))
     times: dict[str, list[float]] = {n: [] for n in names}
+    start = time.perf_counter()
     for r in range(rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
@@ -219,6 +215,12 @@ def time_interleaved(steps: dict[str, Callable[[], Any]], *, warmup: int = 3, ro
             t0 = time.perf_counter()
             steps[name]()
             times[name].append((time.perf_counter() - t0) * 1e3)
+        if budget_s is not None and r + 1 >= min_rounds:
+            over = torch.tensor([float(time.perf_counter() - start > budget_s)])
+            if distributed:                                      # every rank must agree
+                dist.all_reduce(over, op=dist.ReduceOp.MAX, group=group)
+            if over.item():
+                break
     if distributed:
         t = torch.tensor([times[n] for n in names], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -409,6 +411,14 @@ def count_collectives(step: TrainStep) -> dict[str, Any]:
         for d in (out, out["bytes"], out["raw_ops"]):
             d.pop("optimizer", None)
     return out
+
+
+def measure_step(step: TrainStep) -> tuple[dict[str, Any], int]:
+    """One step, both counted (``count_collectives``) and profiled (``step_peak_bytes``):
+    returns (collective summary, peak bytes)."""
+    box: dict[str, Any] = {}
+    peak = step_peak_bytes(lambda: box.setdefault("comm", count_collectives(step)))
+    return box["comm"], peak
 
 
 def fmt_counts(counts: dict[str, int] | None) -> str:

@@ -49,10 +49,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.common import (TrainStep, count_collectives, env_info, fmt_bytes, fmt_counts,
-                               launch, maxrss_bytes, param_bytes, print_table, save_figure,
-                               step_peak_bytes, summarize, time_interleaved, use_agg_backend,
-                               write_json)
+from benchmarks.common import (TrainStep, env_info, fmt_bytes, fmt_counts, launch, maxrss_bytes,
+                               measure_step, param_bytes, print_table, save_figure, summarize,
+                               time_interleaved, use_agg_backend, write_json)
 from benchmarks.models import MLPStack
 
 VARIANTS = ("hand", "dtensor", "autoshard")
@@ -72,7 +71,7 @@ class Case:
     world: int = 2
     warmup: int = 3
     rounds: int = 30
-    budget_s: float = 20.0                 # timed rounds are cut to fit this (>= 5 rounds)
+    budget_s: float = 20.0                 # timed rounds stop after this long (>= 5 rounds)
     control: bool = False                  # also time CONTROL (hand_copy) to show the noise floor
 
     @property
@@ -346,11 +345,14 @@ def run_cases(cases: list[Case], optim: str, deadline: float | None = None,
 
         steps = {n: TrainStep(models[n], (x,), loss_fn, _make_optimizer(optim, models[n].parameters()))
                  for n in ok}
-        comm = {n: count_collectives(steps[n]) for n in ok}
+        # one step per variant counted and profiled at once (it and the verification above
+        # also serve as warm-up)
+        measured = {n: measure_step(steps[n]) for n in ok}
+        comm = {n: measured[n][0] for n in ok}
+        peaks = torch.tensor([measured[n][1] for n in ok], dtype=torch.float64)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         times = time_interleaved(steps, warmup=case.warmup, rounds=case.rounds,
                                  budget_s=budget)
-        peaks = torch.tensor([step_peak_bytes(steps[n]) for n in ok], dtype=torch.float64)
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
 
         variants = {}
         for n in names:
@@ -390,16 +392,16 @@ def run_cases(cases: list[Case], optim: str, deadline: float | None = None,
 
 def _cases(quick: bool, rounds: int | None, budget: float | None) -> list[Case]:
     if quick:
-        cases = [Case(warmup=3, rounds=60, budget_s=25.0, control=True)]
+        cases = [Case(warmup=2, rounds=60, budget_s=25.0, control=True)]
     else:
         cases = [
             # timed-round budgets sum to 210 s: about 5 min in all on an idle 2-core machine;
-            # when other jobs load it, --time-limit (480 s) cuts later cases' rounds
-            Case(hidden=256, tokens=64, world=2, warmup=5, rounds=100, budget_s=45.0, control=True),
-            Case(hidden=512, tokens=256, world=2, warmup=3, rounds=40, budget_s=45.0),
-            Case(hidden=1024, tokens=512, world=2, warmup=1, rounds=20, budget_s=50.0),
-            Case(hidden=256, tokens=64, world=4, warmup=3, rounds=60, budget_s=30.0),
-            Case(hidden=512, tokens=256, world=4, warmup=2, rounds=30, budget_s=40.0),
+            # when other jobs load it, --time-limit (420 s) cuts later cases' rounds
+            Case(hidden=256, tokens=64, world=2, warmup=3, rounds=100, budget_s=45.0, control=True),
+            Case(hidden=512, tokens=256, world=2, warmup=1, rounds=40, budget_s=45.0),
+            Case(hidden=1024, tokens=512, world=2, warmup=0, rounds=20, budget_s=50.0),
+            Case(hidden=256, tokens=64, world=4, warmup=2, rounds=60, budget_s=30.0),
+            Case(hidden=512, tokens=256, world=4, warmup=1, rounds=30, budget_s=40.0),
         ]
     kw = {}
     if rounds is not None:
@@ -460,8 +462,8 @@ def report(results: list[dict]) -> list[str]:
                             f"{100 * (q['dtensor/hand'] - 1):+.0f}%)")
         if "autoshard/hand" in pq:
             ok = pq["autoshard/hand"] <= TARGET_VS_HAND and pq["autoshard/dtensor"] <= tgt
-            verdicts.append(f"{r['case']}: autoshard/hand {pq['autoshard/hand']:.3f} (<= "
-                            f"{TARGET_VS_HAND}), autoshard/dtensor {pq['autoshard/dtensor']:.3f} "
+            verdicts.append(f"{r['case']}: autoshard/hand {pq['autoshard/hand']:.4f} (<= "
+                            f"{TARGET_VS_HAND}), autoshard/dtensor {pq['autoshard/dtensor']:.4f} "
                             f"(<= {tgt}) -> {'PASS' if ok else 'MISS'}")
         else:
             verdicts.append(f"{r['case']}: autoshard {r['variants']['autoshard']['status']}")
@@ -526,7 +528,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, help="seconds of timed rounds per case")
     ap.add_argument("--time-limit", type=float,
                     help="target seconds for the whole run: later cases get fewer rounds (never "
-                         "below 5) when earlier ones overran (default: 100 quick, 480 full)")
+                         "below 5) when earlier ones overran (default: 100 quick, 420 full)")
     ap.add_argument("--name", help="results file stem (default vs_pytorch_tp[_quick])")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -535,7 +537,7 @@ def main(argv=None) -> int:
         print(f"note: 1-minute load average is {load0:.2f} on {os.cpu_count()} cores before the "
               "run; other processes will perturb the timings", file=sys.stderr)
     cases = _cases(args.quick, args.rounds, args.budget)
-    limit = args.time_limit if args.time_limit is not None else (100.0 if args.quick else 480.0)
+    limit = args.time_limit if args.time_limit is not None else (100.0 if args.quick else 420.0)
     deadline = time.time() + limit
     results = []
     worlds = sorted({c.world for c in cases})
