@@ -122,15 +122,17 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)            # the same initial model (and dropout masks) everywhere
     model = GPT(args.vocab, args.hidden, args.heads, args.layers, args.seq, args.dropout).to(device)
-    data = torch.Generator().manual_seed(args.seed + 1 + dp_rank)     # one stream per replica
+    # a tiny synthetic data set: 4 batches of random tokens per replica, cycled (the model memorises
+    # them); the ranks of one tensor-parallel group read the same batches
+    rng = torch.Generator().manual_seed(args.seed + 1 + dp_rank)
+    data = [torch.randint(args.vocab, (args.batch, args.seq + 1), generator=rng) for _ in range(4)]
 
-    def batch():
-        x = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=data)
-        x[:, 1:] = (x[:, :-1] + 1) % args.vocab     # a learnable rule: the next token is this one + 1
-        return x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)
+    def batch(step):
+        x = data[step % len(data)]
+        return x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)    # next-token targets
 
     t0 = time.perf_counter()
-    gm = autoshard.parallelize(model, tp, batch())
+    gm = autoshard.parallelize(model, tp, batch(0))
     plan = gm._autoshard_plan
     if not args.quiet:
         log(plan.report())
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
-        idx, targets = batch()
+        idx, targets = batch(step)
         with autoshard.collectives.count_comm() as comm:
             loss = train(idx, targets)
             opt.zero_grad(set_to_none=True)
