@@ -1,6 +1,7 @@
 """Entry points: `plan` (capture, rules, cost, search -> Plan) and `parallelize` (Plan -> GraphModule)."""
 from __future__ import annotations
 
+import hashlib
 import time
 
 import torch
@@ -164,4 +165,28 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
             missing = sorted(set(plan.fingerprint) - set(_fingerprint(model)))[:4]
             raise ShardingError(f"the plan was made for another model: {type(model).__name__} lacks parameters "
                                 f"{missing} of the planned one")
+    if D.is_initialized():
+        _check_same_plan(plan, pg)
     return rewrite(plan, rank, key, model)
+
+
+def _plan_digest(plan: Plan) -> int:
+    """A number that differs when two plans would shard or communicate differently."""
+    text = repr((sorted((k, str(v)) for k, v in plan.layouts.items()),
+                 [(r.node, str(r.src), str(r.dst), str(r.grad), r.consumers) for r in plan.redistributions]))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def _check_same_plan(plan: Plan, pg) -> None:
+    """Every rank of the group must build from the same plan, or collectives would not pair up
+    (a hang until the timeout); compare digests and say which ranks differ."""
+    dev = "cuda" if torch.distributed.get_backend(pg) == "nccl" else "cpu"
+    mine = torch.tensor([_plan_digest(plan)], dtype=torch.int64, device=dev)
+    every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size(pg))]
+    torch.distributed.all_gather(every, mine, group=pg)
+    digests = [int(t.item()) for t in every]
+    if len(set(digests)) > 1:
+        from .errors import ProcessGroupError
+        raise ProcessGroupError(f"the ranks of the tensor-parallel group planned differently (plan digests "
+                                f"{digests}); plan once with the same model, inputs and options on every rank, "
+                                "or pass the same plan= everywhere")

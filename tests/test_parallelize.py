@@ -310,6 +310,18 @@ def test_world_size_that_does_not_match_the_group(dist2):
     assert all(dist2.run(_bad_groups))
 
 
+def _different_plans(rank, p):
+    model, args, _, _ = _build("gpt_loss")
+    pin = {"head": None} if rank == 0 else {}       # rank 0 keeps the head whole, rank 1 splits it
+    with pytest.raises(ProcessGroupError, match="planned differently"):
+        autoshard.parallelize(model, p, args, pin=pin)
+    return True
+
+
+def test_ranks_that_plan_differently_get_an_error_not_a_hang(dist2):
+    assert all(dist2.run(_different_plans))
+
+
 # ----------------------------------------------------------------------------- one process
 
 def test_rank_without_process_group_builds_that_ranks_module():
