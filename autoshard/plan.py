@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from .cost import CostModel, ring_bytes
 from .placements import Partial, Placement, Replicate, Shard
+from .search import module_of
 
 
 @dataclass(frozen=True)
@@ -97,23 +98,6 @@ def _op_name(n: fx.Node, gm) -> str:
     if n.op == "call_method":
         return f".{n.target}"
     return getattr(n.target, "__name__", str(n.target))
-
-
-def module_of(prob, i: int) -> str:
-    """Qualified name of the module that ran node i: a call_module's target, the innermost
-    module of the node's nn_module_stack, or else its parameter's owner (or the node name)."""
-    n = prob.nodes[i]
-    if n.op == "call_module":
-        return n.target
-    stack = n.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        if path:
-            return path
-    for k in prob.ins[i]:
-        if k in prob.param_key:
-            return prob.nodes[k].target.rpartition(".")[0]
-    return n.name
 
 
 def _parallel_layer(n: fx.Node) -> bool:

@@ -385,11 +385,30 @@ def _apply_pins(names, choices, keys, prob, anchors, pins):
     return out
 
 
+def module_of(prob, i: int) -> str:
+    """Qualified name of the module that ran node i: a call_module's target, the innermost
+    module of the node's nn_module_stack, or else its parameter's owner (or the node name)."""
+    n = prob.nodes[i]
+    if n.op == "call_module":
+        return n.target
+    stack = n.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        if path:
+            return path
+    for k in prob.ins[i]:
+        if k in prob.param_key:
+            return prob.nodes[k].target.rpartition(".")[0]
+    return n.name
+
+
 def _dims_for_choice(prob, keys, choice, anchors, owner):
-    """TorchShard dims the anchors owned by `owner` would run with under `choice`."""
+    """TorchShard dims the anchors run by module `owner` would have under `choice` (a weight
+    tied between `wte` and `head` is pinned per module: the lookup 0, the projection -1)."""
     place = dict(zip(keys, choice))
     dims = []
-    for c in anchors:
+    own = [c for c in anchors if module_of(prob, c) == owner] or anchors
+    for c in own:
         for s in prob.strats[c]:
             ok = all(prob.param_key.get(k) not in place or s.inputs[slot] == place[prob.param_key[k]]
                      for slot, k in enumerate(prob.ins[c]))
