@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -12,6 +13,7 @@ from . import search as _search
 from .capture import capture
 from .cost import CostModel
 from .errors import ShardingError
+from .placements import Shard
 from .plan import Plan, build_plan
 
 _COST_KEYS = {"bandwidth", "latency", "flops", "memory_weight", "state_factor", "memory_budget"}
@@ -69,9 +71,13 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     prob = _search.Problem(gm, world_size, cost, _chunk_candidates(gm), pins=pin or {})
     if not prob.param_obj:
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
-    state = _run(prob, search)
-    if cost.memory_budget is not None:
-        state, prob = _fit_budget(gm, world_size, cost, pin, search, state, prob)
+    if cost.memory_budget is None:
+        state = _run(prob, search)
+    else:
+        state, prob = _fit_budget(gm, world_size, cost, pin, search)
+        if _state_bytes(prob, state) > cost.memory_budget:
+            notes = list(notes) + [f"no plan fits memory_budget={cost.memory_budget:.0f} bytes; the most "
+                                   f"sharded one needs {_state_bytes(prob, state):.0f}"]
     seconds = time.perf_counter() - t0
     notes = list(notes) + _divisibility_notes(prob, world_size)
     return build_plan(prob, state, tracer=tracer, search=search, seconds=seconds, notes=notes, example=example)
@@ -82,22 +88,18 @@ def _run(prob, search):
 
 
 def _state_bytes(prob, state) -> float:
-    return sum(prob.param_cost(k, state.placement_of_param(k)) for k in prob.param_obj) / max(
-        prob.cost.memory_weight, 1e-30)
+    """Training-state bytes a rank holds under `state` (parameters, gradients, optimizer moments)."""
+    return sum(t.numel() * t.element_size() * prob.cost.state_factor /
+               (prob.p if isinstance(state.placement_of_param(k), Shard) else 1) for k, t in prob.param_obj.items())
 
 
-def _fit_budget(gm, p, cost, pin, search, state, prob):
-    """With a memory budget: the smallest memory weight whose plan fits it (doubling from ~0)."""
-    from dataclasses import replace
+def _fit_budget(gm, p, cost, pin, search):
+    """With a memory budget: the plan of the smallest memory weight (x4 steps from ~0) that fits."""
     weight = 1e-15
     while True:
-        c = replace(cost, memory_weight=weight)
-        prob = _search.Problem(gm, p, c, _chunk_candidates(gm), pins=pin or {})
+        prob = _search.Problem(gm, p, replace(cost, memory_weight=weight), _chunk_candidates(gm), pins=pin or {})
         state = _run(prob, search)
-        used = sum(prob.param_obj[k].numel() * prob.param_obj[k].element_size() * c.state_factor /
-                   (p if not isinstance(state.placement_of_param(k), type(_search.REPLICATE)) else 1)
-                   for k in prob.param_obj)
-        if used <= cost.memory_budget or weight > 1e-3:
+        if _state_bytes(prob, state) <= cost.memory_budget or weight > 1e-3:
             return state, prob
         weight *= 4
 

@@ -9,6 +9,7 @@ Shapes come from FakeTensor propagation of the example inputs: no real compute.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -84,9 +85,17 @@ def _keep_all_names(gm: fx.GraphModule, model: nn.Module) -> None:
                     owner.register_buffer(attr, t, persistent=attr not in src._non_persistent_buffers_set)
 
 
+def _absent_defaults(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """forward() parameters the example leaves at a None default: traced as the constant None,
+    so `if targets is None:` takes the branch the example takes."""
+    params = list(inspect.signature(model.forward).parameters.values())[len(args):]
+    return {q.name: None for q in params
+            if q.name not in kwargs and q.default is None and q.kind is q.POSITIONAL_OR_KEYWORD}
+
+
 def _symbolic(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     tracer = InliningTracer()
-    graph = tracer.trace(model)
+    graph = tracer.trace(model, concrete_args=_absent_defaults(model, args, kwargs) or None)
     gm = fx.GraphModule(model, graph, model.__class__.__name__)
     _keep_all_names(gm, model)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

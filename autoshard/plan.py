@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-import torch
 import torch.fx as fx
 
 from .cost import CostModel, ring_bytes
-from .placements import Partial, Placement, Replicate, Shard
-from .search import module_of
+from .placements import Placement, Replicate, Shard
+from .problem import _flops, module_of
 
 
 @dataclass(frozen=True)
@@ -164,7 +163,6 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
             dims.setdefault(module_of(prob, i), prob.strats[i][state.sidx[i]].dim)
     comm_time = sum(prob.cost.comm_time(k, r.nbytes, p) for r in redists for k in r.forward + r.backward)
     comm_time += sum(prob.cost.comm_time(k, nb, p) for d in nodes.values() for k, nb in d.comm)
-    from .search import _flops
     compute = 0.0
     for i, n in enumerate(prob.nodes):
         if prob.strats[i] and prob.kind[i] == "op":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from .placements import Shard, local_shape
+from .placements import local_shape
 
 
 def _fmt_bytes(n: float) -> str:

@@ -382,3 +382,30 @@ def test_cli_demo_is_dispatched_lazily(monkeypatch):
     monkeypatch.setitem(sys.modules, "autoshard.demo", fake)
     assert cli.main(["demo", "--world-size", "2", "--steps", "3"]) == 0
     assert seen == [["--world-size", "2", "--steps", "3"]]
+
+
+# ----------------------------------------------------------------------------- budgets, tied pins, capture
+
+def test_memory_budget_shards_only_as_much_as_needed():
+    block = meta(MLP, H)
+    full = sum(p.numel() * 4 * 4 for p in block.parameters())      # fp32 param + grad + 2 Adam moments
+    roomy = autoshard.plan(block, 2, x_in(), memory_budget=2 * full)
+    assert set(roomy.dims.values()) == {None} and roomy.comm_bytes == 0      # fits whole: no communication
+    tight = autoshard.plan(block, 2, x_in(), memory_budget=0.6 * full)
+    assert tight.dims == {"fc1": -1, "fc2": 0} and tight.params_per_rank <= 0.6 * tight.params_total
+    impossible = autoshard.plan(block, 2, x_in(), memory_budget=1.0)
+    assert any("no plan fits memory_budget" in n for n in impossible.notes)
+
+
+@pytest.mark.parametrize("pin", [{"wte": 0}, {"head": -1}, {"wte": 0, "head": -1}])
+def test_pins_on_a_tied_weight_apply_per_module(pin):
+    plan = autoshard.plan(meta(GPT, V, H, HEADS, 1, S, tied=True), 2, ids(), pin=pin)
+    assert plan.dims["wte"] == 0 and plan.dims["head"] == -1
+    with pytest.raises(ShardingError, match="cannot pin 'wte' to dim -1"):
+        autoshard.plan(meta(GPT, V, H, HEADS, 1, S, tied=True), 2, ids(), pin={"wte": -1, "head": -1})
+
+
+def test_symbolic_trace_specialises_a_none_default():
+    plan = autoshard.plan(meta(GPT, V, H, HEADS, 1, S), 4, ids(targets=False), tracer="symbolic_trace")
+    assert plan.tracer == "symbolic_trace" and plan.dims["head"] == -1
+    assert not plan.unsupported

@@ -5,7 +5,6 @@ output sharded on the last dim. Row: input sharded on the last dim, weight split
 input dim, output Partial; with a bias the op reduces itself and adds the bias once.
 """
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, register_rule

@@ -8,7 +8,7 @@ Adding an op is adding one decorated function; the search never changes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -179,7 +179,8 @@ def strategies(info: NodeInfo) -> tuple[list[OpStrategy], bool]:
     base = replicate_strategy(info)
     if rule is None:
         tensor_in = any(info.is_tensor(n) for n in info.inputs)
-        return [base], not tensor_in
+        side_effect_only = not info.is_tensor(node) and not node.users      # export's input guards
+        return [base], not tensor_in or side_effect_only
     found = [s for s in rule(info) if valid(info, s)]
     seen, out = set(), [base]
     for s in found:

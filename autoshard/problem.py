@@ -1,0 +1,424 @@
+"""The planning problem: a captured graph as arrays the search evaluates quickly.
+
+Every node's strategies (from the rules, shared between identical nodes), costs of node
+strategies, consumer edges and tensors (one redistribution per required placement, its
+backward dual, one all-reduce of Partial gradients), which tensors carry a gradient, and the
+decision groups: parameters that must take one layout together (a linear's weight and bias, a
+weight tied between an embedding and a head), with pins applied.
+"""
+from __future__ import annotations
+
+import operator
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import rules
+from .cost import CostModel, grad_fix, grad_of, redistribute
+from .errors import ShardingError
+from .placements import REPLICATE, Partial, Replicate, Shard
+from .rules.registry import NodeInfo, OpStrategy
+
+INF = math.inf
+OUTPUT = OpStrategy("output", None, ())
+
+
+def _tensor(v) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def _nbytes(v) -> int:
+    return v.numel() * v.element_size() if _tensor(v) else 0
+
+
+def _matmul_like(node: fx.Node) -> bool:
+    """Whether the node's sharding rule is the linear / addmm / matmul family's."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    L = rules.linear
+    return rules.registry._RULES.get(rules.registry.op_key(node, {})) in (L._linear, L._addmm, L._matmul)
+
+
+def _flops(node: fx.Node, s: OpStrategy) -> float:
+    """Forward + backward flops of a node, whichever strategy runs it (the strategy's `compute`
+    scales them): matmul family 3 x 2 * output elements * contraction size; others 3 per element."""
+    v = node.meta.get("val")
+    if not _tensor(v):
+        return 0.0
+    if _matmul_like(node):
+        for a in node.all_input_nodes:          # x of linear / addmm(b, x, w), a of a @ b
+            x = a.meta.get("val")
+            if _tensor(x) and x.dim() >= 2:
+                return 6.0 * v.numel() * x.shape[-1]
+    return 3.0 * v.numel()
+
+
+@dataclass(frozen=True)
+class Group:
+    """Parameters decided together and the layouts they may take (choice 0 is all-Replicate)."""
+
+    params: tuple            # param keys (id of the Parameter)
+    names: tuple             # qualified names, for messages and the report
+    choices: tuple           # tuple of tuples of placements, aligned with params
+    anchors: tuple           # node indices consuming these params
+
+
+class Problem:
+    """A captured graph as arrays the search can evaluate quickly."""
+
+    def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(),
+                 pins: dict | None = None):
+        self.gm, self.p, self.cost = gm, world_size, cost
+        self.nodes = list(gm.graph.nodes)
+        self.idx = {n: i for i, n in enumerate(self.nodes)}
+        modules = dict(gm.named_modules())
+        self.ins = [[self.idx[a] for a in n.all_input_nodes] for n in self.nodes]
+        self.users: list[list[int]] = [[] for _ in self.nodes]
+        for i, ins in enumerate(self.ins):
+            for j in dict.fromkeys(ins):
+                self.users[j].append(i)
+        self.val = [n.meta.get("val") for n in self.nodes]
+        self.nbytes = [_nbytes(v) for v in self.val]
+        self.kind, self.strats, self.unsupported = [], [], []
+        self.param_key: dict[int, int] = {}          # node index -> param key
+        self.param_obj: dict[int, nn.Parameter] = {}
+        self.param_names: dict[int, list] = {}
+        memo: dict = {}           # identical nodes (every block of a stack) share their strategies
+        for i, n in enumerate(self.nodes):
+            self.strats.append([])
+            if n.op == "placeholder":
+                self.kind.append("input")
+            elif n.op == "output":
+                self.kind.append("output")
+                self.strats[i] = [OpStrategy("output", None, tuple(REPLICATE if _tensor(self.val[j]) else None
+                                                                   for j in self.ins[i]))]
+            elif n.op == "get_attr":
+                obj = _fetch(gm, n.target)
+                if isinstance(obj, nn.Parameter):
+                    self.kind.append("param")
+                    self.param_key[i] = id(obj)
+                    self.param_obj[id(obj)] = obj
+                    self.param_names.setdefault(id(obj), []).append(n.target)
+                else:
+                    self.kind.append("buffer")
+            elif n.op == "call_function" and n.target is operator.getitem and \
+                    isinstance(self.val[self.ins[i][0]] if self.ins[i] else None, (tuple, list)):
+                self.kind.append("select")
+            else:
+                self.kind.append("op")
+                module = modules.get(n.target) if n.op == "call_module" else None
+                key = _structure(n, module)
+                hit = memo.get(key) if key is not None else None
+                if hit is None:
+                    hit = rules.strategies(NodeInfo(n, world_size, module, tuple(chunk_candidates)))
+                    if key is not None:
+                        memo[key] = hit
+                found, covered = hit
+                self.strats[i] = found
+                if not covered:
+                    self.unsupported.append(n.name)
+        for name, obj in gm.named_parameters(remove_duplicate=False):    # tied aliases (head.weight)
+            if id(obj) in self.param_names and name not in self.param_names[id(obj)]:
+                self.param_names[id(obj)].append(name)
+        self.param_nodes: dict[int, list] = {}
+        for i, key in self.param_key.items():
+            self.param_nodes.setdefault(key, []).append(i)
+        self.needs_grad = self._needs_grad()
+        self.node_cost = [[self._node_cost(i, s) for s in ss] for i, ss in enumerate(self.strats)]
+        self._edge_cache: dict = {}
+        self.best_memo: dict = {}
+        self.tensor_memo: dict = {}
+        self._param_memo: dict = {}
+        self.groups = self._groups(pins or {})
+        self.group_of_param = {k: g for g, grp in enumerate(self.groups) for k in grp.params}
+
+    def _needs_grad(self) -> list[bool]:
+        """Whether a gradient flows into each node's output in backward."""
+        out = []
+        for i, n in enumerate(self.nodes):
+            if self.kind[i] == "param":
+                out.append(bool(self.param_obj[self.param_key[i]].requires_grad))
+            elif self.kind[i] == "input":          # as the example input: x.requires_grad_() counts
+                out.append(bool(getattr(self.val[i], "requires_grad", False)))
+            elif self.kind[i] in ("buffer", "output"):
+                out.append(False)
+            else:
+                v = self.val[i]
+                vals = v if isinstance(v, (tuple, list)) else (v,)
+                floating = any(_tensor(x) and x.is_floating_point() for x in vals)
+                own = n.op == "call_module" and any(   # a leaf module's own weights (LayerNorm)
+                    q.requires_grad for q in self.gm.get_submodule(n.target).parameters())
+                out.append(floating and (own or any(out[j] for j in self.ins[i])))
+        return out
+
+    # ---------------------------------------------------------------- costs
+    def _node_cost(self, i: int, s: OpStrategy) -> float:
+        c = self.cost.compute_time(_flops(self.nodes[i], s) * s.compute)
+        for kind, nb in s.comm:
+            c += self.cost.comm_time(kind, nb, self.p)
+        return c
+
+    def edge_cost(self, j: int, src, req, grad) -> float:
+        """Cost of one consumer edge from tensor j (before de-duplication across consumers)."""
+        if self.kind[j] == "param" and isinstance(src, Shard) and src != req:
+            return INF       # a sharded parameter is used as stored (no ZeRO-style gathers)
+        key = (src, req, grad, self.nbytes[j], self.needs_grad[j])
+        c = self._edge_cache.get(key)
+        if c is None:
+            r = redistribute(src, req)
+            if r is None:
+                c = INF
+            else:
+                kinds = r[0] + (r[1] + grad_fix(grad, grad_of(req)) if self.needs_grad[j] else ())
+                if r[0] == ("reduce_scatter",):
+                    # a reduce-scatter only looks cheaper than an all-reduce until the shard is
+                    # gathered again; a following node cannot see that, so charge the gather here
+                    kinds += ("all_gather",)
+                c = sum(self.cost.comm_time(k, self.nbytes[j], self.p) for k in kinds)
+            self._edge_cache[key] = c
+        return c
+
+    def tensor_cost(self, j: int, place, sidx) -> float:
+        """Communication for tensor j: one redistribution per distinct required placement, and
+        one backward fix per distinct (placement, gradient) pair, however many consumers."""
+        if not self.nbytes[j]:
+            return 0.0
+        key = (j, place[j], *[sidx[c] for c in self.users[j]])
+        hit = self.tensor_memo.get(key)
+        if hit is None:
+            hit = self.tensor_memo[key] = self._tensor_cost(j, place[j], sidx)
+        return hit
+
+    def _tensor_cost(self, j: int, src, sidx) -> float:
+        comms = self.tensor_comms(j, src, sidx)
+        if comms is None:
+            return INF
+        return sum(self.cost.comm_time(k, self.nbytes[j], self.p) for _, _, f, b, _ in comms for k in f + b)
+
+    def tensor_comms(self, j: int, src, sidx):
+        """[(required placement, gradient placement, forward kinds, backward kinds, consumers)]
+        for tensor j held as `src`, or None if a consumer's placement cannot be reached.
+
+        One forward redistribution (and its backward dual) per required placement; consumers
+        that send back Partial gradients share one backward all-reduce (Megatron's copy), the
+        others take the tensor as it is. Backward collectives only where a gradient flows
+        (parameters and what they feed, not data inputs or indices)."""
+        by_req: dict = {}
+        for c in self.users[j]:
+            if not self.strats[c]:
+                continue
+            s = self.strats[c][sidx[c]]
+            for slot, k in enumerate(self.ins[c]):
+                if k == j and s.inputs[slot] is not None:
+                    consumers = by_req.setdefault(s.inputs[slot], {}).setdefault(s.grad(slot), [])
+                    if c not in consumers:
+                        consumers.append(c)
+        out = []
+        for req, per_grad in by_req.items():
+            r = redistribute(src, req)
+            if r is None:
+                return None
+            fwd, dual = r
+            grad_flows = self.needs_grad[j]
+            for n, (g, consumers) in enumerate(sorted(per_grad.items(), key=lambda kv: str(kv[0]))):
+                fix = grad_fix(g, grad_of(req)) if grad_flows else ()
+                first = n == 0
+                out.append((req, g, fwd if first else (), (dual if first and grad_flows else ()) + fix, consumers))
+        return out
+
+    def param_cost(self, key: int, placement) -> float:
+        hit = self._param_memo.get((key, placement))
+        if hit is None:
+            obj = self.param_obj[key]
+            nb = obj.numel() * obj.element_size()
+            if isinstance(placement, Shard):
+                nb /= self.p
+            hit = self._param_memo[(key, placement)] = self.cost.memory_cost(nb)
+        return hit
+
+    # ---------------------------------------------------------------- decisions
+    def _groups(self, pins: dict) -> list[Group]:
+        """Union parameters whose consumers choose their layouts jointly."""
+        options: dict[int, dict[int, set]] = {}          # param key -> consumer -> placements offered
+        for i, key in self.param_key.items():
+            for c in self.users[i]:
+                for s in self.strats[c]:
+                    for slot, k in enumerate(self.ins[c]):
+                        if k == i:
+                            options.setdefault(key, {}).setdefault(c, set()).add(s.inputs[slot])
+        decision = [k for k, per in options.items()
+                    if any(len(v) > 1 for v in per.values())]
+        parent = {k: k for k in decision}
+
+        def find(k):
+            while parent[k] != k:
+                parent[k] = parent[parent[k]]
+                k = parent[k]
+            return k
+        consumers: dict[int, list] = {}
+        for k in decision:
+            for c in options[k]:
+                consumers.setdefault(c, []).append(k)
+        for ks in consumers.values():
+            for k in ks[1:]:
+                parent[find(k)] = find(ks[0])
+        members: dict[int, list] = {}
+        for k in decision:
+            members.setdefault(find(k), []).append(k)
+        groups = []
+        for ks in members.values():
+            ks = sorted(ks, key=lambda k: min(self.param_nodes[k]))
+            anchors = sorted({c for k in ks for c in options[k]})
+            choices = self._choices(ks, anchors)
+            names = tuple(self.param_names[k][0] for k in ks)
+            choices = _apply_pins(names, choices, ks, self, anchors, pins)
+            groups.append(Group(tuple(ks), names, tuple(choices), tuple(anchors)))
+        groups.sort(key=lambda g: g.anchors[0])
+        _check_pins_known(pins, groups, self)
+        return groups
+
+    def _choices(self, keys, anchors):
+        """Layouts of `keys` that every consumer can run with; all-Replicate first."""
+        per_consumer = []
+        for c in anchors:
+            slots = [[slot for slot, k in enumerate(self.ins[c]) if self.param_key.get(k) == key] for key in keys]
+            combos = set()
+            for s in self.strats[c]:
+                combos.add(tuple(s.inputs[sl[0]] if sl else None for sl in slots))
+            per_consumer.append(combos)
+        candidates = set()
+        for combos in per_consumer:
+            candidates |= combos
+        out = []
+        for cand in candidates:
+            if any(isinstance(x, Partial) for x in cand):
+                continue                     # a parameter is stored whole or split, never as a summand
+            full = tuple(REPLICATE if x is None else x for x in cand)
+            if all(any(all(a is None or a == b for a, b in zip(co, full)) for co in combos) for combos in per_consumer):
+                if full not in out:
+                    out.append(full)
+        rep = tuple(REPLICATE for _ in keys)
+        out.sort(key=lambda ch: (ch != rep, str(ch)))
+        if not out or out[0] != rep:
+            out.insert(0, rep)
+        return out
+
+
+def _structure(n: fx.Node, module) -> tuple | None:
+    """What a rule can see of a node, with inputs replaced by (position, shape, dtype): equal
+    keys give equal strategies (they refer to inputs by position). None when not hashable."""
+    inputs = n.all_input_nodes
+
+    def norm(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            return ("in", inputs.index(a), tuple(v.shape) if _tensor(v) else type(v).__name__,
+                    str(v.dtype) if _tensor(v) else None)
+        if isinstance(a, (tuple, list)):
+            return tuple(norm(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, norm(x)) for k, x in a.items()))
+        return a if isinstance(a, (int, float, str, bool, type(None), torch.dtype, slice)) else repr(a)
+
+    v = n.meta.get("val")
+    out = tuple(v.shape) if _tensor(v) else (tuple(tuple(x.shape) if _tensor(x) else None for x in v)
+                                             if isinstance(v, (tuple, list)) else None)
+    target = type(module) if module is not None else n.target
+    extra = module.extra_repr() if module is not None else None
+    try:
+        key = (n.op, target, extra, norm(n.args), norm(n.kwargs), out)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _fetch(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def owner_of(name: str) -> str:
+    """The module qualified name owning parameter `name`."""
+    return name.rpartition(".")[0]
+
+
+def _apply_pins(names, choices, keys, prob, anchors, pins):
+    owners = {owner_of(n) for k in keys for n in prob.param_names[k]}
+    pinned = [o for o in owners if o in pins]
+    if not pinned:
+        return choices
+    out = list(choices)
+    for o in pinned:
+        want = pins[o]
+        if want not in (None, 0, 1, -1):
+            raise ShardingError(f"pin for {o!r} is {want!r}; a TorchShard dim is None, 0, 1 or -1")
+        keep = []
+        for ch in out:
+            dims = _dims_for_choice(prob, keys, ch, anchors, o)
+            if want is None and all(isinstance(pl, Replicate) for pl in ch):
+                keep.append(ch)
+            elif want is not None and dims and all(d == want or (d in (1, -1) and want in (1, -1)) for d in dims):
+                keep.append(ch)
+        if not keep:
+            shapes = {n: tuple(prob.param_obj[k].shape) for k in keys for n in prob.param_names[k]}
+            raise ShardingError(
+                f"cannot pin {o!r} to dim {want}: no layout of {shapes} splits that way into "
+                f"{prob.p} equal shards (sizes must divide by {prob.p})")
+        out = keep
+    return out
+
+
+def module_of(prob, i: int) -> str:
+    """Qualified name of the module that ran node i: a call_module's target, the innermost
+    module of the node's nn_module_stack, or else its parameter's owner (or the node name)."""
+    n = prob.nodes[i]
+    if n.op == "call_module":
+        return n.target
+    stack = n.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        if path:
+            return path
+    for k in prob.ins[i]:
+        if k in prob.param_key:
+            return prob.nodes[k].target.rpartition(".")[0]
+    return n.name
+
+
+def _dims_for_choice(prob, keys, choice, anchors, owner):
+    """TorchShard dims the anchors run by module `owner` would have under `choice` (a weight
+    tied between `wte` and `head` is pinned per module: the lookup 0, the projection -1)."""
+    place = dict(zip(keys, choice))
+    dims = []
+    own = [c for c in anchors if module_of(prob, c) == owner] or anchors
+    for c in own:
+        for s in prob.strats[c]:
+            ok = all(prob.param_key.get(k) not in place or s.inputs[slot] == place[prob.param_key[k]]
+                     for slot, k in enumerate(prob.ins[c]))
+            if ok and s.dim is not None:
+                dims.append(s.dim)
+                break
+    return dims
+
+
+def _check_pins_known(pins, groups, prob):
+    known = {owner_of(n) for names in prob.param_names.values() for n in names}
+    decided = {owner_of(n) for g in groups for k in g.params for n in prob.param_names[k]}
+    for name, want in pins.items():
+        if name not in known:
+            sample = ", ".join(sorted(known)[:8])
+            raise ShardingError(f"pin names {name!r}, which owns no parameter of the model; known: {sample}, ...")
+        if want not in (None, 0, 1, -1):
+            raise ShardingError(f"pin for {name!r} is {want!r}; a TorchShard dim is None, 0, 1 or -1")
+        if want is not None and name not in decided:      # no layout but Replicate: the pin cannot hold
+            shapes = {n: tuple(prob.param_obj[k].shape) for k, names in prob.param_names.items()
+                      for n in dict.fromkeys(names) if owner_of(n) == name}
+            raise ShardingError(
+                f"cannot pin {name!r} to dim {want}: no layout of {shapes} splits into {prob.p} equal shards "
+                f"(sizes must divide by {prob.p}, and the ops using them need a sharding rule)")
