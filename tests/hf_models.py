@@ -116,47 +116,6 @@ def gpt2(
     return _finish(model, cfg, batch, seq, seed)
 
 
-def llama(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=None,
-    num_key_value_heads=None,
-    num_hidden_layers=2,
-    vocab_size=256,
-    max_position_embeddings=64,
-    batch=2,
-    seq=16,
-    seed=0,
-    world_size=None,
-    attn_implementation="sdpa",
-    **config_overrides,
-):
-    """LlamaForCausalLM with GQA (4 heads / 2 kv heads), untied ``lm_head``.
-
-    ``world_size=4`` gives 8 heads / 4 kv heads (head_dim 8) so that the kv
-    heads shard four ways; explicit head counts override this.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    heads, kv_heads = _gqa_heads(num_attention_heads, num_key_value_heads, world_size)
-    defaults = dict(
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        num_hidden_layers=num_hidden_layers,
-        vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    cfg = LlamaConfig(**_merge(defaults, config_overrides))
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM._from_config(cfg, attn_implementation=attn_implementation)
-    return _finish(model, cfg, batch, seq, seed)
-
-
 def bert(
     hidden_size=64,
     num_attention_heads=4,
@@ -194,23 +153,13 @@ def bert(
     return _finish(model, cfg, batch, seq, seed, ignore_index=True)
 
 
-def qwen2(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=None,
-    num_key_value_heads=None,
-    num_hidden_layers=2,
-    vocab_size=256,
-    max_position_embeddings=64,
-    batch=2,
-    seq=16,
-    seed=0,
-    world_size=None,
-    attn_implementation="sdpa",
-    **config_overrides,
-):
-    """Qwen2ForCausalLM: like LLaMA but q/k/v projections carry a bias; untied head."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _gqa_lm(config_name, model_name, extra, hidden_size=64, intermediate_size=128, num_attention_heads=None,
+            num_key_value_heads=None, num_hidden_layers=2, vocab_size=256, max_position_embeddings=64,
+            batch=2, seq=16, seed=0, world_size=None, attn_implementation="sdpa", **config_overrides):
+    """A grouped-query-attention causal LM of `transformers` (4 heads / 2 kv heads, untied head);
+    ``world_size=4`` gives 8 heads / 4 kv heads (head_dim 8) so the kv heads shard four ways;
+    explicit head counts override this."""
+    import transformers
 
     heads, kv_heads = _gqa_heads(num_attention_heads, num_key_value_heads, world_size)
     defaults = dict(
@@ -223,51 +172,28 @@ def qwen2(
         max_position_embeddings=max_position_embeddings,
         attention_dropout=0.0,
         tie_word_embeddings=False,
-        use_sliding_window=False,
         use_cache=False,
+        **extra,
     )
-    cfg = Qwen2Config(**_merge(defaults, config_overrides))
+    cfg = getattr(transformers, config_name)(**_merge(defaults, config_overrides))
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=attn_implementation)
+    model = getattr(transformers, model_name)._from_config(cfg, attn_implementation=attn_implementation)
     return _finish(model, cfg, batch, seq, seed)
 
 
-def mistral(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=None,
-    num_key_value_heads=None,
-    num_hidden_layers=2,
-    vocab_size=256,
-    max_position_embeddings=64,
-    batch=2,
-    seq=16,
-    seed=0,
-    world_size=None,
-    attn_implementation="sdpa",
-    **config_overrides,
-):
-    """MistralForCausalLM (GQA, no q/k/v bias, no sliding window), untied head."""
-    from transformers import MistralConfig, MistralForCausalLM
+def llama(**kwargs):
+    """LlamaForCausalLM: GQA, SwiGLU, RoPE, untied ``lm_head``."""
+    return _gqa_lm("LlamaConfig", "LlamaForCausalLM", {}, **kwargs)
 
-    heads, kv_heads = _gqa_heads(num_attention_heads, num_key_value_heads, world_size)
-    defaults = dict(
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        num_hidden_layers=num_hidden_layers,
-        vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
-        attention_dropout=0.0,
-        sliding_window=None,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    cfg = MistralConfig(**_merge(defaults, config_overrides))
-    torch.manual_seed(seed)
-    model = MistralForCausalLM._from_config(cfg, attn_implementation=attn_implementation)
-    return _finish(model, cfg, batch, seq, seed)
+
+def qwen2(**kwargs):
+    """Qwen2ForCausalLM: like LLaMA but q/k/v projections carry a bias."""
+    return _gqa_lm("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}, **kwargs)
+
+
+def mistral(**kwargs):
+    """MistralForCausalLM (GQA, no q/k/v bias, no sliding window)."""
+    return _gqa_lm("MistralConfig", "MistralForCausalLM", {"sliding_window": None}, **kwargs)
 
 
 BUILDERS = {"gpt2": gpt2, "llama": llama, "bert": bert, "qwen2": qwen2, "mistral": mistral}
