@@ -218,7 +218,8 @@ class _Overlay:
 
 # -------------------------------------------------------------------- windows
 def _reach(prob: Problem, anchors, anchor_set, limit: int = WINDOW_DEPTH) -> dict[int, int]:
-    """Nodes reachable from `anchors` within `limit` ops, stopping at other anchors."""
+    """Nodes reachable from `anchors` within `limit` ops, stopping at other anchors; never the
+    graph's output node (no decision there, and its fan-in can be the whole graph)."""
     depth = {a: 0 for a in anchors}
     frontier = list(anchors)
     while frontier:
@@ -227,7 +228,7 @@ def _reach(prob: Problem, anchors, anchor_set, limit: int = WINDOW_DEPTH) -> dic
             if depth[i] >= limit:
                 continue
             for u in prob.users[i]:
-                if u not in depth:
+                if u not in depth and prob.kind[u] != "output":
                     depth[u] = depth[i] + 1
                     if u not in anchor_set:
                         nxt.append(u)
