@@ -349,7 +349,7 @@ def owner_of(name: str) -> str:
 
 
 def _apply_pins(names, choices, keys, prob, anchors, pins):
-    owners = {owner_of(n) for k in keys for n in prob.param_names[k]}
+    owners = sorted({owner_of(n) for k in keys for n in prob.param_names[k]})   # same order on every rank
     pinned = [o for o in owners if o in pins]
     if not pinned:
         return choices
@@ -369,7 +369,8 @@ def _apply_pins(names, choices, keys, prob, anchors, pins):
             shapes = {n: tuple(prob.param_obj[k].shape) for k in keys for n in prob.param_names[k]}
             raise ShardingError(
                 f"cannot pin {o!r} to dim {want}: no layout of {shapes} splits that way into "
-                f"{prob.p} equal shards (sizes must divide by {prob.p})")
+                f"{prob.p} equal shards (sizes must divide by {prob.p}) and agrees with the other pins on "
+                f"these parameters ({ {k: v for k, v in pins.items() if k in owners} })")
         out = keep
     return out
 
