@@ -23,7 +23,6 @@ from .placements import REPLICATE, Partial, Replicate, Shard
 from .rules.registry import NodeInfo, OpStrategy
 
 INF = math.inf
-OUTPUT = OpStrategy("output", None, ())
 
 
 def _tensor(v) -> bool:
@@ -96,7 +95,7 @@ class Problem:
                 self.strats[i] = [OpStrategy("output", None, tuple(REPLICATE if _tensor(self.val[j]) else None
                                                                    for j in self.ins[i]))]
             elif n.op == "get_attr":
-                obj = _fetch(gm, n.target)
+                obj = fetch_attr(gm, n.target)
                 if isinstance(obj, nn.Parameter):
                     self.kind.append("param")
                     self.param_key[i] = id(obj)
@@ -336,7 +335,8 @@ def _structure(n: fx.Node, module) -> tuple | None:
     return key
 
 
-def _fetch(gm, target):
+def fetch_attr(gm, target: str):
+    """The object at dotted path `target` of `gm` (a parameter, buffer or submodule)."""
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)

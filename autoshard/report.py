@@ -1,9 +1,13 @@
 """The printed sharding-plan report: one row per parametered or communicating node, then totals."""
 from __future__ import annotations
 
+import math
+
 from tabulate import tabulate
 
+from .cost import ring_bytes
 from .placements import local_shape
+from .problem import fetch_attr
 
 
 def _fmt_bytes(n: float) -> str:
@@ -36,16 +40,16 @@ def format_plan(plan) -> str:
     for name, d in plan.nodes.items():
         params = params_of.get(name, [])
         comms = list(comm_of.get(name, []))
-        comms += [f"{k} ({_fmt_bytes(_ring(k, nb, p))})" for k, nb in d.comm]
+        comms += [f"{k} ({_fmt_bytes(ring_bytes(k, nb, p))})" for k, nb in d.comm]
         if not params and not comms:
             continue
         full, local, mem = [], [], 0
         for pn in params:
-            t = _param(gm, pn)
+            t = fetch_attr(gm, pn)
             full.append(f"{pn.rpartition('.')[2]} {list(t.shape)}")
             ls = local_shape(t.shape, plan.layouts[pn], p)
             local.append(str(list(ls)))
-            mem += _numel(ls) * t.element_size()
+            mem += math.prod(ls) * t.element_size()
         owner = (d.module or params[0].rpartition(".")[0]) if params else ""   # a tied weight: the user
         rows.append([owner or name, d.op, ", ".join(full), ", ".join(local), _fmt_dim(d.dim) if params or d.dim is not None else "",
                      d.strategy, "\n".join(comms), _fmt_bytes(mem) if params else ""])
@@ -70,22 +74,3 @@ def format_plan(plan) -> str:
     for note in plan.notes:
         out.append(f"note: {note}")
     return "\n".join(out)
-
-
-def _ring(kind, nb, p):
-    from .cost import ring_bytes
-    return ring_bytes(kind, nb, p)
-
-
-def _param(gm, name):
-    obj = gm
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n

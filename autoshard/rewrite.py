@@ -22,6 +22,7 @@ from .cost import redistribute
 from .errors import ShardingError
 from .nn import functional as PF
 from .placements import Partial, Replicate, Shard
+from .problem import fetch_attr
 from .state_dict import register_parallel_attribute
 
 aten = torch.ops.aten
@@ -110,8 +111,8 @@ class Rewriter:
         layout_of = {}
         for name, pl in self.plan.layouts.items():
             if isinstance(pl, Shard):
-                layout_of.setdefault(id(_get(self.plan.graph_module, name)), (pl, labels.get(name)))
-        by_name = {name: layout_of[id(_get(self.plan.graph_module, name))] for name, pl in self.plan.layouts.items()
+                layout_of.setdefault(id(fetch_attr(self.plan.graph_module, name)), (pl, labels.get(name)))
+        by_name = {name: layout_of[id(fetch_attr(self.plan.graph_module, name))] for name, pl in self.plan.layouts.items()
                    if isinstance(pl, Shard)}          # by name: the tensors may be another model's
         new_for, table = {}, {}
         for name, full in list(self.gm.named_parameters(remove_duplicate=False)):
@@ -333,12 +334,6 @@ def _bind_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
                 items = [(k, mine[k]) for k in keys]
                 mine.clear()
                 mine.update(items)
-
-
-def _get(mod, name):
-    for part in name.split("."):
-        mod = getattr(mod, part)
-    return mod
 
 
 def rewrite(plan, rank: int, group_key=None, model=None) -> fx.GraphModule:
