@@ -94,74 +94,83 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _rank(rank: int, opts, port: int, results) -> None:
-    """One rank: parallelize, train beside the reference (rank 0), report."""
+    """One rank: join the gloo group, run `_train`, tear the group down."""
+    import torch.distributed as dist
+
+    from autoshard import distributed as D      # before the group exists: see its module comment
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.world_size))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=opts.world_size, timeout=timedelta(seconds=opts.timeout))
+    try:
+        _train(rank, opts, results)
+    finally:            # after _train's frame (modules, autograd graphs holding the group) is gone
+        D.destroy_process_group()
+
+
+def _train(rank: int, opts, results) -> None:
+    """Parallelize, train beside the reference (rank 0), report."""
     import torch.distributed as dist
 
     import autoshard
     from autoshard.collectives import CommCounter, count_comm
 
     p = opts.world_size
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // p))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p,
-                            timeout=timedelta(seconds=opts.timeout))
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    try:
-        torch.manual_seed(opts.seed)                 # every rank builds the same model
-        model = GPT(opts.vocab, opts.hidden, opts.heads, opts.layers, opts.seq)
-        reference = copy.deepcopy(model) if rank == 0 else None      # parallelize shares replicated weights
-        rng = torch.Generator().manual_seed(opts.seed + 1)
-        tokens = torch.randint(opts.vocab, (opts.batch, opts.seq + 1), generator=rng)
-        idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()   # next-token prediction
+    torch.manual_seed(opts.seed)                 # every rank builds the same model
+    model = GPT(opts.vocab, opts.hidden, opts.heads, opts.layers, opts.seq)
+    reference = copy.deepcopy(model) if rank == 0 else None      # parallelize shares replicated weights
+    rng = torch.Generator().manual_seed(opts.seed + 1)
+    tokens = torch.randint(opts.vocab, (opts.batch, opts.seq + 1), generator=rng)
+    idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()   # next-token prediction
 
-        t0 = time.perf_counter()
-        gm = autoshard.parallelize(model, p, (idx, targets))
-        plan = gm._autoshard_plan
-        say(plan.report())
-        say(f"\nplanned and sharded in {time.perf_counter() - t0:.1f} s; "
-            f"training {opts.steps} steps of AdamW (lr {opts.lr}) on one batch of {opts.batch} x {opts.seq} "
-            "random tokens (the model memorises it)\n")
-        opt = torch.optim.AdamW(gm.parameters(), lr=opts.lr)
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=opts.lr) if rank == 0 else None
-        say(f"{'step':>4}  {'loss, ' + str(p) + ' ranks':>14}  {'loss, 1 process':>15}  {'|difference|':>12}")
-        worst, t0, comm = 0.0, time.perf_counter(), CommCounter()
-        for step in range(1, opts.steps + 1):
-            with count_comm() as counted:              # one forward + backward
-                loss = gm(idx, targets)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-            comm.events += counted.events
-            opt.step()
-            if rank == 0:
-                ref_loss = reference(idx, targets)
-                ref_opt.zero_grad(set_to_none=True)
-                ref_loss.backward()
-                ref_opt.step()
-                diff = abs(loss.item() - ref_loss.item())
-                worst = max(worst, diff)
-                say(f"{step:4d}  {loss.item():14.6f}  {ref_loss.item():15.6f}  {diff:12.2e}")
-        seconds = time.perf_counter() - t0
-        mine = torch.tensor([comm.calls / opts.steps, comm.bytes / opts.steps], dtype=torch.float64)
-        every = [torch.zeros_like(mine) for _ in range(p)]
-        dist.all_gather(every, mine)                   # (all_gather_object would need numpy)
+    t0 = time.perf_counter()
+    gm = autoshard.parallelize(model, p, (idx, targets))
+    plan = gm._autoshard_plan
+    say(plan.report())
+    say(f"\nplanned and sharded in {time.perf_counter() - t0:.1f} s; "
+        f"training {opts.steps} steps of AdamW (lr {opts.lr}) on one batch of {opts.batch} x {opts.seq} "
+        "random tokens (the model memorises it)\n")
+    opt = torch.optim.AdamW(gm.parameters(), lr=opts.lr)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=opts.lr) if rank == 0 else None
+    say(f"{'step':>4}  {'loss, ' + str(p) + ' ranks':>14}  {'loss, 1 process':>15}  {'|difference|':>12}")
+    worst, t0, comm = 0.0, time.perf_counter(), CommCounter()
+    for step in range(1, opts.steps + 1):
+        with count_comm() as counted:              # one forward + backward
+            loss = gm(idx, targets)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        comm.events += counted.events
+        opt.step()
         if rank == 0:
-            planned = sum(c for c, _ in plan.comm_by_kind.values())
-            say("\ncommunication per training step (forward + backward), bytes each rank sent:")
-            say(f"{'rank':>4}  {'collectives':>11}  {'measured':>12}  {'predicted':>12}  {'measured/predicted':>18}")
-            for r, (calls, nbytes) in enumerate(t.tolist() for t in every):
-                say(f"{r:4d}  {calls:11.0f}  {_fmt_bytes(nbytes):>12}  {_fmt_bytes(plan.comm_bytes):>12}  "
-                    f"{nbytes / plan.comm_bytes if plan.comm_bytes else float('nan'):18.4f}")
-            kinds = ", ".join(f"{k} {c / opts.steps:.0f} x {_fmt_bytes(b / opts.steps)}"
-                              for k, (c, b) in sorted(comm.by_kind.items()))
-            say(f"  measured by kind (rank 0): {kinds}; the plan predicted {planned} collectives, "
-                f"{_fmt_bytes(plan.comm_bytes)} (plan.comm_bytes)")
-            say(f"\n{opts.steps} steps in {seconds:.1f} s; largest |loss difference| {worst:.2e} "
-                f"(tolerance {opts.tol:g})")
-            ok = worst <= opts.tol and all(abs(t[1].item() - plan.comm_bytes) <= 0.01 * plan.comm_bytes for t in every)
-            say("OK: the tensor-parallel model trains like the single-process one" if ok else
-                "MISMATCH: see the numbers above")
-            results.put(ok)
-    finally:
-        dist.destroy_process_group()
+            ref_loss = reference(idx, targets)
+            ref_opt.zero_grad(set_to_none=True)
+            ref_loss.backward()
+            ref_opt.step()
+            diff = abs(loss.item() - ref_loss.item())
+            worst = max(worst, diff)
+            say(f"{step:4d}  {loss.item():14.6f}  {ref_loss.item():15.6f}  {diff:12.2e}")
+    seconds = time.perf_counter() - t0
+    mine = torch.tensor([comm.calls / opts.steps, comm.bytes / opts.steps], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(p)]
+    dist.all_gather(every, mine)                   # (all_gather_object would need numpy)
+    if rank == 0:
+        planned = sum(c for c, _ in plan.comm_by_kind.values())
+        say("\ncommunication per training step (forward + backward), bytes each rank sent:")
+        say(f"{'rank':>4}  {'collectives':>11}  {'measured':>12}  {'predicted':>12}  {'measured/predicted':>18}")
+        for r, (calls, nbytes) in enumerate(t.tolist() for t in every):
+            say(f"{r:4d}  {calls:11.0f}  {_fmt_bytes(nbytes):>12}  {_fmt_bytes(plan.comm_bytes):>12}  "
+                f"{nbytes / plan.comm_bytes if plan.comm_bytes else float('nan'):18.4f}")
+        kinds = ", ".join(f"{k} {c / opts.steps:.0f} x {_fmt_bytes(b / opts.steps)}"
+                          for k, (c, b) in sorted(comm.by_kind.items()))
+        say(f"  measured by kind (rank 0): {kinds}; the plan predicted {planned} collectives, "
+            f"{_fmt_bytes(plan.comm_bytes)} (plan.comm_bytes)")
+        say(f"\n{opts.steps} steps in {seconds:.1f} s; largest |loss difference| {worst:.2e} "
+            f"(tolerance {opts.tol:g})")
+        ok = worst <= opts.tol and all(abs(t[1].item() - plan.comm_bytes) <= 0.01 * plan.comm_bytes for t in every)
+        say("OK: the tensor-parallel model trains like the single-process one" if ok else
+            "MISMATCH: see the numbers above")
+        results.put(ok)
 
 
 def main(argv=None) -> int:

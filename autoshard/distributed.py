@@ -7,11 +7,19 @@ ProcessGroup object), resolved here at run time.
 """
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 - see below
+
+# torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when first
+# imported; imported after init_process_group (torch.export and FakeTensor import it), those
+# defaults keep the default ProcessGroup alive past destroy_process_group, and a gloo group freed
+# while the interpreter exits can abort the process. Importing it here, with autoshard, before
+# the group exists binds None instead.
 
 from .errors import ProcessGroupError
 
@@ -60,9 +68,16 @@ def init_process_group(group_size: int | None = None, backend: str | None = None
 
 
 def destroy_process_group() -> None:
-    """Forget the registered groups and tear torch.distributed down."""
+    """Forget the registered groups and tear torch.distributed down.
+
+    Call it after the modules and autograd graphs of the run are dropped: autograd nodes of the
+    collectives hold their ProcessGroup, and a gloo group that is only freed while the
+    interpreter exits can abort the process ("terminate called without an active exception").
+    The `gc.collect()` frees such objects that sit in reference cycles (GraphModules do).
+    """
     _GROUPS.clear()
     _STATE["tp"] = _STATE["dp"] = None
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 

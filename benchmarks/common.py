@@ -48,6 +48,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+import autoshard.distributed
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
@@ -80,8 +82,8 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, kwar
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
         try:
             result = fn(*args, **kwargs)
-        finally:
-            dist.destroy_process_group()
+        finally:                        # autoshard's teardown: gc first, so no group outlives it
+            autoshard.distributed.destroy_process_group()
         queue.put((rank, "ok", result if rank == 0 else None))
     except BaseException:                                        # noqa: BLE001 - report, then exit
         queue.put((rank, "error", traceback.format_exc()))

@@ -411,6 +411,30 @@ def test_demo_losses_agree(capfd):
     assert len(ratios) == 2 and all(abs(float(r) - 1) <= 0.01 for r in ratios), out
 
 
+def _train_then_destroy(rank, port):
+    """A fresh rank: train a parallelized MLP one step, tear down, check nothing keeps the group."""
+    import gc
+    import weakref
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    world = weakref.ref(dist.group.WORLD)
+    gm = autoshard.parallelize(MLPStack(blocks=1, h=32), 2, (torch.randn(4, 32),))
+    gm(torch.randn(4, 32)).sum().backward()
+    del gm
+    ad.destroy_process_group()
+    gc.collect()
+    if world() is not None:
+        raise AssertionError(f"the default process group outlives destroy_process_group: "
+                             f"{sys.getrefcount(world()) - 1} references left")
+
+
+def test_destroy_frees_the_process_group():
+    """A group still referenced when the interpreter exits can abort the process at exit (gloo
+    threads), which fails a finished run; planning must not pin it (torch.distributed.nn)."""
+    import torch.multiprocessing as mp
+    mp.spawn(_train_then_destroy, args=(_free_port(),), nprocs=2, join=True)
+
+
 def test_torchrun_example_two_ranks():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            EXAMPLE, "--tp", "2", "--steps", "2", *SMALL]

@@ -113,9 +113,17 @@ def main(argv=None) -> int:
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
-    world = int(os.environ["WORLD_SIZE"])
-    tp = world if args.tp is None else args.tp
+    tp = int(os.environ["WORLD_SIZE"]) if args.tp is None else args.tp
     ad.init_process_group(tp, backend=backend, timeout=timedelta(seconds=args.timeout))
+    try:
+        return run(args, tp, backend, device)
+    finally:        # once run's modules and autograd graphs (which hold the groups) are gone
+        ad.destroy_process_group()
+
+
+def run(args, tp: int, backend: str, device: torch.device) -> int:
+    """Parallelize the GPT over the tensor-parallel group, wrap it in DDP across groups, train."""
+    world, cuda = dist.get_world_size(), device.type == "cuda"
     rank, dp_group = dist.get_rank(), ad.get_data_parallel_group()
     dp, dp_rank = world // tp, rank // tp
     log = print if rank == 0 else (lambda *a, **k: None)
@@ -164,7 +172,6 @@ def main(argv=None) -> int:
         if rank == 0:
             torch.save(full, args.save)
             log(f"saved the full state dict ({len(full)} tensors) to {args.save}")
-    ad.destroy_process_group()
     return 0
 
 
