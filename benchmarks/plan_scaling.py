@@ -325,7 +325,7 @@ def main(argv=None) -> int:
     print(tabulate(rows, headers=["graph (blocks / DAG steps)", "nodes", "groups", "capture fx s", "capture export s",
                                   "plan wall s", "plan CPU s", "problem CPU s", "greedy CPU s", "us/node",
                                   "capture peak MiB", "plan peak MiB"], floatfmt=".3f", tablefmt="github"))
-    print(f"\nlog-log slopes (1 = linear): " + ", ".join(f"{k} {v:.2f}" for k, v in res["slopes"].items() if v))
+    print("\nlog-log slopes (1 = linear): " + ", ".join(f"{k} {v:.2f}" for k, v in res["slopes"].items() if v))
     if row48:
         verdict = "under" if row48["plan_cpu"] < 1.0 else "OVER"
         print(f"48-block GPT ({row48['nodes']} nodes): search + cost {row48['plan_cpu']:.3f} s CPU / "

@@ -1,5 +1,4 @@
 """Small models the tests share: written so torch.fx.symbolic_trace captures them."""
-import math
 
 import torch
 import torch.nn as nn
