@@ -246,12 +246,17 @@ class _CopyTo(torch.autograd.Function):
 
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group, "reduce_from", "forward")
+    def forward(ctx, x, group, inplace=False):
+        if not (inplace and x.is_contiguous()):
+            return _all_reduce(x, group, "reduce_from", "forward")
+        ctx.mark_dirty(x)                   # autograd sees the in-place write (version counter)
+        dist.all_reduce(x, group=group)
+        _record("reduce_from", "all_reduce", "forward", x.nbytes, dist.get_world_size(group))
+        return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterTo(torch.autograd.Function):
@@ -337,10 +342,12 @@ def copy_to(x, group=None):
 
 
 @_fx_leaf
-def reduce_from(x, group=None):
-    """fwd: all-reduce (sum); bwd: identity."""
+def reduce_from(x, group=None, inplace=False):
+    """fwd: all-reduce (sum); bwd: identity. `inplace=True` sums into `x` itself (saves a copy,
+    as Megatron does): only for an intermediate that nothing else reads, such as the output of a
+    row-parallel matmul; the rewriter sets it where the graph proves that."""
     pg, p = _resolve(group)
-    return x if p == 1 else _ReduceFrom.apply(x, pg)
+    return x if p == 1 else _ReduceFrom.apply(x, pg, inplace)
 
 
 @_fx_leaf

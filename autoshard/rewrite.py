@@ -34,6 +34,11 @@ VIEW_OPS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, aten.view.de
             aten._unsafe_view.default, torch.Tensor.expand, aten.expand.default}
 SPLIT_OPS = {torch.Tensor.split, torch.split, aten.split.Tensor, aten.split_with_sizes.default}
 SIZE_OPS = {torch.Tensor.size, aten.sym_size.int}
+# ops whose output is a new tensor of their own: a Partial output only reduce_from reads can be
+# summed in place (no copy), as Megatron's row-parallel layer does
+FRESH_OUTPUT_OPS = LINEAR_OPS | {torch.mm, torch.bmm, torch.matmul, operator.matmul, torch.Tensor.matmul,
+                                 torch.addmm, aten.mm.default, aten.bmm.default, aten.matmul.default,
+                                 aten.addmm.default, PF.masked_embedding}
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
@@ -167,6 +172,8 @@ class Rewriter:
                         y = self.call(C.copy_to, (moved,), {"group": self.key})
                     for c in r.consumers:
                         nodes[c].replace_input_with(x, y)
+            if moved.target is C.reduce_from and len(x.users) == 1 and _target(x) in FRESH_OUTPUT_OPS:
+                moved.update_kwarg("inplace", True)
 
     # ------------------------------------------------------------------ ops
     def rewrite_ops(self):
@@ -202,7 +209,7 @@ class Rewriter:
         else:
             raise ShardingError(f"{n.format_node()}: no row-parallel form with a bias")
         with self.graph.inserting_before(n):
-            y = self.call(C.reduce_from, (y,), {"group": self.key})
+            y = self.call(C.reduce_from, (y,), {"group": self.key, "inplace": True})     # y: the matmul's own
             out = self.call(add, (y, b))
         n.replace_all_uses_with(out)
         self.graph.erase_node(n)

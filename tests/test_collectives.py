@@ -30,7 +30,22 @@ def _copy_reduce(rank, p):
     y = C.reduce_from(x, group="world")
     close(y, sum(seeded(20 + r) for r in range(p)))
     y.backward(seeded(1))
-    return close(x.grad, seeded(1))
+    close(x.grad, seeded(1))
+
+    # in place (as the rewriter does for a row-parallel matmul's own output): same values and
+    # gradients, the input itself holds the sum; where autograd saved the input, backward raises
+    a = seeded(20 + rank).requires_grad_()
+    h = a * 2
+    y = C.reduce_from(h, group="world", inplace=True)
+    assert y is h
+    close(y, 2 * sum(seeded(20 + r) for r in range(p)))
+    y.backward(seeded(1))
+    close(a.grad, 2 * seeded(1))
+    e = seeded(0).requires_grad_().exp()                # exp saves its output for backward
+    z = C.reduce_from(e, group="world", inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    return True
 
 
 def _scatter_gather(rank, p, dim, chunks):

@@ -338,6 +338,8 @@ def test_rank_without_process_group_builds_that_ranks_module():
         else:                                                       # replicated: the model's own tensor
             assert all(piece.data_ptr() == full.data_ptr() for piece in pieces), key
     assert "autoshard_collectives" in shards[0].code                # collectives are named graph nodes
+    reduces = [n for n in shards[0].graph.nodes if n.target is autoshard.collectives.reduce_from]
+    assert reduces and all(n.kwargs.get("inplace") for n in reduces)  # row matmul / lookup outputs: no copy
     with pytest.raises(ProcessGroupError, match="needs a process group"):
         shards[0](*args)                                            # running it needs the group
     with pytest.raises(ProcessGroupError, match=r"needs an initialised process group .* or rank="):

@@ -44,7 +44,7 @@ def parallel_linear(input, weight, bias=None, dim=None, group=None):
                 f"row-parallel linear: input of shape {tuple(input.shape)} (parallel_dim "
                 f"{get_parallel_dim(input)}) gives {x.size(-1)} features per rank, but the weight "
                 f"shard {tuple(weight.shape)} expects {weight.size(1)}")
-        out = reduce_from(F.linear(x, weight), group=group)
+        out = reduce_from(F.linear(x, weight), group=group, inplace=True)   # sums the fresh matmul output
         if bias is not None:
             out = out + bias
         register_parallel_dim(out, None)
@@ -104,7 +104,7 @@ def parallel_embedding(input, weight, padding_idx=None, max_norm=None, norm_type
                 f"{weight.size(0)} x {p} ranks")
         partial = masked_embedding(input, weight, padding_idx, group, max_norm=max_norm, norm_type=norm_type,
                                    scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
-        return reduce_from(partial, group=group)
+        return reduce_from(partial, group=group, inplace=True)
     if max_norm is not None:
         raise ShardingError("parallel_embedding: max_norm needs whole rows; it is not supported with a "
                             "hidden-split (dim=1/-1) embedding")
