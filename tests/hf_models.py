@@ -48,19 +48,16 @@ def example_kwargs(vocab_size, batch=2, seq=16, seed=0, ignore_index=False):
     return dict(input_ids=input_ids, labels=labels)
 
 
-def _merge(defaults, overrides):
-    """Config keywords: ``defaults`` updated by the caller's ``overrides``."""
-    out = dict(defaults)
-    out.update(overrides)
-    return out
-
-
-def _finish(model, cfg, batch, seq, seed, ignore_index=False):
-    model = model.to(torch.float32).eval()
+def _build(config_cls, model_cls, defaults, overrides, batch, seq, seed, attn_implementation,
+           ignore_index=False):
+    """``(model, example_kwargs)``: the config from ``defaults`` updated by the caller's
+    ``overrides``, seeded random weights, fp32, eval mode, every parameter trainable."""
+    cfg = config_cls(**{**defaults, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls._from_config(cfg, attn_implementation=attn_implementation).to(torch.float32).eval()
     for p in model.parameters():
         p.requires_grad_(True)
-    kwargs = example_kwargs(cfg.vocab_size, batch, seq, seed, ignore_index)
-    return model, kwargs
+    return model, example_kwargs(cfg.vocab_size, batch, seq, seed, ignore_index)
 
 
 def _gqa_heads(num_attention_heads, num_key_value_heads, world_size):
@@ -110,10 +107,7 @@ def gpt2(
         eos_token_id=vocab_size - 1,
         use_cache=False,
     )
-    cfg = GPT2Config(**_merge(defaults, config_overrides))
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel._from_config(cfg, attn_implementation=attn_implementation)
-    return _finish(model, cfg, batch, seq, seed)
+    return _build(GPT2Config, GPT2LMHeadModel, defaults, config_overrides, batch, seq, seed, attn_implementation)
 
 
 def bert(
@@ -147,10 +141,8 @@ def bert(
         attention_probs_dropout_prob=0.0,
         use_cache=False,
     )
-    cfg = BertConfig(**_merge(defaults, config_overrides))
-    torch.manual_seed(seed)
-    model = BertForMaskedLM._from_config(cfg, attn_implementation=attn_implementation)
-    return _finish(model, cfg, batch, seq, seed, ignore_index=True)
+    return _build(BertConfig, BertForMaskedLM, defaults, config_overrides, batch, seq, seed, attn_implementation,
+                  ignore_index=True)
 
 
 def _gqa_lm(config_name, model_name, extra, hidden_size=64, intermediate_size=128, num_attention_heads=None,
@@ -175,10 +167,8 @@ def _gqa_lm(config_name, model_name, extra, hidden_size=64, intermediate_size=12
         use_cache=False,
         **extra,
     )
-    cfg = getattr(transformers, config_name)(**_merge(defaults, config_overrides))
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)._from_config(cfg, attn_implementation=attn_implementation)
-    return _finish(model, cfg, batch, seq, seed)
+    return _build(getattr(transformers, config_name), getattr(transformers, model_name), defaults, config_overrides,
+                  batch, seq, seed, attn_implementation)
 
 
 def llama(**kwargs):
