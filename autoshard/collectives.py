@@ -173,9 +173,10 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _all_reduce(x, group, op="copy_to", direction="forward", reduce_op=dist.ReduceOp.SUM):
-    """Sum (or `reduce_op`) of `x` over the group, in a fresh contiguous tensor."""
-    out = x.clone(memory_format=torch.contiguous_format)
+def _all_reduce(x, group, op="copy_to", direction="forward", reduce_op=dist.ReduceOp.SUM, inplace=False):
+    """Sum (or `reduce_op`) of `x` over the group, in a fresh contiguous tensor (in `x` itself
+    with `inplace`, which needs `x` contiguous)."""
+    out = x if inplace else x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=reduce_op, group=group)
     _record(op, "all_reduce", direction, out.nbytes, dist.get_world_size(group))
     return out
@@ -247,12 +248,10 @@ class _CopyTo(torch.autograd.Function):
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, inplace=False):
-        if not (inplace and x.is_contiguous()):
-            return _all_reduce(x, group, "reduce_from", "forward")
-        ctx.mark_dirty(x)                   # autograd sees the in-place write (version counter)
-        dist.all_reduce(x, group=group)
-        _record("reduce_from", "all_reduce", "forward", x.nbytes, dist.get_world_size(group))
-        return x
+        inplace = inplace and x.is_contiguous()
+        if inplace:
+            ctx.mark_dirty(x)               # autograd sees the in-place write (version counter)
+        return _all_reduce(x, group, "reduce_from", "forward", inplace=inplace)
 
     @staticmethod
     def backward(ctx, grad):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import gc
 import socket
 import traceback
 from datetime import timedelta
@@ -58,7 +57,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
-    import autoshard.distributed  # noqa: F401 - before the group exists (see its module comment)
+    import autoshard.distributed  # before the group exists (see its module comment)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -74,9 +73,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             results.put((rank, False, traceback.format_exc()))
         finally:
             _reset_autoshard()
-    fn = args = None         # drop the last test's objects
-    gc.collect()            # free GraphModules holding process groups before they are torn down
-    dist.destroy_process_group()
+    fn = args = None         # drop the last test's objects, then collect them before the teardown
+    autoshard.distributed.destroy_process_group()
 
 
 class RankPool:
