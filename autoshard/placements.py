@@ -66,3 +66,44 @@ def divides(shape, placement: Placement, world_size: int) -> bool:
     if not isinstance(placement, Shard):
         return True
     return placement.dim < len(shape) and shape[placement.dim] % (world_size * placement.chunks) == 0
+
+
+@dataclass(frozen=True)
+class Box:
+    """One contiguous block of a rank's shard: `sizes` elements starting at `offsets` in the
+    global tensor, stored at `local_offsets` in the rank's local tensor."""
+
+    offsets: tuple
+    sizes: tuple
+    local_offsets: tuple
+
+    def global_index(self) -> tuple:
+        """Slices that select this box from the global tensor."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+    def local_index(self) -> tuple:
+        """Slices that select this box from the rank's local tensor."""
+        return tuple(slice(o, o + s) for o, s in zip(self.local_offsets, self.sizes))
+
+
+def boxes(shape, placement: Placement, rank: int, world_size: int) -> tuple[Box, ...]:
+    """Where rank `rank`'s local tensor lies in the global tensor of `shape`: one Box for a
+    contiguous shard or a replicated tensor, `chunks` boxes for a strided `Shard(d, chunks)`
+    (a fused q/k/v weight: rank r's rows of q, of k and of v). The one map from a parameter's
+    global layout to this rank's pieces, shared by loading and checkpoints."""
+    shape = tuple(int(s) for s in shape)
+    zeros = (0,) * len(shape)
+    if isinstance(placement, Partial):
+        raise ValueError("a Partial tensor has no boxes: its ranks hold summands, not pieces")
+    if not isinstance(placement, Shard):
+        return (Box(zeros, shape, zeros),)
+    local = local_shape(shape, placement, world_size)
+    d, k = placement.dim, placement.chunks
+    piece = local[d] // k
+    block = shape[d] // k
+    out = []
+    for c in range(k):
+        start = c * block + rank * piece
+        out.append(Box(zeros[:d] + (start,) + zeros[d + 1:], local[:d] + (piece,) + local[d + 1:],
+                       zeros[:d] + (c * piece,) + zeros[d + 1:]))
+    return tuple(out)
