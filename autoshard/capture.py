@@ -5,7 +5,11 @@ Two tracers, one normal form: parameters are `get_attr` nodes feeding ops.
   becomes one parameter used by two ops) and keeps other torch.nn modules as leaves, so dropout
   still follows train()/eval();
 - `torch.export.export(..., strict=False).module()`: aten-level, for models FX cannot trace.
-Shapes come from FakeTensor propagation of the example inputs: no real compute.
+Shapes come from FakeTensor propagation of the example inputs: no real compute. A second,
+symbolic propagation (torch.export's own, with every input dim `Dim.AUTO`; or FakeTensorProp
+over a ShapeEnv for symbolic_trace) finds the dims whose size follows the inputs' batch and
+sequence lengths: `node.meta["autoshard_dynamic"]` lists them, the planner never shards them,
+and the rewritten module accepts any size there.
 """
 from __future__ import annotations
 
@@ -15,7 +19,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export import Dim
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .errors import CaptureError
@@ -30,6 +37,91 @@ class Captured:
     args: tuple
     kwargs: dict
     notes: list = field(default_factory=list)
+
+
+DYNAMIC = "autoshard_dynamic"        # node.meta key: dims whose size follows the inputs' sizes
+
+
+def dynamic_dims(node: fx.Node):
+    """The dims of a node's value (a frozenset, or a tuple of them for a multi-output node)
+    whose size varies with the inputs' batch / sequence lengths."""
+    return node.meta.get(DYNAMIC, frozenset())
+
+
+def _symbolic_dims(v):
+    if isinstance(v, (tuple, list)):
+        return tuple(_symbolic_dims(x) for x in v)
+    if not isinstance(v, torch.Tensor):
+        return frozenset()
+    out = set()
+    for d, size in enumerate(v.shape):
+        if isinstance(size, torch.SymInt):
+            try:
+                expr = size.node.shape_env.replace(size.node.expr)
+            except Exception:  # noqa: BLE001 - no shape env: treat as varying
+                expr = size.node.expr
+            if not expr.is_number:
+                out.add(d)
+    return frozenset(out)
+
+
+def _mark_dynamic(gm: fx.GraphModule) -> None:
+    """Record, from symbolic node values, which dims vary with the inputs."""
+    for n in gm.graph.nodes:
+        dims = _symbolic_dims(n.meta.get("val"))
+        if dims:
+            n.meta[DYNAMIC] = dims
+        else:
+            n.meta.pop(DYNAMIC, None)
+
+
+def _input_dynamic_dims(t: torch.Tensor) -> list[int]:
+    """Dims of an input left free for symbolic_trace: all of an index tensor's, all but the
+    feature (last) dim of a float one."""
+    if t.dim() == 0:
+        return []
+    if t.is_floating_point() or t.is_complex():
+        return list(range(t.dim() - 1))
+    return list(range(t.dim()))
+
+
+def placeholder_inputs(gm: fx.GraphModule, tracer: str, args: tuple, kwargs: dict) -> list:
+    """The example inputs in the order of `gm`'s placeholders."""
+    if tracer == "export":
+        return fx._pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    flat = list(args)
+    for n in placeholders[len(args):]:
+        if n.target in kwargs:
+            flat.append(kwargs[n.target])
+        elif n.args:
+            flat.append(n.args[0])
+        else:
+            raise CaptureError(f"no example value for input {n.target!r} of {type(gm).__name__}")
+    return flat
+
+
+def propagate(gm: fx.GraphModule, flat: list) -> None:
+    """node.meta['val'] = FakeTensor of the example's concrete shapes."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
+    with mode:
+        FakeTensorProp(gm, mode).propagate(*fake)
+
+
+def _propagate_symbolic(gm: fx.GraphModule, flat: list) -> None:
+    """node.meta['val'] with the inputs' batch / sequence dims symbolic (then read by _mark_dynamic)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    fake = []
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            free = set(_input_dynamic_dims(a))
+            ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC if d in free else DimDynamic.STATIC
+                                                          for d in range(a.dim())])
+            a = mode.from_tensor(a, symbolic_context=ctx)
+        fake.append(a)
+    with mode:
+        FakeTensorProp(gm, mode).propagate(*fake)
 
 
 class InliningTracer(fx.Tracer):
@@ -93,34 +185,50 @@ def _absent_defaults(model: nn.Module, args: tuple, kwargs: dict) -> dict:
             if q.name not in kwargs and q.default is None and q.kind is q.POSITIONAL_OR_KEYWORD}
 
 
-def _symbolic(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+def _symbolic(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.GraphModule:
     tracer = InliningTracer()
     graph = tracer.trace(model, concrete_args=_absent_defaults(model, args, kwargs) or None)
     gm = fx.GraphModule(model, graph, model.__class__.__name__)
     _keep_all_names(gm, model)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    flat = list(args)
-    for n in placeholders[len(args):]:
-        if n.target in kwargs:
-            flat.append(kwargs[n.target])
-        elif n.args:
-            flat.append(n.args[0])
-        else:
-            raise CaptureError(f"no example value for input {n.target!r} of {type(model).__name__}")
-    extra = set(kwargs) - {n.target for n in placeholders}
+    extra = set(kwargs) - {n.target for n in gm.graph.nodes if n.op == "placeholder"}
     if extra:
         raise CaptureError(f"example inputs name {sorted(extra)} which {type(model).__name__}.forward does not take")
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
-    with mode:
-        FakeTensorProp(gm, mode).propagate(*fake)
+    flat = placeholder_inputs(gm, "symbolic_trace", args, kwargs)
+    try:
+        _propagate_symbolic(gm, flat)
+        _mark_dynamic(gm)
+    except Exception as e:  # noqa: BLE001 - shapes stay as the example's; say so
+        notes.append(f"input sizes could not be kept symbolic ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                     "the module is planned for the example's sizes")
+        for n in gm.graph.nodes:
+            n.meta.pop(DYNAMIC, None)
+    propagate(gm, flat)
     return gm
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
-    ep = torch.export.export(model, args, kwargs, strict=False)
+def _auto_shapes(model: nn.Module, args: tuple, kwargs: dict):
+    """export's dynamic_shapes by forward() argument name: every dim of every top-level tensor
+    input Dim.AUTO (export keeps the dims the model fixes, such as feature sizes, static itself)."""
+    def spec(a):
+        return {d: Dim.AUTO for d in range(a.dim())} if isinstance(a, torch.Tensor) and a.dim() else None
+    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    return {k: (tuple(spec(x) for x in v) if isinstance(v, tuple) else
+                {kk: spec(x) for kk, x in v.items()} if isinstance(v, dict) else spec(v))
+            for k, v in bound.arguments.items()}
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.GraphModule:
+    try:
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=_auto_shapes(model, args, kwargs), strict=False)
+    except Exception as e:  # noqa: BLE001 - fall back to the example's static shapes, and say so
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        notes.append(f"torch.export with dynamic batch/sequence sizes failed ({type(e).__name__}: {first}); "
+                     "the module accepts only the example's shapes")
+        ep = torch.export.export(model, args, kwargs, strict=False)
     gm = ep.module()
     _keep_all_names(gm, model)
+    _mark_dynamic(gm)
+    propagate(gm, placeholder_inputs(gm, "export", args, kwargs))
     return gm
 
 
@@ -140,7 +248,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
     for name in order:
         try:
             fn = _symbolic if name == "symbolic_trace" else _export
-            gm = fn(model, args, kwargs)
+            gm = fn(model, args, kwargs, notes)
             return Captured(gm, name, args, kwargs, notes)
         except Exception as e:  # noqa: BLE001 - every tracer failure is reported below
             errors.append((name, e))

@@ -132,7 +132,7 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         if not prob.nbytes[j]:
             continue
         for req, grad, fwd, bwd, consumers in prob.tensor_comms(j, state.place[j], state.sidx):
-            if fwd or bwd:
+            if fwd or bwd or req != state.place[j]:       # a local split moves no bytes but must happen
                 names = tuple(prob.nodes[c].name for c in consumers)
                 r = Redistribution(n.name, state.place[j], req, grad, fwd, bwd, prob.nbytes[j], names)
                 redists.append(r)

@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import rules
+from .capture import DYNAMIC
 from .cost import CostModel, grad_fix, grad_of, redistribute
 from .errors import ShardingError
 from .placements import REPLICATE, Partial, Replicate, Shard
@@ -315,7 +316,7 @@ def _structure(n: fx.Node, module) -> tuple | None:
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
             return ("in", inputs.index(a), tuple(v.shape) if _tensor(v) else type(v).__name__,
-                    str(v.dtype) if _tensor(v) else None)
+                    str(v.dtype) if _tensor(v) else None, a.meta.get(DYNAMIC))
         if isinstance(a, (tuple, list)):
             return tuple(norm(x) for x in a)
         if isinstance(a, dict):
@@ -328,7 +329,7 @@ def _structure(n: fx.Node, module) -> tuple | None:
     target = type(module) if module is not None else n.target
     extra = module.extra_repr() if module is not None else None
     try:
-        key = (n.op, target, extra, norm(n.args), norm(n.kwargs), out)
+        key = (n.op, target, extra, norm(n.args), norm(n.kwargs), out, n.meta.get(DYNAMIC))
         hash(key)
     except TypeError:
         return None

@@ -18,12 +18,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import collectives as C
+from .capture import DYNAMIC, placeholder_inputs
 from .cost import redistribute
 from .errors import ShardingError
 from .nn import functional as PF
 from .placements import Partial, Replicate, Shard
 from .problem import fetch_attr
 from .state_dict import register_parallel_attribute
+from .verify import check_local_graph
 
 aten = torch.ops.aten
 
@@ -287,14 +289,13 @@ class Rewriter:
         n.args = (n.args[0], sizes) if packed else (n.args[0], *sizes)
 
     def _local_split(self, n):
+        def local(s):
+            if isinstance(s, int):
+                return s // self.p
+            with self.graph.inserting_before(n):          # a size computed at run time
+                return self.call(operator.floordiv, (s, self.p))
         size = n.args[1]
-        if isinstance(size, int):
-            size = size // self.p
-        elif isinstance(size, (list, tuple)):
-            size = [s // self.p for s in size]
-        else:
-            with self.graph.inserting_before(n):
-                size = self.call(operator.floordiv, (size, self.p))
+        size = [local(s) for s in size] if isinstance(size, (list, tuple)) else local(size)
         n.args = (n.args[0], size, *n.args[2:])
 
     # ------------------------------------------------------------------ driver
@@ -308,7 +309,43 @@ class Rewriter:
         self.gm._autoshard_layouts = table
         self.gm._autoshard_group = self.key
         self.gm._autoshard_plan = self.plan
+        self.gm.register_forward_pre_hook(InputCheck.of(self.plan), with_kwargs=True, prepend=True)
         return self.gm
+
+
+class InputCheck:
+    """Forward pre-hook: every tensor input has the number of dims the plan was made for and
+    its sizes where the plan fixed them (feature dims, split dims); batch and sequence sizes,
+    which capture found free, may be anything. A wrong input gets a ShardingError naming it."""
+
+    def __init__(self, tracer: str, specs: tuple):
+        self.tracer, self.specs = tracer, specs          # ((name, example shape, free dims) | None, ...)
+
+    @classmethod
+    def of(cls, plan) -> "InputCheck":
+        specs = []
+        for n in plan.graph_module.graph.nodes:
+            if n.op == "placeholder":
+                v = n.meta.get("val")
+                specs.append((n.target, tuple(int(x) for x in v.shape), n.meta.get(DYNAMIC, frozenset()))
+                             if isinstance(v, torch.Tensor) else None)
+        return cls(plan.tracer, tuple(specs))
+
+    def __call__(self, module, args, kwargs):
+        try:
+            flat = placeholder_inputs(module, self.tracer, args, kwargs)
+        except Exception:  # noqa: BLE001 - a call that does not match forward(): its own error follows
+            return None
+        for spec, x in zip(self.specs, flat):
+            if spec is None or not isinstance(x, torch.Tensor):
+                continue
+            name, shape, free = spec
+            if x.dim() != len(shape) or any(x.shape[d] != s for d, s in enumerate(shape) if d not in free):
+                want = "(" + ", ".join("*" if d in free else str(s) for d, s in enumerate(shape)) + ")"
+                raise ShardingError(f"input {name!r} has shape {tuple(x.shape)}, but the module was planned for "
+                                    f"shape {want} (* = any size; the example was {shape}); plan again with an "
+                                    f"example of this shape")
+        return None
 
 
 def _bind_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -345,4 +382,6 @@ def _bind_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
 
 def rewrite(plan, rank: int, group_key=None, model=None) -> fx.GraphModule:
     """This rank's GraphModule for `plan`, holding `model`'s tensors (default: the planned ones)."""
-    return Rewriter(plan, rank, group_key, model).run()
+    gm = Rewriter(plan, rank, group_key, model).run()
+    check_local_graph(gm, plan, rank)
+    return gm

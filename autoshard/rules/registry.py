@@ -153,20 +153,27 @@ def _replicate_like(v):
     return None
 
 
-def _fits(placement, v, p) -> bool:
+def _fits(placement, v, p, dynamic) -> bool:
     if placement is None or isinstance(placement, (Replicate, Partial)):
         return True
     if isinstance(placement, tuple):
-        return isinstance(v, (tuple, list)) and all(_fits(pl, x, p) for pl, x in zip(placement, v))
-    return isinstance(v, torch.Tensor) and divides(v.shape, placement, p)
+        dyn = dynamic if isinstance(dynamic, tuple) else (dynamic,) * len(placement)
+        return isinstance(v, (tuple, list)) and all(_fits(pl, x, p, d) for pl, x, d in zip(placement, v, dyn))
+    return isinstance(v, torch.Tensor) and divides(v.shape, placement, p) and placement.dim not in dynamic
+
+
+def dynamic(n) -> frozenset | tuple:
+    """Dims of a node's value that follow the inputs' batch / sequence sizes (capture marks them)."""
+    return n.meta.get("autoshard_dynamic", frozenset()) if isinstance(n, fx.Node) else frozenset()
 
 
 def valid(info: NodeInfo, s: OpStrategy) -> bool:
-    """Every shard of every input and output divides evenly over the degree."""
+    """Every shard of every input and output divides evenly over the degree, and no dim whose
+    size follows the inputs (batch, sequence) is split: the plan must hold for every size."""
     p = info.world_size
-    if not _fits(s.output, info.val(info.node), p):
+    if not _fits(s.output, info.val(info.node), p, dynamic(info.node)):
         return False
-    return all(_fits(pl, info.val(n), p) for pl, n in zip(s.inputs, info.inputs))
+    return all(_fits(pl, info.val(n), p, dynamic(n)) for pl, n in zip(s.inputs, info.inputs))
 
 
 def strategies(info: NodeInfo) -> tuple[list[OpStrategy], bool]:

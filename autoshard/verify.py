@@ -1,0 +1,104 @@
+"""Check a rewritten per-rank graph before anyone runs it: FakeTensor propagation of local shapes.
+
+`parallelize` calls `check_local_graph` on every rank's module: the example inputs run through
+the graph on fake tensors with this rank's parameter shards, and each collective is replaced by
+the shape change it makes (an all-gather multiplies its dim by the degree, a scatter divides
+it). A plan that could not run fails here, inside `parallelize`, with a `ShardingError` that
+names the node and the shapes, never at the user's first step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from . import collectives as C
+from .capture import placeholder_inputs
+from .errors import ShardingError
+from .nn import functional as PF
+
+
+def _gather(p, rank):
+    return lambda x, dim, chunks=1, group=None: C._cat_along([x] * p, dim, chunks)
+
+
+def _scatter(p, rank):
+    return lambda x, dim, chunks=1, group=None: C._split_along(x, dim, p, chunks, what=f"tensor")[rank]
+
+
+def _all_to_all(p, rank):
+    return lambda x, src_dim, dst_dim, group=None: C._split_along(C._cat_along([x] * p, src_dim), dst_dim, p)[rank]
+
+
+def _vocab_ce(p, rank):
+    def fn(logits, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, group=None):
+        return F.cross_entropy(logits, target, reduction=reduction)
+    return fn
+
+
+# collective -> (p, rank) -> a function computing its local output shape on fake tensors
+_LOCAL = {
+    C.copy_to: lambda p, rank: (lambda x, group=None: x),
+    C.reduce_from: lambda p, rank: (lambda x, group=None, inplace=False: x),
+    C.scatter_to: _scatter,
+    C.reduce_scatter: _scatter,
+    C.gather_from: _gather,
+    C.all_gather: _gather,
+    C.all_to_all: _all_to_all,
+    PF.masked_embedding: lambda p, rank: (lambda input, weight, padding_idx=None, group=None, **kw:
+                                          F.embedding(input, weight)),
+    PF.vocab_parallel_cross_entropy: _vocab_ce,
+}
+
+
+def register_local_shape(fn, make) -> None:
+    """Teach the check the local output of a collective-running function: `make(p, rank)`
+    returns a function with `fn`'s signature that computes it on fake tensors."""
+    _LOCAL[fn] = make
+
+
+def _shapes(v):
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape)
+    if isinstance(v, (tuple, list)):
+        return type(v)(_shapes(x) for x in v)
+    return v
+
+
+class _LocalShapes(fx.Interpreter):
+    """Runs a rank's graph on fake tensors, collectives replaced by their shape changes."""
+
+    def __init__(self, gm, p, rank, mode):
+        super().__init__(gm)
+        self.p, self.rank, self.mode = p, rank, mode
+        self.local = {fn: make(p, rank) for fn, make in _LOCAL.items()}
+
+    def run_node(self, n):
+        try:
+            with self.mode:
+                return super().run_node(n)
+        except ShardingError as e:
+            raise ShardingError(f"rank {self.rank} of {self.p} cannot run {n.format_node()}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - any failure is a plan that cannot run
+            ins = {a.name: _shapes(self.env.get(a)) for a in n.all_input_nodes}
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ShardingError(f"the plan cannot run on rank {self.rank} of {self.p}: {n.format_node()} fails "
+                                f"with local input shapes {ins}: {type(e).__name__}: {first}") from e
+
+    def call_function(self, target, args, kwargs):
+        fn = self.local.get(target)
+        if fn is not None:
+            return fn(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+def check_local_graph(gm: fx.GraphModule, plan, rank: int) -> None:
+    """Propagate the plan's example inputs through rank `rank`'s module on fake tensors;
+    raise ShardingError naming the first node whose local shapes do not fit."""
+    args, kwargs = plan.example
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    flat = placeholder_inputs(gm, plan.tracer, args, kwargs)
+    fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
+    with torch.no_grad():
+        _LocalShapes(gm, plan.world_size, rank, mode).run(*fake)
