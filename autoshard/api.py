@@ -20,10 +20,15 @@ _COST_KEYS = {"bandwidth", "latency", "flops", "memory_weight", "state_factor", 
 
 
 def _chunk_candidates(gm: fx.GraphModule) -> tuple:
-    """Numbers of equal pieces tensors are split into (a fused q/k/v gives 3)."""
+    """Numbers of equal pieces tensors are split into (a fused q/k/v gives 3) or joined from (cat)."""
     ks = set()
     for n in gm.graph.nodes:
         v = n.meta.get("val")
+        if n.op == "call_function" and n.target in (torch.cat, torch.concat, torch.ops.aten.cat.default):
+            pieces = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+            if len(pieces) > 1:
+                ks.add(len(pieces))          # a cat of equal shards is a strided shard of that many
+            continue
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
         if n.op == "output" or not any(w in name for w in ("split", "chunk")):
             continue                 # only splits unfuse (not a model's outputs, not (cos, sin))

@@ -125,10 +125,11 @@ def _propagate_symbolic(gm: fx.GraphModule, flat: list) -> None:
 
 
 class InliningTracer(fx.Tracer):
-    """Traces through nn.Linear / nn.Embedding so their parameters become get_attr nodes."""
+    """Traces through nn.Linear / nn.Embedding / nn.LayerNorm / nn.RMSNorm so their parameters
+    become get_attr nodes the planner can split."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if type(m) in (nn.Linear, nn.Embedding):
+        if type(m) in (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm):
             return False
         return super().is_leaf_module(m, qualname)
 

@@ -22,7 +22,9 @@ from .capture import DYNAMIC, placeholder_inputs
 from .cost import redistribute
 from .errors import ShardingError
 from .nn import functional as PF
+from .nn.norm import sharded_layer_norm, sharded_rms_norm
 from .placements import Partial, Replicate, Shard
+from .rules.norm import norm_params
 from .problem import fetch_attr
 from .state_dict import register_parallel_attribute
 from .verify import check_local_graph
@@ -190,6 +192,10 @@ class Rewriter:
                 self._vocab_embedding(n, t)
             elif d.strategy == "vocab":
                 self._vocab_cross_entropy(n, t)
+            elif d.strategy == "split_norm":
+                self._split_norm(n, t)
+            elif d.strategy == "partial_mean":
+                self._partial_mean(n)
             elif t in SIZE_OPS or (t is getattr and n.args[1] == "shape"):
                 self._global_size(n, t)
             if isinstance(d.output, Shard) and t in VIEW_OPS:
@@ -256,6 +262,28 @@ class Rewriter:
             out = self.call(PF.vocab_parallel_cross_entropy, (logits, target), kw)
         n.replace_all_uses_with(out)
         self.graph.erase_node(n)
+
+    def _split_norm(self, n, t):
+        """A layer / RMS norm over a split last dim: statistics summed over the ranks."""
+        weight, bias = norm_params(n)
+        args = list(n.args) + [None] * 6
+        if t in (F.layer_norm, aten.layer_norm.default):
+            eps = n.kwargs.get("eps", args[4] if args[4] is not None else 1e-5)
+            fn, call_args = sharded_layer_norm, (n.args[0], args[1] or n.kwargs["normalized_shape"], weight, bias, eps)
+        else:
+            eps = n.kwargs.get("eps", args[3])
+            fn, call_args = sharded_rms_norm, (n.args[0], args[1] or n.kwargs["normalized_shape"], weight, eps)
+        with self.graph.inserting_before(n):
+            out = self.call(fn, call_args, {"group": self.key})
+        n.replace_all_uses_with(out)
+        self.graph.erase_node(n)
+
+    def _partial_mean(self, n):
+        """A mean over a split dim: this rank's mean over its block, divided by the degree, is
+        its summand of the full mean."""
+        with self.graph.inserting_after(n):
+            out = self.call(operator.truediv, (n, self.p))
+        n.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
 
     def _global_size(self, n, t):
         src = n.args[0]

@@ -17,6 +17,7 @@ from . import collectives as C
 from .capture import placeholder_inputs
 from .errors import ShardingError
 from .nn import functional as PF
+from .nn.norm import sharded_layer_norm, sharded_rms_norm
 
 
 def _gather(p, rank):
@@ -49,6 +50,10 @@ _LOCAL = {
     PF.masked_embedding: lambda p, rank: (lambda input, weight, padding_idx=None, group=None, **kw:
                                           F.embedding(input, weight)),
     PF.vocab_parallel_cross_entropy: _vocab_ce,
+    sharded_layer_norm: lambda p, rank: (lambda x, shape, weight=None, bias=None, eps=1e-5, group=None:
+                                         F.layer_norm(x, x.shape[-1:], weight, bias, eps)),
+    sharded_rms_norm: lambda p, rank: (lambda x, shape, weight=None, eps=None, group=None:
+                                       F.rms_norm(x, x.shape[-1:], weight, eps)),
 }
 
 

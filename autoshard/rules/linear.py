@@ -28,12 +28,13 @@ def matmul_family(info: NodeInfo, x, w, b, *, w_out_dim: int, w_in_dim: int):
         if b is not None:
             m[b] = Shard(0, k)
         found.append(info.req(m, "column", Shard(last, k), compute=1 / p, dim=-1))
-    m = {x: Shard(len(info.shape(x)) - 1), w: Shard(w_in_dim)}
-    if b is None:
-        found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0))
-    else:
-        found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0,
-                              comm=[("all_reduce", _bytes(info))]))
+    for k in (1, *info.chunk_candidates):     # k > 1: the input is k pieces, each split (a cat of shards)
+        m = {x: Shard(len(info.shape(x)) - 1, k), w: Shard(w_in_dim, k)}
+        if b is None:
+            found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0))
+        else:
+            found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0,
+                                  comm=[("all_reduce", _bytes(info))]))
     for d in range(out_nd - 1):              # batch dims pass through with a replicated weight
         if info.out_shape[d] > 1:
             found.append(info.req({x: Shard(d)}, f"shard({d})", Shard(d), compute=1 / p))

@@ -8,8 +8,9 @@ from .registry import PARTIAL, NodeInfo, Shard, norm_dim, register_rule
 aten = torch.ops.aten
 
 
-def keep_dims(info: NodeInfo, src, reduced: set, *, keepdim=True, partial_sum=False):
-    """Shard any dim not in `reduced`; a sum over a sharded dim gives a Partial result."""
+def keep_dims(info: NodeInfo, src, reduced: set, *, keepdim=True, partial_sum=None):
+    """Shard any dim not in `reduced`; a sum (or mean, rescaled by the rewriter) over a sharded
+    dim gives a Partial result: `partial_sum` names that strategy."""
     shape = info.shape(src)
     found = []
     for d in range(len(shape)):
@@ -17,20 +18,40 @@ def keep_dims(info: NodeInfo, src, reduced: set, *, keepdim=True, partial_sum=Fa
             continue
         if d in reduced:
             if partial_sum:
-                found.append(info.req({src: Shard(d)}, "partial", PARTIAL))
+                found.append(info.req({src: Shard(d)}, partial_sum, PARTIAL))
             continue
         out = d if keepdim else d - sum(1 for r in reduced if r < d)
         found.append(info.req({src: Shard(d)}, f"shard({out})", Shard(out)))
     return found
 
 
-@register_rule(F.layer_norm, aten.layer_norm.default, F.rms_norm, aten.rms_norm.default)
+NORM_ARGS = {F.layer_norm: ("weight", "bias"), aten.layer_norm.default: ("weight", "bias"),
+             F.rms_norm: ("weight", None), aten.rms_norm.default: ("weight", None)}
+
+
+def norm_params(node):
+    """(weight, bias) arguments of a layer/RMS norm call (None where absent)."""
+    names = NORM_ARGS[node.target]
+    args = list(node.args) + [None] * 4
+    return tuple(None if name is None else (args[2 + i] if args[2 + i] is not None else node.kwargs.get(name))
+                 for i, name in enumerate(names))
+
+
+@register_rule(*NORM_ARGS)
 def _layer_norm(info):
     x = info.node.args[0]
     nd = len(info.shape(x))
     nshape = info.arg(1, "normalized_shape")
     k = len(nshape) if isinstance(nshape, (tuple, list)) else 1
-    return keep_dims(info, x, set(range(nd - k, nd)))
+    found = keep_dims(info, x, set(range(nd - k, nd)))
+    if k == 1:       # the normalised dim split: statistics all-reduced as (..., 1), fwd and bwd
+        m = {x: Shard(nd - 1)}
+        m.update({a: Shard(0) for a in norm_params(info.node) if a in info.inputs})
+        stats = info.val(x).numel() // info.shape(x)[-1] * info.val(x).element_size()
+        passes = 2 if info.node.target in (F.layer_norm, aten.layer_norm.default) else 1
+        found.append(info.req(m, "split_norm", Shard(nd - 1), compute=1 / info.world_size,
+                              comm=[("all_reduce", stats)] * (2 * passes)))
+    return found
 
 
 @register_rule(nn.LayerNorm, nn.RMSNorm)
@@ -63,7 +84,7 @@ def _sum(info):
     x = info.inputs[0]
     nd = len(info.shape(x))
     keep = bool(info.arg(2, "keepdim", False))
-    return keep_dims(info, x, _reduced_dims(info, nd), keepdim=keep, partial_sum=True) + \
+    return keep_dims(info, x, _reduced_dims(info, nd), keepdim=keep, partial_sum="partial") + \
         [info.req({x: PARTIAL}, "partial", PARTIAL)]
 
 
@@ -72,4 +93,5 @@ def _mean(info):
     x = info.inputs[0]
     nd = len(info.shape(x))
     keep = bool(info.arg(2, "keepdim", False))
-    return keep_dims(info, x, _reduced_dims(info, nd), keepdim=keep) + [info.req({x: PARTIAL}, "partial", PARTIAL)]
+    return keep_dims(info, x, _reduced_dims(info, nd), keepdim=keep, partial_sum="partial_mean") + \
+        [info.req({x: PARTIAL}, "partial", PARTIAL)]

@@ -83,7 +83,9 @@ def _unary(info):
 
 @register_rule(*SUMS)
 def _sum_like(info):
-    return elementwise(info, [[n for n in info.inputs if info.is_tensor(n)]])
+    # summands plus a number would add it once per rank: only tensors, all Partial, stay Partial
+    numbers = any(isinstance(a, (int, float)) and not isinstance(a, bool) and a != 0 for a in info.node.args)
+    return elementwise(info, [] if numbers else [[n for n in info.inputs if info.is_tensor(n)]])
 
 
 @register_rule(*PRODUCTS)

@@ -87,6 +87,10 @@ def _perm(info):
         perm = [norm_dim(int(d), nd) for d in dims]
     elif t in (torch.Tensor.t, aten.t.default):
         perm = [1, 0] if nd == 2 else [0]
+    elif t in (aten.numpy_T.default,) or (t is builtins.getattr and info.node.args[1] == "T"):
+        perm = list(reversed(range(nd)))
+    elif t is builtins.getattr:                             # .mT: the last two dims swap
+        perm = list(range(nd - 2)) + [nd - 1, nd - 2]
     else:
         d0 = norm_dim(int(info.arg(1, "dim0")), nd)
         d1 = norm_dim(int(info.arg(2, "dim1")), nd)
@@ -96,7 +100,15 @@ def _perm(info):
 
 
 register_rule(torch.Tensor.transpose, torch.transpose, aten.transpose.int, torch.Tensor.permute, torch.permute,
-              aten.permute.default, torch.Tensor.t, aten.t.default)(_perm)
+              aten.permute.default, torch.Tensor.t, aten.t.default, aten.numpy_T.default)(_perm)
+
+
+@register_rule(builtins.getattr)
+def _getattr(info):
+    """`w.T` / `x.mT` (a weight used as `x @ w.T`); other attributes are shape metadata."""
+    if info.node.args[1] not in ("T", "mT") or not info.is_tensor(info.node):
+        return []
+    return _perm(info)
 
 
 @register_rule(torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk, aten.split.Tensor,
@@ -177,9 +189,14 @@ def _cat(info):
     nd = len(info.out_shape)
     dim = norm_dim(int(info.arg(1, "dim", 0)), nd)
     found = []
+    same_rank = all(len(info.shape(n)) == nd for n in tensors)
     for d in range(nd):
-        if d != dim and info.out_shape[d] > 1 and all(len(info.shape(n)) == nd for n in tensors):
+        if d != dim and info.out_shape[d] > 1 and same_rank:
             found.append(info.req({n: Shard(d) for n in tensors}, f"shard({d})", Shard(d)))
+    # equal pieces each split along the cat dim: every rank holds its block of each piece, which
+    # is the strided shard Shard(dim, n) of the result (a row-parallel layer consumes it as is)
+    if same_rank and len(tensors) > 1 and len({info.shape(n)[dim] for n in tensors}) == 1:
+        found.append(info.req({n: Shard(dim) for n in tensors}, f"stack({dim})", Shard(dim, len(tensors))))
     found.append(info.req({n: PARTIAL for n in tensors}, "partial", PARTIAL))
     return found
 
