@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 
 import torch
 import torch.fx as fx
@@ -87,7 +88,9 @@ class Rewriter:
         for n in src.graph.nodes:                     # share tensors and fake values, copy structure
             if "val" in n.meta:
                 memo[id(n.meta["val"])] = n.meta["val"]
-        self.gm = copy.deepcopy(src, memo)
+        with warnings.catch_warnings():       # torch's own TreeSpec pickling warns on copy (export graphs)
+            warnings.simplefilter("ignore", FutureWarning)
+            self.gm = copy.deepcopy(src, memo)
         if model is not None:
             _bind_tensors(self.gm, model)
         self.old = {n.name: n for n in src.graph.nodes}
