@@ -5,9 +5,9 @@ Two tracers, one normal form: parameters are `get_attr` nodes feeding ops.
   becomes one parameter used by two ops) and keeps other torch.nn modules as leaves, so dropout
   still follows train()/eval();
 - `torch.export.export(..., strict=False).module()`: aten-level, for models FX cannot trace.
-Shapes come from FakeTensor propagation of the example inputs: no real compute. A second,
-symbolic propagation (torch.export's own, with every input dim `Dim.AUTO`; or FakeTensorProp
-over a ShapeEnv for symbolic_trace) finds the dims whose size follows the inputs' batch and
+Shapes come from FakeTensor propagation of the example inputs: no real compute. A second
+propagation (torch.export's own symbolic one, with every input dim `Dim.AUTO`; for
+symbolic_trace a FakeTensorProp of inputs with other batch / sequence sizes) finds the dims whose size follows the inputs' batch and
 sequence lengths: `node.meta["autoshard_dynamic"]` lists them, the planner never shards them,
 and the rewritten module accepts any size there.
 """
@@ -22,7 +22,6 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .errors import CaptureError
@@ -109,19 +108,41 @@ def propagate(gm: fx.GraphModule, flat: list) -> None:
         FakeTensorProp(gm, mode).propagate(*fake)
 
 
-def _propagate_symbolic(gm: fx.GraphModule, flat: list) -> None:
-    """node.meta['val'] with the inputs' batch / sequence dims symbolic (then read by _mark_dynamic)."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    fake = []
-    for a in flat:
-        if isinstance(a, torch.Tensor):
-            free = set(_input_dynamic_dims(a))
-            ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC if d in free else DimDynamic.STATIC
-                                                          for d in range(a.dim())])
-            a = mode.from_tensor(a, symbolic_context=ctx)
-        fake.append(a)
-    with mode:
-        FakeTensorProp(gm, mode).propagate(*fake)
+def _probe(a):
+    """An input like `a` whose free dims (_input_dynamic_dims) have other sizes (size 1 stays:
+    export specialises it too)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    shape = list(a.shape)
+    for d in _input_dynamic_dims(a):
+        if shape[d] > 1:
+            shape[d] = shape[d] - 1 if shape[d] > 2 else 3
+    return torch.zeros(shape, dtype=a.dtype, device=a.device) if shape != list(a.shape) else a
+
+
+def _shapes_of(gm: fx.GraphModule) -> dict:
+    def shape(v):
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape)
+        return tuple(shape(x) for x in v) if isinstance(v, (tuple, list)) else None
+    return {n: shape(n.meta.get("val")) for n in gm.graph.nodes}
+
+
+def _mark_changed(gm: fx.GraphModule, probe_shapes: dict) -> None:
+    """Dims whose size differs between the probe's propagation and the example's are dynamic."""
+    def changed(a, b):
+        if isinstance(a, tuple) and a and isinstance(a[0], (tuple, type(None))):
+            return tuple(changed(x, y) for x, y in zip(a, b))
+        if a is None or b is None or len(a) != len(b):
+            return frozenset()
+        return frozenset(d for d, (x, y) in enumerate(zip(a, b)) if x != y)
+    now = _shapes_of(gm)
+    for n in gm.graph.nodes:
+        dims = changed(now[n], probe_shapes.get(n))
+        if any(dims) if isinstance(dims, tuple) else dims:
+            n.meta[DYNAMIC] = dims
+        else:
+            n.meta.pop(DYNAMIC, None)
 
 
 class InliningTracer(fx.Tracer):
@@ -195,15 +216,16 @@ def _symbolic(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.Gr
     if extra:
         raise CaptureError(f"example inputs name {sorted(extra)} which {type(model).__name__}.forward does not take")
     flat = placeholder_inputs(gm, "symbolic_trace", args, kwargs)
-    try:
-        _propagate_symbolic(gm, flat)
-        _mark_dynamic(gm)
+    try:               # the same graph at other batch / sequence sizes: what changes is dynamic
+        propagate(gm, [_probe(a) for a in flat])
+        probe_shapes = _shapes_of(gm)
     except Exception as e:  # noqa: BLE001 - shapes stay as the example's; say so
-        notes.append(f"input sizes could not be kept symbolic ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                     "the module is planned for the example's sizes")
-        for n in gm.graph.nodes:
-            n.meta.pop(DYNAMIC, None)
+        probe_shapes = None
+        notes.append(f"the model did not run at other input sizes ({type(e).__name__}: "
+                     f"{str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}); it is planned for the "
+                     "example's sizes")
     propagate(gm, flat)
+    _mark_changed(gm, probe_shapes or _shapes_of(gm))
     return gm
 
 
