@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gpt2", "llama", "bert", "qwen2", "mistral", "BUILDERS", "example_kwargs"]
+__all__ = ["gpt2", "llama", "bert", "qwen2", "mistral", "BUILDERS", "example_kwargs", "build_model"]
 
 
 def example_kwargs(vocab_size, batch=2, seq=16, seed=0, ignore_index=False):
@@ -48,16 +48,24 @@ def example_kwargs(vocab_size, batch=2, seq=16, seed=0, ignore_index=False):
     return dict(input_ids=input_ids, labels=labels)
 
 
+def build_model(config_cls, model_cls, config_kwargs, seed=0, attn_implementation="sdpa"):
+    """A model of ``model_cls`` from ``config_cls(**config_kwargs)``: seeded random weights, fp32,
+    eval mode, every parameter trainable. ``attn_implementation=None`` keeps the model's default."""
+    cfg = config_cls(**config_kwargs)
+    torch.manual_seed(seed)
+    extra = {} if attn_implementation is None else dict(attn_implementation=attn_implementation)
+    model = model_cls._from_config(cfg, **extra).to(torch.float32).eval()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
 def _build(config_cls, model_cls, defaults, overrides, batch, seq, seed, attn_implementation,
            ignore_index=False):
     """``(model, example_kwargs)``: the config from ``defaults`` updated by the caller's
     ``overrides``, seeded random weights, fp32, eval mode, every parameter trainable."""
-    cfg = config_cls(**{**defaults, **overrides})
-    torch.manual_seed(seed)
-    model = model_cls._from_config(cfg, attn_implementation=attn_implementation).to(torch.float32).eval()
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return model, example_kwargs(cfg.vocab_size, batch, seq, seed, ignore_index)
+    model = build_model(config_cls, model_cls, {**defaults, **overrides}, seed, attn_implementation)
+    return model, example_kwargs(model.config.vocab_size, batch, seq, seed, ignore_index)
 
 
 def _gqa_heads(num_attention_heads, num_key_value_heads, world_size):
