@@ -257,3 +257,26 @@ def test_a_plan_that_cannot_run_fails_inside_parallelize():
     broken = dataclasses.replace(plan, redistributions=())
     with pytest.raises(ShardingError, match=r"rank 0 of 4: .*linear.*local input shapes"):
         autoshard.parallelize(model, 4, plan=broken, rank=0)
+
+
+class Methods(nn.Module):
+    """`x.permute(...)` and `w.t()` as Tensor methods (call_method nodes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 32))
+
+    def forward(self, x):
+        return (x @ self.w.t()).view(2, 8, 4, 16).permute(0, 2, 1, 3)
+
+
+def test_tensor_methods_map_dims_like_functions():
+    from autoshard.capture import capture
+    from autoshard.problem import Problem
+    cap = capture(Methods(), (torch.randn(2, 8, 32),))
+    prob = Problem(cap.gm, 2, autoshard.CostModel())
+    maps = {n.target: {(str(s.inputs[0]), str(s.output)) for s in prob.strats[i]}
+            for i, n in enumerate(prob.nodes) if n.op == "call_method"}
+    assert ("S(2)", "S(1)") in maps["permute"] and ("S(1)", "S(2)") in maps["permute"]   # heads, not batch
+    assert ("S(2)", "S(0)") not in maps["permute"]
+    assert maps["t"] >= {("S(0)", "S(1)"), ("S(1)", "S(0)")}

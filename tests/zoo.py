@@ -271,7 +271,7 @@ GRAD_TOL = 1e-4     # relative to each gradient's largest entry (floor 1e-2: exa
 
 def _stage(exc: BaseException) -> str:
     """Which autoshard stage raised: the innermost autoshard module in the traceback chain."""
-    stages = {"capture.py": "capture", "rewrite.py": "rewrite", "api.py": None}
+    stages = {"capture.py": "capture", "rewrite.py": "rewrite", "verify.py": "rewrite", "api.py": None}
     found = None
     e = exc
     while e is not None and found is None:

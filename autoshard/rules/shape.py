@@ -80,6 +80,8 @@ def _perm(info):
     src = info.inputs[0]
     nd = len(info.shape(src))
     t = info.node.target
+    if info.node.op == "call_method":         # x.permute(...) / x.t(): the method, not its name
+        t = getattr(torch.Tensor, t)
     if t in (torch.Tensor.permute, torch.permute, aten.permute.default):
         dims = info.node.args[1:] if info.node.op == "call_method" else info.node.args[1:]
         if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
