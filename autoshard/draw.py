@@ -69,7 +69,14 @@ def _condense(plan, G):
     """The graph of visible items: module units, inputs, output, collective markers."""
     import networkx as nx
 
+    from .rules.registry import lookup
     owners = {name.rpartition(".")[0] for name in plan.layouts}
+    modules = dict(plan.graph_module.named_modules())
+    fx_nodes = {n.name: n for n in plan.graph_module.graph.nodes}
+
+    def is_loss(n):                           # a loss has a rule of rules/loss.py, sharded or not
+        rule = lookup(fx_nodes[n], modules)
+        return rule is not None and rule.__module__.endswith(".rules.loss")
     unit: dict[str, str] = {}                  # fx node -> visible key
     info: dict[str, dict] = {}
     for n, d in G.nodes(data=True):
@@ -82,7 +89,7 @@ def _condense(plan, G):
         elif d["kind"] == "op":
             params = [u for u in G.predecessors(n) if G.nodes[u]["kind"] == "param"]
             leaf = d["fx_op"] == "call_module" and d["target"] in owners
-            if not (params or leaf or d["dim"] is not None):
+            if not (params or leaf or d["dim"] is not None or is_loss(n)):
                 continue
             key = d["module"] if (params or leaf) and d["module"] else n
             if key not in info:
@@ -407,7 +414,8 @@ def draw(plan, path, *, fold: bool = True, title: str | None = None, dpi: int = 
         lw = 1.9 if into else (1.2 if out_of else 0.9)
         if (a, b) in lanes:
             lx = lanes[(a, b)]
-            ax.plot([xa - half_w(a), lx, lx], [ya, ya, yb], color=color, lw=lw, zorder=2,
+            drop = ya - BH / 2 - 0.1                  # leave downwards, then run under the source's layer
+            ax.plot([xa, xa, lx, lx], [ya - half_h(a), drop, drop, yb], color=color, lw=lw, zorder=2,
                     solid_joinstyle="round")
             ax.add_patch(FancyArrowPatch((lx, yb), (xb - half_w(b), yb), arrowstyle="-|>", mutation_scale=9,
                                          lw=lw, color=color, zorder=2, shrinkA=0, shrinkB=0))
