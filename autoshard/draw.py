@@ -115,7 +115,7 @@ def _condense(plan, G):
             continue
         m = f"comm:{ri}"
         kinds = [("fwd", k) for k in r.forward] + [("bwd", k) for k in r.backward]
-        info[m] = dict(kind="comm", name=m, module=G.nodes[r.node]["module"], kinds=kinds,
+        info[m] = dict(kind="comm", name=r.node, module=G.nodes[r.node]["module"], kinds=kinds,
                        bytes=r.ring_bytes(p), what=f"{r.src}->{r.dst}", order=None,
                        anchor=r.node)
         for c in r.consumers:
@@ -127,7 +127,7 @@ def _condense(plan, G):
     for n, d in G.nodes(data=True):
         if d["comm"]:
             m = f"comm:{n}"
-            info[m] = dict(kind="comm", name=m, module=d["module"], kinds=[("", k) for k, _ in d["comm"]],
+            info[m] = dict(kind="comm", name=n, module=d["module"], kinds=[("", k) for k, _ in d["comm"]],
                            bytes=d["comm_bytes"], what=f"{d['op']} ({d['strategy']})", order=None, anchor=n)
             outs = list(H.successors(n))
             H.remove_edges_from((n, v) for v in outs)
