@@ -300,17 +300,19 @@ def _order(F, layer, sweeps: int = 6):
 
 
 def _unit_text(it, p):
-    lines = [it["label"]]
+    """Two lines: the module (and a weight it shares with another module), then the op, its
+    strategy, the layout of its largest parameter and that parameter's full -> per-rank shape."""
+    title = it["label"]
+    tied = [q for q in it.get("param_names", ()) if q.rpartition(".")[0] != it["module"]]
+    if tied and it["module"]:
+        title += f"  (tied: {tied[0]})"
     op = "/".join(dict.fromkeys(o.split(".")[0] for o in it["ops"]))
     detail = f"{op} · {it['strategy']}"
     if it.get("weight"):
         full, local = it["weight"]
-        detail += f"  {_shape(full)}→{_shape(local)}" if full != local else f"  {_shape(full)}"
-    tied = [q for q in it.get("param_names", ()) if q.rpartition(".")[0] != it["module"]]
-    if tied and it["module"]:
-        detail += f"  (uses {tied[0]})"
-    lines.append(detail)
-    return lines
+        shapes = f"{_shape(full)}→{_shape(local)}" if full != local else _shape(full)
+        detail += f"  {it['placement']} {shapes}" if isinstance(it["placement"], Shard) else f"  {shapes}"
+    return [title, detail]
 
 
 def _comm_text(it, count):
