@@ -15,7 +15,7 @@ import os
 import re
 from collections import Counter
 
-from .placements import Replicate, Shard
+from .placements import Shard
 
 LAYOUT_COLORS = {             # parameter layout -> box color (colorblind-safe Tableau hues)
     "replicate": "#d3d3d3",
@@ -445,7 +445,8 @@ def draw(plan, path, *, fold: bool = True, title: str | None = None, dpi: int = 
         if len(lines) > 1:
             ax.text(x, y - 0.12, lines[1], ha="center", va="center", fontsize=7, zorder=5, color="#222222")
     handles = [Patch(fc=c, ec="#333333", label=k) for k, c in LAYOUT_COLORS.items()]
-    handles.append(Line2D([], [], color=COMM_COLOR, marker="D", lw=1.8, label="collective, bytes per rank\n(one block; × count)"))
+    handles.append(Line2D([], [], color=COMM_COLOR, marker="D", lw=1.8,
+                          label="collective, bytes per rank\n(one block; × count)"))
     lg.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.02, 1 - 0.5 / fig_h), fontsize=9, frameon=False,
               title="parameter layout", title_fontsize=10, alignment="left")
     lg.text(0.05, 1 - 2.9 / fig_h, _summary_text(plan, G, folds), ha="left", va="top",

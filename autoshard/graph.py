@@ -5,12 +5,13 @@ plan can be queried with networkx: paths between two modules, the heaviest edges
 whose placement differs between two plans.
 
 Node attributes: `kind` (input / param / buffer / op / select / output), `fx_op` and `target`
-(the fx node's), `op` (the op's name, as the report prints it), `module`, `strategy`, `dim` (TorchShard dim), `placement` (of the node's
-output: a parameter's layout, an op's output placement; a tuple for tuple outputs; None for
-non-tensors), `shape`, `dtype`, `local_shape` (what one rank holds), `bytes` and `local_bytes`
-(full and per-rank bytes of the output tensor), `comm` (collectives the op runs itself, e.g. a
-row-parallel matmul's all-reduce: ((kind, full bytes), ...)) and `comm_bytes` (their ring bytes
-per rank).
+(the fx node's), `op` (the op's name, as the report prints it), `module`, `strategy`, `dim`
+(TorchShard dim), `placement` (of the node's output: a parameter's layout, an op's output
+placement; a tuple for tuple outputs; None for non-tensors), `shape`, `dtype`, `local_shape`
+(what one rank holds), `bytes` and `local_bytes` (full and per-rank bytes of the output
+tensor), `comm` (collectives the op runs itself, e.g. a row-parallel matmul's all-reduce:
+((kind, full bytes), ...)) and `comm_bytes` (their ring bytes per rank; also counted on the
+node's first out-edge, see below).
 
 Edge attributes (u -> v: v reads u's output): `redistributions` (the plan's Redistribution
 entries that feed v from u), `src` / `dst` / `grad` placements (the tensor as held, as v reads
@@ -83,7 +84,8 @@ def to_networkx(plan):
         v = n.meta.get("val")
         kind = _node_kind(n, plan)
         d = plan.nodes.get(n.name)
-        attrs = dict(kind=kind, fx_op=n.op, target=n.target if isinstance(n.target, str) else "", op=d.op if d else kind, module=d.module if d else "", strategy=d.strategy if d else "",
+        attrs = dict(kind=kind, fx_op=n.op, target=n.target if isinstance(n.target, str) else "",
+                     op=d.op if d else kind, module=d.module if d else "", strategy=d.strategy if d else "",
                      dim=d.dim if d else None, comm=tuple(d.comm) if d else (), comm_bytes=0.0)
         if kind == "input" or kind == "buffer":
             pl = Replicate() if _tensor(v) else None
