@@ -4,6 +4,7 @@
     python -m autoshard plan tests.factories:gpt --world-size 4 --input-shape 2,64 --dtype long
     python -m autoshard plan tests.models:GPT --world-size 2 --pin head=None --search exact
     python -m autoshard plan path/to/model.py:build --world-size 8 --tracer export --json
+    python -m autoshard plan tests.factories:gpt --world-size 2 --input-shape 2,64 --dtype long --draw plan.svg
 
 FACTORY is called with no arguments and returns an nn.Module, or (module, example_inputs) where
 example_inputs is a tuple of positional arguments or a dict of keyword arguments (the builders
@@ -86,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--memory-weight", type=float, help="seconds per byte of training state (cost model)")
     pp.add_argument("--memory-budget", type=float, help="bytes of training state per rank (cost model)")
     pp.add_argument("--json", action="store_true", help="print a JSON summary instead of the report")
+    pp.add_argument("--draw", metavar="PATH", help="also write a picture of the plan to PATH (.svg or .png; "
+                    "needs matplotlib: pip install 'autoshard[draw]')")
     dp = sub.add_parser("demo", help="run autoshard.demo (arguments are passed on)", add_help=False)
     dp.add_argument("args", nargs=argparse.REMAINDER)
     return ap
@@ -177,6 +180,8 @@ def cmd_plan(args) -> int:
     inputs = make_inputs(args.input_shape, args.dtype)
     if inputs is not None:
         example = inputs
+    if args.draw and os.path.splitext(args.draw)[1].lower() not in (".svg", ".png", ".pdf"):
+        raise CliError(f"--draw {args.draw}: the extension picks the format, one of .svg, .png, .pdf")
     knobs = {k: getattr(args, k) for k in ("bandwidth", "latency", "memory_weight", "memory_budget")
              if getattr(args, k) is not None}
     pins = dict(args.pin)
@@ -186,6 +191,12 @@ def cmd_plan(args) -> int:
         print(json.dumps(summary(plan), indent=1))
     else:
         print(plan)
+    if args.draw:
+        try:
+            plan.draw(args.draw)
+        except ImportError as e:
+            raise CliError(str(e)) from e
+        print(f"wrote {args.draw}", file=sys.stderr)
     return 0
 
 

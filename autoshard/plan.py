@@ -90,6 +90,19 @@ class Plan:
     def __str__(self) -> str:
         return self.report()
 
+    def to_networkx(self):
+        """The captured graph with this plan's placements, bytes and collectives on its nodes and
+        edges, as a networkx.DiGraph (autoshard.graph)."""
+        from .graph import to_networkx
+        return to_networkx(self)
+
+    def draw(self, path, **options):
+        """Write a picture of this plan to `path` (.svg or .png; needs matplotlib, the "draw"
+        extra): repeated blocks folded, parameters colored by layout, collectives marked with
+        their bytes (autoshard.draw)."""
+        from .draw import draw
+        return draw(self, path, **options)
+
 
 def _op_name(n: fx.Node, gm) -> str:
     if n.op == "call_module":

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from networkx.utils import UnionFind
 
 from . import rules
 from .capture import DYNAMIC
@@ -251,25 +252,15 @@ class Problem:
                             options.setdefault(key, {}).setdefault(c, set()).add(s.inputs[slot])
         decision = [k for k, per in options.items()
                     if any(len(v) > 1 for v in per.values())]
-        parent = {k: k for k in decision}
-
-        def find(k):
-            while parent[k] != k:
-                parent[k] = parent[parent[k]]
-                k = parent[k]
-            return k
         consumers: dict[int, list] = {}
         for k in decision:
             for c in options[k]:
                 consumers.setdefault(c, []).append(k)
+        joint = UnionFind(decision)                  # parameters sharing a consumer decide together
         for ks in consumers.values():
-            for k in ks[1:]:
-                parent[find(k)] = find(ks[0])
-        members: dict[int, list] = {}
-        for k in decision:
-            members.setdefault(find(k), []).append(k)
+            joint.union(*ks)
         groups = []
-        for ks in members.values():
+        for ks in joint.to_sets():
             ks = sorted(ks, key=lambda k: min(self.param_nodes[k]))
             anchors = sorted({c for k in ks for c in options[k]})
             choices = self._choices(ks, anchors)
