@@ -242,7 +242,8 @@ def picture_graph(plan, G=None, fold: bool = True):
             continue
         attrs = dict(it)
         attrs["fold"] = fold_of.get(key)
-        attrs["label"] = rest_of.get(key) or it["name"] if attrs["fold"] is not None else it["name"]
+        own = it["name"] if it["kind"] != "comm" else (it["module"] or it["name"])   # a module reads better
+        attrs["label"] = rest_of.get(key) or own if attrs["fold"] is not None else own
         F.add_node(key, **attrs)
     for a, b in C.edges:
         fa, fb = rep.get(a, a), rep.get(b, b)
