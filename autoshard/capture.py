@@ -100,12 +100,37 @@ def placeholder_inputs(gm: fx.GraphModule, tracer: str, args: tuple, kwargs: dic
     return flat
 
 
+_SCALAR_READS = {torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default, torch.Tensor.item}
+
+
+def stand_in_scalar(x):
+    """What a fake tensor's `.item()` stands for while propagating shapes: a number of its type
+    (a value read from a tensor, like DeBERTa's scale, only enters arithmetic)."""
+    if x.dtype == torch.bool:
+        return True
+    return 1.0 if x.is_floating_point() else 1
+
+
+def reads_scalar(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in _SCALAR_READS) or (n.op == "call_method" and n.target == "item")
+
+
+class _ShapeProp(FakeTensorProp):
+    """FakeTensorProp that reads `.item()` of a fake tensor as a stand-in number."""
+
+    def run_node(self, n):
+        if reads_scalar(n):
+            n.meta["val"] = stand_in_scalar(self.env[n.all_input_nodes[0]])
+            return n.meta["val"]
+        return super().run_node(n)
+
+
 def propagate(gm: fx.GraphModule, flat: list) -> None:
     """node.meta['val'] = FakeTensor of the example's concrete shapes."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
     with mode:
-        FakeTensorProp(gm, mode).propagate(*fake)
+        _ShapeProp(gm, mode).propagate(*fake)
 
 
 def _probe(a):
@@ -243,15 +268,17 @@ def _auto_shapes(model: nn.Module, args: tuple, kwargs: dict):
 def _export(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.GraphModule:
     try:
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=_auto_shapes(model, args, kwargs), strict=False)
+        gm = ep.module()
+        _mark_dynamic(gm)
+        propagate(gm, placeholder_inputs(gm, "export", args, kwargs))
     except Exception as e:  # noqa: BLE001 - fall back to the example's static shapes, and say so
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-        notes.append(f"torch.export with dynamic batch/sequence sizes failed ({type(e).__name__}: {first}); "
+        notes.append(f"capture with dynamic batch/sequence sizes failed ({type(e).__name__}: {first}); "
                      "the module accepts only the example's shapes")
-        ep = torch.export.export(model, args, kwargs, strict=False)
-    gm = ep.module()
+        gm = torch.export.export(model, args, kwargs, strict=False).module()
+        for n in gm.graph.nodes:
+            n.meta.pop(DYNAMIC, None)
     _keep_all_names(gm, model)
-    _mark_dynamic(gm)
-    propagate(gm, placeholder_inputs(gm, "export", args, kwargs))
     return gm
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import collectives as C
-from .capture import placeholder_inputs
+from .capture import placeholder_inputs, reads_scalar, stand_in_scalar
 from .errors import ShardingError
 from .nn import functional as PF
 from .nn.norm import sharded_layer_norm, sharded_rms_norm
@@ -80,6 +80,8 @@ class _LocalShapes(fx.Interpreter):
         self.local = {fn: make(p, rank) for fn, make in _LOCAL.items()}
 
     def run_node(self, n):
+        if reads_scalar(n):
+            return stand_in_scalar(self.env[n.all_input_nodes[0]])
         try:
             with self.mode:
                 return super().run_node(n)
