@@ -15,6 +15,7 @@ Sources: a `.safetensors` file, a Hugging Face directory (`model.safetensors` or
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -401,13 +402,18 @@ def _hf_dtype(config, dtype):
 
 def meta_model(path_or_config, dtype=None, model_class=None) -> nn.Module:
     """A Hugging Face model built from its config on the meta device (no weights read or made),
-    in `dtype` (default: the config's, as `from_pretrained(dtype="auto")`), in eval mode."""
+    in `dtype` (default: the config's, as `from_pretrained(dtype="auto")`), in eval mode, with
+    use_cache off (the graph is for training and full-sequence forward passes)."""
     transformers = _require("transformers")
     config = path_or_config
     if isinstance(path_or_config, (str, os.PathLike)):
         if not os.path.isfile(os.path.join(path_or_config, "config.json")):
             raise LoadError(f"{os.fspath(path_or_config)} has no config.json: not a Hugging Face checkpoint directory")
         config = transformers.AutoConfig.from_pretrained(path_or_config)
+    else:
+        config = copy.deepcopy(config)
+    if getattr(config, "use_cache", None):
+        config.use_cache = False            # training graphs: a key/value cache output does not export
     model_class = model_class or transformers.AutoModelForCausalLM
     dt = _hf_dtype(config, dtype)
     previous = torch.get_default_dtype()
