@@ -146,13 +146,17 @@ def _retarget_meta_device(gm: fx.GraphModule, device: torch.device) -> None:
             hits.append(a)
             return device
         return a
-    for n in gm.graph.nodes:
-        before = len(hits)
-        args, kwargs = fx.node.map_aggregate(n.args, fix), fx.node.map_aggregate(n.kwargs, fix)
-        if len(hits) > before:
-            n.args, n.kwargs = args, kwargs
-    if hits:
-        gm.recompile()
+    for sub in gm.modules():                   # higher-order ops keep their graphs in submodules
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        before_sub = len(hits)
+        for n in sub.graph.nodes:
+            before = len(hits)
+            args, kwargs = fx.node.map_aggregate(n.args, fix), fx.node.map_aggregate(n.kwargs, fix)
+            if len(hits) > before:
+                n.args, n.kwargs = args, kwargs
+        if len(hits) > before_sub:
+            sub.recompile()
 
 
 def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512) -> Captured:
