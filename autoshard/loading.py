@@ -418,7 +418,8 @@ def meta_model(path_or_config, dtype=None, model_class=None) -> nn.Module:
     dt = _hf_dtype(config, dtype)
     previous = torch.get_default_dtype()
     try:
-        torch.set_default_dtype(dt) if dt.is_floating_point else None
+        if dt.is_floating_point:
+            torch.set_default_dtype(dt)
         with torch.device("meta"):
             if hasattr(model_class, "from_config"):
                 model = model_class.from_config(config, dtype=dt)
