@@ -1,9 +1,9 @@
 """Peak memory and time of loading a Hugging Face checkpoint at tensor-parallel degree 4.
 
-    python benchmarks/load_memory.py            # LLaMA-style ~1.06B parameters, 7B and 70B planning
+    python benchmarks/load_memory.py            # LLaMA-style ~1.03B parameters, 7B and 70B planning
     python benchmarks/load_memory.py --quick    # ~25M parameters, 7B planning only (~1-2 min)
 
-1. A LLaMA-style model (hidden 2048, 18 layers, GQA 16/4 heads, vocab 32000: 1.06B parameters)
+1. A LLaMA-style model (hidden 2048, 20 layers, GQA 16/4 heads, vocab 32000: 1.03B parameters)
    is built in bf16 and written with `save_pretrained` in shards of 600 MB (its own process).
 2. autoshard: 4 spawned ranks (gloo) each run `autoshard.from_pretrained(DIR, 4, dtype=float32)`
    (config -> meta model -> plan -> this rank's slices, converted to fp32).
@@ -34,7 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-FULL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16,
+FULL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20, num_attention_heads=16,
             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
 QUICK = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=16000, max_position_embeddings=2048)
