@@ -10,9 +10,10 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "networkx>=3.0", "tabulate>=0.9", "numpy"],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.40", "matplotlib>=3.7"],
+        "test": ["pytest>=7", "transformers>=4.40", "safetensors>=0.4", "matplotlib>=3.7"],
         "bench": ["matplotlib>=3.7"],
         "draw": ["matplotlib>=3.7"],
+        "hf": ["transformers>=4.40", "safetensors>=0.4", "tqdm"],
     },
     entry_points={"console_scripts": ["autoshard=autoshard.cli:main"]},
 )

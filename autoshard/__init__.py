@@ -1,6 +1,6 @@
 """autoshard: automatic tensor parallelism for PyTorch by torch.fx graph rewriting."""
 from . import distributed, placements
-from .errors import AutoshardError, CaptureError, ProcessGroupError, ShardingError
+from .errors import AutoshardError, CaptureError, LoadError, ProcessGroupError, ShardingError
 from .placements import Partial, Replicate, Shard
 from . import collectives, nn
 from .state_dict import (collect_state_dict, get_parallel_dim, layouts, register_ddp_parameters_to_ignore,
@@ -8,5 +8,6 @@ from .state_dict import (collect_state_dict, get_parallel_dim, layouts, register
 
 __version__ = "0.1.0"
 from .api import parallelize, plan
+from .loading import from_pretrained
 from .cost import CostModel
 from .plan import Plan

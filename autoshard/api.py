@@ -128,18 +128,28 @@ def _fingerprint(model: nn.Module) -> tuple:
 
 
 def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan: Plan | None = None,
-                group=None, rank: int | None = None, **plan_options) -> fx.GraphModule:
+                group=None, rank: int | None = None, load=None, device=None, progress=None,
+                **plan_options) -> fx.GraphModule:
     """This rank's tensor-parallel GraphModule of `model` (plans first unless `plan` is given).
 
     With a process group (the current tensor-parallel group of autoshard.distributed, or
     `group=`) its size must be `world_size`. With no process group, `rank=` builds that rank's
     module for inspection; running it needs the group. Replicated parameters are shared with
     `model` (not copied); sharded ones are new tensors holding this rank's shard.
+
+    `model` may be built under `torch.device("meta")`: planning allocates nothing, and each rank
+    then fills only its shards, from `load=` (a .safetensors file, a Hugging Face directory, a
+    torch.save file or a mapping of tensors; autoshard.loading) or, without it, by each module's
+    own initialisation. `device=` places the filled tensors; `progress` shows a bar while reading.
     """
     from . import distributed as D
     from .errors import ProcessGroupError
     from .rewrite import rewrite
+    from . import loading
     world_size = _check_world_size(world_size)
+    chosen = loading.check_source(model, load) if load is not None else None     # before any allocation
+    if load is None and loading.has_meta(model):
+        loading.check_initialisable(model)
     key = None
     if D.is_initialized():
         pg = D.get_group(group)
@@ -174,7 +184,11 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
                                 f"{missing} of the planned one")
     if D.is_initialized():
         _check_same_plan(plan, pg)
-    return rewrite(plan, rank, key, model)
+    gm = rewrite(plan, rank, key, model)
+    if load is not None or device is not None or loading.has_meta(model):
+        loading.materialize(gm, model, rank, world_size, source=load, chosen=chosen, device=device,
+                            progress=progress)
+    return gm
 
 
 def _plan_digest(plan: Plan) -> int:

@@ -282,6 +282,41 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.Grap
     return gm
 
 
+def _meta_inputs(model: nn.Module, args: tuple, kwargs: dict):
+    """For a model built on the meta device: its example inputs moved to meta (so that capture
+    allocates nothing and devices agree) and the device the inputs will really live on (their
+    own when not meta, else CPU); (None, None) for a model with real tensors."""
+    if not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        return None, None
+    devices = {a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_meta}
+    meta = lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a      # noqa: E731
+    return (tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}), \
+        next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+
+
+def _retarget_meta_device(gm: fx.GraphModule, device: torch.device) -> None:
+    """torch.export records the devices of tensors made in forward (arange(..., device=x.device));
+    captured on meta they would be made on meta at run time: make them on `device`."""
+    hits = []
+
+    def fix(a):
+        if isinstance(a, torch.device) and a.type == "meta":
+            hits.append(a)
+            return device
+        return a
+    for sub in gm.modules():                   # higher-order ops keep their graphs in submodules
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        before_sub = len(hits)
+        for n in sub.graph.nodes:
+            before = len(hits)
+            args, kwargs = fx.node.map_aggregate(n.args, fix), fx.node.map_aggregate(n.kwargs, fix)
+            if len(hits) > before:
+                n.args, n.kwargs = args, kwargs
+        if len(hits) > before_sub:
+            sub.recompile()
+
+
 def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512) -> Captured:
     """Capture `model` with `tracer` ("symbolic_trace", "export" or "auto": the first that works)."""
     if not isinstance(model, nn.Module):
@@ -295,10 +330,13 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
         notes.append(f"no example inputs: planned for a synthesised input of shape {tuple(args[0].shape)}")
     errors = []
     order = ["symbolic_trace", "export"] if tracer == "auto" else [tracer]
+    on_meta, run_on = _meta_inputs(model, args, kwargs)
     for name in order:
         try:
             fn = _symbolic if name == "symbolic_trace" else _export
-            gm = fn(model, args, kwargs, notes)
+            gm = fn(model, *on_meta, notes) if on_meta else fn(model, args, kwargs, notes)
+            if on_meta:
+                _retarget_meta_device(gm, run_on)
             return Captured(gm, name, args, kwargs, notes)
         except Exception as e:  # noqa: BLE001 - every tracer failure is reported below
             errors.append((name, e))

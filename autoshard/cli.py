@@ -5,6 +5,10 @@
     python -m autoshard plan tests.models:GPT --world-size 2 --pin head=None --search exact
     python -m autoshard plan path/to/model.py:build --world-size 8 --tracer export --json
     python -m autoshard plan tests.factories:gpt --world-size 2 --input-shape 2,64 --dtype long --draw plan.svg
+    python -m autoshard plan --from-pretrained path/to/hf_checkpoint -n 8
+
+--from-pretrained DIR builds the Hugging Face model of DIR/config.json on the meta device (no
+weight is read) and also prints the per-rank memory of parameters, gradients and Adam state.
 
 FACTORY is called with no arguments and returns an nn.Module, or (module, example_inputs) where
 example_inputs is a tuple of positional arguments or a dict of keyword arguments (the builders
@@ -70,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     pp = sub.add_parser("plan", help="plan a model and print the sharding-plan report",
                         description="Build a model with MODULE:FACTORY, plan it and print the report.")
-    pp.add_argument("target", metavar="MODULE:FACTORY",
+    pp.add_argument("target", metavar="MODULE:FACTORY", nargs="?",
                     help="importable module (or path to a .py file) and a zero-argument callable in it")
+    pp.add_argument("--from-pretrained", metavar="DIR",
+                    help="plan the Hugging Face checkpoint directory DIR from its config (on meta, no weights read)")
+    pp.add_argument("--weights-dtype", type=_dtype, help="--from-pretrained: dtype of the parameters (default: the config's)")
     pp.add_argument("--world-size", "-n", type=int, required=True, help="tensor-parallel degree")
     pp.add_argument("--input-shape", type=_shape, action="append", default=[], metavar="D0,D1,...",
                     help="shape of one positional input (repeat for several); values are zeros")
@@ -176,7 +183,20 @@ def cmd_plan(args) -> int:
     import autoshard
     if args.world_size < 1:
         raise CliError(f"--world-size must be >= 1, got {args.world_size}")
-    model, example = build_model(args.target)
+    if (args.target is None) == (args.from_pretrained is None):
+        raise CliError("give either MODULE:FACTORY or --from-pretrained DIR")
+    if args.from_pretrained is not None:
+        from .loading import _example_ids, meta_model
+        from .errors import LoadError
+        try:
+            model = meta_model(args.from_pretrained, args.weights_dtype)
+        except (LoadError, ImportError, OSError, ValueError) as e:
+            raise CliError(f"--from-pretrained {args.from_pretrained}: {e}") from e
+        example = _example_ids(model, args.tokens)
+        if args.tracer == "auto":
+            args.tracer = "export"
+    else:
+        model, example = build_model(args.target)
     inputs = make_inputs(args.input_shape, args.dtype)
     if inputs is not None:
         example = inputs
@@ -187,10 +207,18 @@ def cmd_plan(args) -> int:
     pins = dict(args.pin)
     plan = autoshard.plan(model, args.world_size, example, pin=pins or None, search=args.search,
                           tracer=args.tracer, tokens=args.tokens, **knobs)
+    memory = None
+    if args.from_pretrained is not None:
+        from .loading import memory_per_rank
+        memory = memory_per_rank(model, plan)
     if args.json:
-        print(json.dumps(summary(plan), indent=1))
+        print(json.dumps(dict(summary(plan), **({"memory_per_rank": memory} if memory else {})), indent=1))
     else:
         print(plan)
+        if memory:
+            print(f"\nper-rank memory at world size {plan.world_size} (bytes; Adam moments in fp32):")
+            for k, v in memory.items():
+                print(f"  {k:<11} {v:>16,d}  ({v / 2 ** 30:.2f} GiB)")
     if args.draw:
         try:
             plan.draw(args.draw)
@@ -226,5 +254,5 @@ def main(argv=None) -> int:
     except CliError as e:
         parser.exit(2, f"autoshard: error: {e}\n")
     except (AutoshardError, ValueError, TypeError) as e:
-        parser.exit(1, f"autoshard: planning {args.target} at world size {args.world_size} failed: "
+        parser.exit(1, f"autoshard: planning {args.target or args.from_pretrained} at world size {args.world_size} failed: "
                        f"{type(e).__name__}: {e}\n")

@@ -15,3 +15,8 @@ class CaptureError(AutoshardError, RuntimeError):
 
 class ProcessGroupError(AutoshardError, RuntimeError):
     """No process group, or one whose size does not match the requested degree."""
+
+
+class LoadError(AutoshardError, ValueError):
+    """A checkpoint does not match the model (missing, unexpected, wrongly shaped keys), or a
+    meta tensor has no way to be initialised; raised before any shard is allocated."""
