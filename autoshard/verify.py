@@ -74,10 +74,17 @@ def _shapes(v):
 class _LocalShapes(fx.Interpreter):
     """Runs a rank's graph on fake tensors, collectives replaced by their shape changes."""
 
-    def __init__(self, gm, p, rank, mode):
+    def __init__(self, gm, p, rank, mode, device):
         super().__init__(gm)
-        self.p, self.rank, self.mode = p, rank, mode
+        self.p, self.rank, self.mode, self.device = p, rank, mode, device
         self.local = {fn: make(p, rank) for fn, make in _LOCAL.items()}
+
+    def get_attr(self, target, args, kwargs):
+        t = super().get_attr(target, args, kwargs)
+        if isinstance(t, torch.Tensor) and t.is_meta and self.device.type != "meta":
+            with self.mode:          # a meta model not loaded yet: a fake tensor on the inputs' device
+                return torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        return t
 
     def run_node(self, n):
         if reads_scalar(n):
@@ -107,5 +114,6 @@ def check_local_graph(gm: fx.GraphModule, plan, rank: int) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     flat = placeholder_inputs(gm, plan.tracer, args, kwargs)
     fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
+    device = next((a.device for a in flat if isinstance(a, torch.Tensor)), torch.device("cpu"))
     with torch.no_grad():
-        _LocalShapes(gm, plan.world_size, rank, mode).run(*fake)
+        _LocalShapes(gm, plan.world_size, rank, mode, device).run(*fake)
