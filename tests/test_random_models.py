@@ -19,6 +19,7 @@ a batch that fails as a whole (a rank died or the ranks fell out of step) is bis
 every seed still gets its own record.
 
 More seeds, outside pytest:  python tests/test_random_models.py --seeds 0:1000 [--json out.json]
+Other seeds under pytest:    RANDOM_MODEL_SEEDS=0:30 python -m pytest -q tests/test_random_models.py
 """
 from __future__ import annotations
 
@@ -41,7 +42,15 @@ import autoshard  # noqa: E402
 from launcher import RankError, RankPool  # noqa: E402
 from random_models import make_model, world_of  # noqa: E402
 
-CI_SEEDS = range(0, 210)           # 70 per world size
+def _parse_seeds(text: str) -> list:
+    if ":" in text:
+        a, b = text.split(":")
+        return list(range(int(a), int(b)))
+    return [int(s) for s in text.split(",")]
+
+
+# 70 per world size; RANDOM_MODEL_SEEDS=a:b (or a,b,c) runs others under pytest
+CI_SEEDS = _parse_seeds(os.environ.get("RANDOM_MODEL_SEEDS", "0:210"))
 FAILURES = ("wrong", "crash")
 SEVERITY = {"ok": 0, "named": 1, "export_shape": 2, "crash": 3, "wrong": 4}
 
@@ -237,7 +246,9 @@ def test_random_models_match_single_process(world, request):
     records = run_seeds(pool, seeds)
     print(f"\n{summary(records)} in {time.perf_counter() - t0:.0f} s")
     failures = [r for r in records if r["status"] in FAILURES]
-    assert not failures, report(failures)
+    if failures:
+        pytest.fail(f"{summary(records)}\nfailures (repro: python tests/test_random_models.py --seeds N):\n"
+                    + report(failures).split("\n", 1)[1], pytrace=False)
 
 
 def main(argv=None) -> int:
@@ -247,11 +258,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write every record here")
     ap.add_argument("--quiet", action="store_true", help="no model descriptions in the report")
     args = ap.parse_args(argv)
-    if ":" in args.seeds:
-        a, b = args.seeds.split(":")
-        seeds = list(range(int(a), int(b)))
-    else:
-        seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = _parse_seeds(args.seeds)
     worlds = [int(w) for w in args.worlds.split(",")]
     records, t0 = [], time.perf_counter()
     for w in worlds:
