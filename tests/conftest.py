@@ -1,4 +1,4 @@
-"""Shared fixtures: `dist2` / `dist4` are session-wide pools of 2 / 4 gloo ranks (see launcher.py)."""
+"""Shared fixtures: `dist2` / `dist3` / `dist4` are session-wide pools of 2 / 3 / 4 gloo ranks (see launcher.py)."""
 import os
 import sys
 
@@ -19,6 +19,12 @@ def _pool(world_size):
 def dist2():
     """RankPool of 2 ranks: `dist2.run(fn, *args)` -> [fn(rank, 2, *args) for each rank]."""
     yield from _pool(2)
+
+
+@pytest.fixture(scope="session")
+def dist3():
+    """RankPool of 3 ranks (a degree that divides few sizes): `dist3.run(fn, *args)`."""
+    yield from _pool(3)
 
 
 @pytest.fixture(scope="session")
