@@ -189,6 +189,10 @@ def strategies(info: NodeInfo) -> tuple[list[OpStrategy], bool]:
         side_effect_only = not info.is_tensor(node) and not node.users      # export's input guards
         return [base], not tensor_in or side_effect_only
     found = [s for s in rule(info) if valid(info, s)]
+    if info.module is not None and any(q.requires_grad for q in info.module.parameters()):
+        # a leaf module's own weights are not graph inputs: nothing would all-reduce their
+        # gradient if a split input made it partial, so such a module runs replicated
+        found = []
     seen, out = set(), [base]
     for s in found:
         if (s.output, s.inputs) not in seen and (s.output, s.inputs) != (base.output, base.inputs):
