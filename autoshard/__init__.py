@@ -10,3 +10,11 @@ __version__ = "0.1.0"
 from .api import parallelize, plan
 from .cost import CostModel
 from .plan import Plan
+
+
+def __getattr__(name):
+    # autoshard.checkpoint imports torch.distributed.checkpoint (over a second): only when used
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
