@@ -28,12 +28,18 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .errors import AutoshardError
 from .placements import Shard, boxes
 from .state_dict import _group, layouts
+
+# DCP reads .size()/.device of the ShardedTensors we hand it and each read warns that ShardedTensor
+# is deprecated; we use it on purpose (docs/design.md, "Sharded checkpoints"), so the warning is noise.
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
+                        category=FutureWarning)
 
 __all__ = ["CheckpointError", "get_state_dict", "set_state_dict", "save", "load", "LoadPlanner",
            "check_checkpoint", "dcp_to_torch_save", "torch_save_to_dcp"]
@@ -219,15 +225,21 @@ def _compare(what, expected: dict, given: dict) -> list:
     missing = [k for k in expected if k not in given]
     extra = [k for k in given if k not in expected]
     if missing:
-        problems.append(f"{what}: missing keys {missing}")
+        problems.append(f"{what}: missing keys {_few(missing)}")
     if extra:
-        problems.append(f"{what}: unexpected keys {extra}")
+        problems.append(f"{what}: unexpected keys {_few(extra)}")
     for key, (shape, _) in expected.items():
         if key in given and shape is not None:
             got = _global_shape_of(given[key])
             if got is not None and got != tuple(shape):
                 problems.append(f"{what}: {key!r} has global shape {got}, the model's is {tuple(shape)}")
     return problems
+
+
+def _few(keys, n=8) -> str:
+    """The first n keys, and how many more."""
+    keys = list(keys)
+    return repr(keys[:n])[:-1] + (f", ... and {len(keys) - n} more]" if len(keys) > n else "]")
 
 
 def set_state_dict(gm, optimizer=None, *, model_state_dict, optim_state_dict=None) -> None:
@@ -366,11 +378,12 @@ def check_checkpoint(state_dict, metadata) -> None:
             shapes.append(f"{key!r}: the checkpoint holds an object, the model a tensor of {got}")
     problems = []
     if missing:
-        problems.append(f"missing from the checkpoint: {missing}")
+        problems.append(f"missing from the checkpoint: {_few(missing)}")
     if extra:
-        problems.append(f"in the checkpoint but not in the model: {extra}")
+        problems.append(f"in the checkpoint but not in the model: {_few(extra)}")
     if shapes:
-        problems.append("global shapes differ: " + "; ".join(shapes))
+        problems.append("global shapes differ: " + "; ".join(shapes[:8]) +
+                        (f"; and {len(shapes) - 8} more" if len(shapes) > 8 else ""))
     if problems:
         raise CheckpointError("the checkpoint does not fit the state dict (nothing was loaded):\n  "
                               + "\n  ".join(problems))
@@ -437,9 +450,11 @@ def save(state_dict, checkpoint_id, *, process_group=None) -> None:
     _barrier(pg)
     try:
         dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp), process_group=pg)
-    except BaseException:
+    except BaseException as e:
         if _is_coordinator(pg):
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, CheckpointException):      # a BaseException: make it an ordinary error
+            raise CheckpointError(f"saving {path} failed; it was left as it was. {_failures(e)}") from e
         raise
     if _is_coordinator(pg):
         if os.path.exists(path):
@@ -450,6 +465,11 @@ def save(state_dict, checkpoint_id, *, process_group=None) -> None:
     _barrier(pg)
 
 
+def _failures(e) -> str:
+    """The per-rank errors of DCP's CheckpointException, one line each."""
+    return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+
+
 def load(state_dict, checkpoint_id, *, process_group=None) -> None:
     """`dcp.load(state_dict)` from `checkpoint_id` in place, after checking that the directory is
     complete and that its keys and global shapes are the state dict's (CheckpointError otherwise,
@@ -457,8 +477,11 @@ def load(state_dict, checkpoint_id, *, process_group=None) -> None:
     path = os.fspath(checkpoint_id)
     metadata = _read_metadata(path)
     check_checkpoint(state_dict, metadata)
-    dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
-             process_group=process_group)
+    try:
+        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
+                 process_group=process_group)
+    except CheckpointException as e:
+        raise CheckpointError(f"loading {path} failed: {_failures(e)}") from e
 
 
 # ----------------------------------------------------------------------------- conversion
