@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .errors import AutoshardError
-from .placements import Shard, boxes
+from .placements import boxes
 from .state_dict import _group, layouts
 
 # DCP reads .size()/.device of the ShardedTensors we hand it and each read warns that ShardedTensor
