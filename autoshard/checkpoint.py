@@ -62,6 +62,11 @@ class _Layout:
 
     def __init__(self, gm):
         self.table = layouts(gm)
+        plan = getattr(gm, "_autoshard_plan", None)
+        if plan is not None and plan.world_size > 1 and not dist.is_initialized():
+            raise CheckpointError(f"{type(gm).__name__} holds one rank's shards of a degree-{plan.world_size} plan "
+                                  "but no process group is initialised: checkpoints are saved and loaded by all "
+                                  "ranks of the tensor-parallel group together")
         self.pg, self.p, self.rank = _group(gm, None, bool(self.table) and dist.is_initialized())
         self._mesh = None
 
@@ -140,17 +145,19 @@ def _param_names(gm) -> dict:
 
 
 def _init_optimizer_state(optimizer) -> None:
-    """Give a fresh optimizer its state (zero moments, step 0 -> 1) so that a load can fill it:
-    one step at learning rate 0 on zero gradients, which moves no parameter (PyTorch's
-    get_state_dict does the same). Existing gradients are kept aside and put back."""
+    """Give the parameters of `optimizer` that have no state yet their state (zero moments, a step
+    count) so that a load can fill it: one step at learning rate 0 on zero gradients, which moves no
+    parameter (PyTorch's get_state_dict does the same). Parameters that already have state get no
+    gradient for that step, so optimizers skip them; every gradient is put back afterwards."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if all(p in optimizer.state and optimizer.state[p] for p in params):
+    fresh = {id(p) for p in params if not optimizer.state.get(p)}
+    if not fresh:
         return
     saved = [p.grad for p in params]
     lrs = [g["lr"] for g in optimizer.param_groups]
     try:
         for p in params:
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p) if id(p) in fresh else None
         for g in optimizer.param_groups:
             g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
         with torch.no_grad():

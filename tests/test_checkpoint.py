@@ -308,3 +308,32 @@ def test_bad_checkpoints_are_refused_and_change_nothing(run, dist2):
     bad = os.path.join(run["tmp"], "bad")
     os.makedirs(bad)
     assert all(dist2.run(_bad_inputs, run["paths"]["p2"], bad, timeout=180))
+
+
+def test_sgd_momentum_and_partly_initialised_state_round_trip(tmp_path):
+    """SGD's momentum buffers are saved and loaded by parameter name; initialising a fresh
+    optimizer's state moves no parameter and leaves state that already exists alone."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _steps(model, opt, range(2))
+    msd, osd = autoshard.checkpoint.get_state_dict(model, opt)
+    autoshard.checkpoint.save({"model": msd, "optim": osd}, tmp_path / "sgd")
+    resumed = _model(seed=1)
+    opt2 = torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9)
+    before = {k: v.clone() for k, v in resumed.state_dict().items()}
+    msd2, osd2 = autoshard.checkpoint.get_state_dict(resumed, opt2)
+    _check_full(resumed.state_dict(), before, "after initialising the optimizer state")
+    assert set(osd2["state"]["wte.weight"]) == {"momentum_buffer"}
+    sd = {"model": msd2, "optim": osd2}
+    autoshard.checkpoint.load(sd, tmp_path / "sgd")
+    autoshard.checkpoint.set_state_dict(resumed, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    for step_model, step_opt in ((model, opt), (resumed, opt2)):
+        _steps(step_model, step_opt, [2])
+    _check_full(resumed.state_dict(), model.state_dict(), "SGD with momentum resumed")
+    # one parameter without state: only it is initialised, the others' buffers stay as they are
+    p = opt2.param_groups[0]["params"][1]
+    kept = {id(q): st["momentum_buffer"].clone() for q, st in opt2.state.items() if q is not p}
+    del opt2.state[p]
+    autoshard.checkpoint.get_state_dict(resumed, opt2)
+    assert torch.equal(opt2.state[p]["momentum_buffer"], torch.zeros_like(p))
+    assert all(torch.equal(opt2.state[q]["momentum_buffer"], kept[id(q)]) for q in opt2.state if q is not p)
