@@ -456,7 +456,9 @@ def save(state_dict, checkpoint_id, *, process_group=None) -> None:
         os.makedirs(tmp)
     _barrier(pg)
     try:
-        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp), process_group=pg)
+        with _quiet_single_process():
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp), process_group=pg,
+                     no_dist=not dist.is_initialized())
     except BaseException as e:
         if _is_coordinator(pg):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -485,8 +487,9 @@ def load(state_dict, checkpoint_id, *, process_group=None) -> None:
     metadata = _read_metadata(path)
     check_checkpoint(state_dict, metadata)
     try:
-        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
-                 process_group=process_group)
+        with _quiet_single_process():
+            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
+                     process_group=process_group, no_dist=not dist.is_initialized())
     except CheckpointException as e:
         raise CheckpointError(f"loading {path} failed: {_failures(e)}") from e
 
@@ -526,4 +529,12 @@ def torch_save_to_dcp(torch_file, checkpoint_dir) -> None:
 def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        yield
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """Without a process group DCP warns that it assumes one process: that is what we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
