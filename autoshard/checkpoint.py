@@ -5,8 +5,10 @@ model's keys (optimizer state keyed by parameter name, as PyTorch's FQN-keyed op
 dicts are) with every sharded tensor carrying its global shape and this rank's place in it:
 a contiguous `Shard(d)` is a DTensor over the tensor-parallel group, a strided `Shard(d, k)` (the
 q/k/v rows of a fused weight) is a ShardedTensor with k local shards, one per
-`placements.boxes` box. The values alias the module's parameters and the optimizer's state, so
-`dcp.save` writes them without a copy and `dcp.load` fills them in place; DCP writes each box once
+`placements.boxes` box. The values alias the module's parameters and the optimizer's state (but
+for the boxes of a strided shard along a dim > 0, e.g. GPT-2's Conv1D c_attn, which ShardedTensor
+needs as contiguous copies of this rank's pieces), so `dcp.save` writes them without a copy and
+`dcp.load` fills them in place (set_state_dict copies in what it filled elsewhere); DCP writes each box once
 (replicated tensors and data-parallel replicas are deduplicated by key and offset) and reads on
 load only the boxes a rank asks for. `set_state_dict` checks keys and global shapes, then copies
 into the module whatever does not already alias it (a full tensor from `torch.load` too).
@@ -111,8 +113,9 @@ class _Layout:
             for box in boxes(shape, layout, r, self.p):
                 md = ShardMetadata(list(box.offsets), list(box.sizes), placement)
                 metas.append(md)
-                if r == self.rank:
-                    mine.append(STShard(local[box.local_index()], md))
+                if r == self.rank:       # ShardedTensor takes only contiguous shards: a box cut
+                    piece = local[box.local_index()]          # along a dim > 0 becomes a copy
+                    mine.append(STShard(piece if piece.is_contiguous() else piece.contiguous(), md))
         props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
                                  memory_format=torch.contiguous_format, pin_memory=False)
         with warnings.catch_warnings():           # ShardedTensor is deprecated; DTensor cannot hold this layout

@@ -4,7 +4,8 @@ A GPT with tied embeddings and a fused q/k/v Linear (strided S(0)x3 shards), Ada
 at degree 4, 2, 2 TP x 2 DP (DDP) and unsharded; resumed at 2, 4, 4 x 1 and unsharded: the resumed
 third step equals 3 uninterrupted single-process steps (fp32, 1e-5 relative). PyTorch's
 dcp_to_torch_save of a sharded checkpoint equals the single-process state_dict() key for key, and
-PyTorch's torch_save_to_dcp output of an unsharded model resumes at degree 2. Bad input (another
+PyTorch's torch_save_to_dcp output of an unsharded model resumes at degree 2; Hugging Face GPT-2's
+Conv1D c_attn (q/k/v fused along dim 1) converts and loads back; SGD momentum round-trips. Bad input (another
 model's checkpoint, unreadable / partial directories, a failed save) raises and changes nothing.
 The ranks of a pool share one temporary directory, passed from the parent.
 """
@@ -337,3 +338,40 @@ def test_sgd_momentum_and_partly_initialised_state_round_trip(tmp_path):
     autoshard.checkpoint.get_state_dict(resumed, opt2)
     assert torch.equal(opt2.state[p]["momentum_buffer"], torch.zeros_like(p))
     assert all(torch.equal(opt2.state[q]["momentum_buffer"], kept[id(q)]) for q in opt2.state if q is not p)
+
+
+def _gpt2_save(rank, world, path):
+    """Hugging Face GPT-2 (Conv1D c_attn: q/k/v fused along dim 1 of an [in, out] weight; lm_head
+    tied to wte) captured with torch.export, parallelized at 2, saved, zeroed and loaded back."""
+    from hf_models import gpt2
+    model, kwargs = gpt2(n_layer=1)
+    gm = autoshard.parallelize(model, world, kwargs, tracer="export")
+    layout = autoshard.layouts(gm)["transformer.h.0.attn.c_attn.weight"]
+    assert layout == autoshard.Shard(1, 3), layout
+    msd, _ = autoshard.checkpoint.get_state_dict(gm)
+    autoshard.checkpoint.save({"model": msd}, path)
+    # and back: the c_attn boxes are cut along dim 1, so DCP fills copies that set_state_dict copies in
+    before = autoshard.collect_state_dict(gm, gm.state_dict())
+    with torch.no_grad():
+        for p in gm.parameters():
+            p.zero_()
+    msd, _ = autoshard.checkpoint.get_state_dict(gm)
+    sd = {"model": msd}
+    dcp.load(sd, checkpoint_id=path)
+    autoshard.checkpoint.set_state_dict(gm, model_state_dict=sd["model"])
+    return _check_full(autoshard.collect_state_dict(gm, gm.state_dict()), before, "GPT-2 saved and loaded at 2")
+
+
+def test_gpt2_fused_conv1d_checkpoint_converts_to_the_unsharded_state_dict(run, dist2):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from hf_models import gpt2
+    path, out = os.path.join(run["tmp"], "gpt2"), os.path.join(run["tmp"], "gpt2.pt")
+    assert all(dist2.run(_gpt2_save, path, timeout=180))
+    dcp_to_torch_save(path, out)
+    model, _ = gpt2(n_layer=1)
+    expected = model.state_dict()
+    full = torch.load(out, weights_only=False)["model"]
+    _check_full(full, expected, "GPT-2 saved at 2, converted", ordered=False)
+    fresh, _ = gpt2(n_layer=1, seed=1)
+    fresh.load_state_dict(full)
+    _check_full(fresh.state_dict(), expected, "GPT-2 checkpoint loaded into the unsharded model")
