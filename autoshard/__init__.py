@@ -11,3 +11,11 @@ from .api import parallelize, plan
 from .loading import from_pretrained
 from .cost import CostModel
 from .plan import Plan
+
+
+def __getattr__(name):
+    # autoshard.checkpoint imports torch.distributed.checkpoint (over a second): only when used
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module 'autoshard' has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """Command line: `python -m autoshard plan MODULE:FACTORY --world-size N ...` prints a sharding plan;
-`python -m autoshard demo ...` runs autoshard.demo.
+`python -m autoshard demo ...` runs autoshard.demo; `python -m autoshard convert SRC DST` converts a
+sharded checkpoint (a DCP directory) to one torch.save file of full tensors, or back.
 
     python -m autoshard plan tests.factories:gpt --world-size 4 --input-shape 2,64 --dtype long
     python -m autoshard plan tests.models:GPT --world-size 2 --pin head=None --search exact
@@ -9,6 +10,8 @@
 
 --from-pretrained DIR builds the Hugging Face model of DIR/config.json on the meta device (no
 weight is read) and also prints the per-rank memory of parameters, gradients and Adam state.
+    python -m autoshard convert ckpt/step100 full.pt        # DCP directory -> torch.save file
+    python -m autoshard convert full.pt ckpt/step0          # torch.save file -> DCP directory
 
 FACTORY is called with no arguments and returns an nn.Module, or (module, example_inputs) where
 example_inputs is a tuple of positional arguments or a dict of keyword arguments (the builders
@@ -70,7 +73,7 @@ def _pin(text: str) -> tuple:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m autoshard",
                                  description="autoshard: automatic tensor parallelism by torch.fx graph rewriting")
-    sub = ap.add_subparsers(dest="command", metavar="{plan,demo}")
+    sub = ap.add_subparsers(dest="command", metavar="{plan,demo,convert}")
     sub.required = True
     pp = sub.add_parser("plan", help="plan a model and print the sharding-plan report",
                         description="Build a model with MODULE:FACTORY, plan it and print the report.")
@@ -96,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--json", action="store_true", help="print a JSON summary instead of the report")
     pp.add_argument("--draw", metavar="PATH", help="also write a picture of the plan to PATH (.svg or .png; "
                     "needs matplotlib: pip install 'autoshard[draw]')")
+    cp = sub.add_parser("convert", help="sharded checkpoint (DCP directory) <-> one torch.save file",
+                        description="Convert a DCP checkpoint directory into a torch.save file of full tensors "
+                                    "(SRC a directory), or a torch.save file into a DCP checkpoint that loads at any "
+                                    "degree (SRC a file).")
+    cp.add_argument("src", metavar="SRC", help="a DCP checkpoint directory or a torch.save file")
+    cp.add_argument("dst", metavar="DST", help="the file or directory to write")
     dp = sub.add_parser("demo", help="run autoshard.demo (arguments are passed on)", add_help=False)
     dp.add_argument("args", nargs=argparse.REMAINDER)
     return ap
@@ -239,6 +248,17 @@ def cmd_demo(argv) -> int:
     return int(rc or 0)
 
 
+def cmd_convert(args) -> int:
+    from .checkpoint import dcp_to_torch_save, torch_save_to_dcp
+    if os.path.isdir(args.src):
+        dcp_to_torch_save(args.src, args.dst)
+        print(f"wrote {args.dst} (torch.save of the full tensors of {args.src})")
+    else:
+        torch_save_to_dcp(args.src, args.dst)
+        print(f"wrote {args.dst} (DCP checkpoint of {args.src})")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -249,6 +269,11 @@ def main(argv=None) -> int:
             parser.exit(2, f"autoshard: error: {e}\n")
     args = parser.parse_args(argv)
     from .errors import AutoshardError
+    if args.command == "convert":
+        try:
+            return cmd_convert(args)
+        except (AutoshardError, OSError) as e:
+            parser.exit(1, f"autoshard: convert {args.src} -> {args.dst} failed: {e}\n")
     try:
         return cmd_plan(args)
     except CliError as e:

@@ -1,0 +1,543 @@
+"""Sharded checkpoints through PyTorch's distributed checkpoint (DCP), resharded on load.
+
+`get_state_dict(gm, optimizer)` returns the model's and the optimizer's state under the original
+model's keys (optimizer state keyed by parameter name, as PyTorch's FQN-keyed optimizer state
+dicts are) with every sharded tensor carrying its global shape and this rank's place in it:
+a contiguous `Shard(d)` is a DTensor over the tensor-parallel group, a strided `Shard(d, k)` (the
+q/k/v rows of a fused weight) is a ShardedTensor with k local shards, one per
+`placements.boxes` box. The values alias the module's parameters and the optimizer's state (but
+for the boxes of a strided shard along a dim > 0, e.g. GPT-2's Conv1D c_attn, which ShardedTensor
+needs as contiguous copies of this rank's pieces), so `dcp.save` writes them without a copy and
+`dcp.load` fills them in place (set_state_dict copies in what it filled elsewhere); DCP writes each box once
+(replicated tensors and data-parallel replicas are deduplicated by key and offset) and reads on
+load only the boxes a rank asks for. `set_state_dict` checks keys and global shapes, then copies
+into the module whatever does not already alias it (a full tensor from `torch.load` too).
+
+`save` / `load` wrap `dcp.save` / `dcp.load`: save writes into a hidden sibling directory and
+renames it into place once every rank has written (a failed save leaves no checkpoint that looks
+complete, and keeps the previous one); load refuses a checkpoint of another model (missing or
+extra keys, other global shapes) or a partial directory before any tensor is touched.
+`LoadPlanner` is the same check for `dcp.load(..., planner=LoadPlanner())`.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from .errors import AutoshardError
+from .placements import boxes
+from .state_dict import _group, layouts
+
+# DCP reads .size()/.device of the ShardedTensors we hand it and each read warns that ShardedTensor
+# is deprecated; we use it on purpose (docs/design.md, "Sharded checkpoints"), so the warning is noise.
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
+                        category=FutureWarning)
+
+__all__ = ["CheckpointError", "get_state_dict", "set_state_dict", "save", "load", "LoadPlanner",
+           "check_checkpoint", "dcp_to_torch_save", "torch_save_to_dcp"]
+
+
+class CheckpointError(AutoshardError, ValueError):
+    """A checkpoint that does not fit the model, or that cannot be read or written."""
+
+
+# ----------------------------------------------------------------------------- layouts and wrapping
+
+def _unwrap(module):
+    """The module under a DistributedDataParallel wrapper (keys without 'module.')."""
+    return getattr(module, "module", module) if isinstance(module, torch.nn.parallel.DistributedDataParallel) \
+        else module
+
+
+class _Layout:
+    """A module's layout table with its tensor-parallel group: wraps local tensors for DCP."""
+
+    def __init__(self, gm):
+        self.table = layouts(gm)
+        plan = getattr(gm, "_autoshard_plan", None)
+        if plan is not None and plan.world_size > 1 and not dist.is_initialized():
+            raise CheckpointError(f"{type(gm).__name__} holds one rank's shards of a degree-{plan.world_size} plan "
+                                  "but no process group is initialised: checkpoints are saved and loaded by all "
+                                  "ranks of the tensor-parallel group together")
+        self.pg, self.p, self.rank = _group(gm, None, bool(self.table) and dist.is_initialized())
+        self._mesh = None
+
+    def of(self, key):
+        """The Shard of `key`, or None where it is replicated (or the group has one rank)."""
+        return self.table.get(key) if self.p > 1 else None
+
+    def global_shape(self, key, local_shape) -> tuple:
+        layout = self.of(key)
+        shape = list(local_shape)
+        if layout is not None:
+            shape[layout.dim] *= self.p
+        return tuple(shape)
+
+    def mesh(self, device):
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+            self._mesh = DeviceMesh.from_group(self.pg, device.type)
+        return self._mesh
+
+    def wrap(self, key, local: torch.Tensor):
+        """`local` as DCP sees it: a plain tensor, a DTensor (contiguous shard) or a ShardedTensor
+        (strided shard: one local shard per box). Shares `local`'s storage."""
+        layout = self.of(key)
+        if layout is None:
+            return local
+        shape = self.global_shape(key, local.shape)
+        if layout.chunks == 1:
+            from torch.distributed.tensor import DTensor, Shard as DShard
+            return DTensor.from_local(local, self.mesh(local.device), [DShard(layout.dim)], run_check=False,
+                                      shape=torch.Size(shape), stride=_contiguous_stride(shape))
+        return self._sharded_tensor(local, shape, layout)
+
+    def _sharded_tensor(self, local, shape, layout):
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard as STShard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+        dev = local.device.type if local.device.type == "cpu" else f"{local.device.type}:{local.device.index}"
+        metas, mine = [], []
+        for r in range(self.p):
+            placement = f"rank:{dist.get_global_rank(self.pg, r)}/{dev}"
+            for box in boxes(shape, layout, r, self.p):
+                md = ShardMetadata(list(box.offsets), list(box.sizes), placement)
+                metas.append(md)
+                if r == self.rank:       # ShardedTensor takes only contiguous shards: a box cut
+                    piece = local[box.local_index()]          # along a dim > 0 becomes a copy
+                    mine.append(STShard(piece if piece.is_contiguous() else piece.contiguous(), md))
+        props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                                 memory_format=torch.contiguous_format, pin_memory=False)
+        with warnings.catch_warnings():           # ShardedTensor is deprecated; DTensor cannot hold this layout
+            warnings.simplefilter("ignore")
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                mine, ShardedTensorMetadata(metas, torch.Size(shape), props), process_group=self.pg)
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def _global_shape_of(value) -> tuple | None:
+    """The global shape a state-dict value claims (DTensor and ShardedTensor: their global size)."""
+    if isinstance(value, torch.Tensor):
+        with _quiet():                       # ShardedTensor warns that it is deprecated at every call
+            return tuple(value.size())
+    return None
+
+
+# ----------------------------------------------------------------------------- optimizer state
+
+def _param_names(gm) -> dict:
+    """{id(parameter): its first name} (a tied parameter is named once, as named_parameters does)."""
+    return {id(p): name for name, p in gm.named_parameters()}
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give the parameters of `optimizer` that have no state yet their state (zero moments, a step
+    count) so that a load can fill it: one step at learning rate 0 on zero gradients, which moves no
+    parameter (PyTorch's get_state_dict does the same). Parameters that already have state get no
+    gradient for that step, so optimizers skip them; every gradient is put back afterwards."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    fresh = {id(p) for p in params if not optimizer.state.get(p)}
+    if not fresh:
+        return
+    saved = [p.grad for p in params]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p) if id(p) in fresh else None
+        for g in optimizer.param_groups:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        with torch.no_grad():
+            optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        for p, grad in zip(params, saved):
+            p.grad = grad
+
+
+def _optimizer_entries(gm, optimizer):
+    """(name, parameter) of every parameter the optimizer holds, in its order; unknown ones raise."""
+    names = _param_names(gm)
+    out = []
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError(f"parameter group {i} of {type(optimizer).__name__} holds a tensor of shape "
+                                      f"{tuple(p.shape)} that is no parameter of {type(gm).__name__}")
+            out.append((names[id(p)], p))
+    return out
+
+
+def _is_param_shaped(value, param) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+# ----------------------------------------------------------------------------- get / set
+
+def get_state_dict(gm, optimizer=None):
+    """(model_state_dict, optimizer_state_dict) of `gm` ready for `dcp.save` / `dcp.load`.
+
+    Keys are the original model's `state_dict()` keys; the optimizer's state is keyed by parameter
+    name ({"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}). Sharded tensors are
+    DTensors or ShardedTensors over the tensor-parallel group; every value aliases the module's
+    or the optimizer's tensor (no copy). A fresh optimizer gets its state first."""
+    gm = _unwrap(gm)
+    lay = _Layout(gm)
+    msd = {key: lay.wrap(key, t) for key, t in gm.state_dict().items()}
+    if optimizer is None:
+        return msd, {}
+    _init_optimizer_state(optimizer)
+    state = {}
+    for name, p in _optimizer_entries(gm, optimizer):
+        state[name] = {k: lay.wrap(name, v) if _is_param_shaped(v, p) else v
+                       for k, v in optimizer.state.get(p, {}).items()}
+    names = _param_names(gm)
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return msd, {"state": state, "param_groups": groups}
+
+
+def _expected_model(gm, lay) -> dict:
+    """{key: (global shape, local tensor)} of every state-dict entry of `gm`."""
+    return {key: (lay.global_shape(key, t.shape), t) for key, t in gm.state_dict(keep_vars=True).items()}
+
+
+def _expected_optimizer(gm, optimizer, lay) -> dict:
+    """{name: {state key: (global shape or None for a scalar/non-tensor, local value)}}."""
+    out = {}
+    for name, p in _optimizer_entries(gm, optimizer):
+        out[name] = {k: ((lay.global_shape(name, v.shape) if _is_param_shaped(v, p) else
+                          tuple(v.shape) if isinstance(v, torch.Tensor) else None), v)
+                     for k, v in optimizer.state.get(p, {}).items()}
+    return out
+
+
+def _compare(what, expected: dict, given: dict) -> list:
+    """Lines naming the missing, unexpected and differently shaped keys."""
+    problems = []
+    missing = [k for k in expected if k not in given]
+    extra = [k for k in given if k not in expected]
+    if missing:
+        problems.append(f"{what}: missing keys {_few(missing)}")
+    if extra:
+        problems.append(f"{what}: unexpected keys {_few(extra)}")
+    for key, (shape, _) in expected.items():
+        if key in given and shape is not None:
+            got = _global_shape_of(given[key])
+            if got is not None and got != tuple(shape):
+                problems.append(f"{what}: {key!r} has global shape {got}, the model's is {tuple(shape)}")
+    return problems
+
+
+def _few(keys, n=8) -> str:
+    """The first n keys, and how many more."""
+    keys = list(keys)
+    return repr(keys[:n])[:-1] + (f", ... and {len(keys) - n} more]" if len(keys) > n else "]")
+
+
+def set_state_dict(gm, optimizer=None, *, model_state_dict, optim_state_dict=None) -> None:
+    """Put `model_state_dict` (and `optim_state_dict`) into `gm` (and `optimizer`).
+
+    Values may be what `get_state_dict` returned (after `dcp.load` they already hold the data:
+    nothing is copied), or full tensors of the global shape (e.g. `torch.load` of a converted
+    checkpoint), of which this rank takes its boxes. Keys and global shapes are checked for every
+    entry before anything is written; a mismatch raises CheckpointError naming them."""
+    gm = _unwrap(gm)
+    lay = _Layout(gm)
+    model = _expected_model(gm, lay)
+    problems = _compare("model state dict", model, model_state_dict)
+    optim = None
+    if optimizer is not None and optim_state_dict is not None:
+        _init_optimizer_state(optimizer)
+        optim = _expected_optimizer(gm, optimizer, lay)
+        given = optim_state_dict.get("state", {})
+        problems += _compare("optimizer state", {k: (None, None) for k in optim}, given)
+        for name, entries in optim.items():
+            if name in given:
+                problems += _compare(f"optimizer state of {name!r}", entries, given[name])
+        problems += _check_groups(optimizer, optim_state_dict, [n for n, _ in _optimizer_entries(gm, optimizer)])
+    if problems:
+        raise CheckpointError(f"the state dict does not fit {type(gm).__name__}:\n  " + "\n  ".join(problems))
+    with torch.no_grad():
+        for key, (_, local) in model.items():
+            _copy_into(lay, key, local, model_state_dict[key])
+        if optim is not None:
+            for name, entries in optim.items():
+                for k, (_, local) in entries.items():
+                    value = optim_state_dict["state"][name][k]
+                    if isinstance(local, torch.Tensor):
+                        _copy_into(lay if local.dim() else None, name, local, value)
+                    else:
+                        _param_state(optimizer, gm, name)[k] = value
+            for group, saved in zip(optimizer.param_groups, optim_state_dict["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _param_state(optimizer, gm, name):
+    p = dict(gm.named_parameters())[name]
+    return optimizer.state[p]
+
+
+def _check_groups(optimizer, osd, names) -> list:
+    groups = osd.get("param_groups")
+    if groups is None:
+        return ["optimizer state dict: no 'param_groups'"]
+    if len(groups) != len(optimizer.param_groups):
+        return [f"optimizer state dict has {len(groups)} parameter groups, the optimizer "
+                f"{len(optimizer.param_groups)}"]
+    it = iter(names)
+    out = []
+    for i, (group, saved) in enumerate(zip(optimizer.param_groups, groups)):
+        mine = list(itertools.islice(it, len(group["params"])))
+        if list(saved.get("params", [])) != mine:
+            out.append(f"parameter group {i} holds {list(saved.get('params', []))}, the optimizer's {mine}")
+    return out
+
+
+def _copy_into(lay, key, local: torch.Tensor, value) -> None:
+    """Copy this rank's part of `value` into `local` (skipped where `value` already aliases it)."""
+    from torch.distributed.tensor import DTensor
+    layout = lay.of(key) if lay is not None else None
+    if _is_sharded_tensor(value):
+        with _quiet():
+            shards, size = value.local_shards(), value.size()
+        mine = {tuple(b.offsets): b for b in boxes(size, layout, lay.rank, lay.p)} if layout else {}
+        for shard in shards:
+            box = mine.get(tuple(shard.metadata.shard_offsets))
+            if box is None or list(box.sizes) != list(shard.metadata.shard_sizes):
+                raise CheckpointError(f"{key!r}: local shard at {shard.metadata.shard_offsets} of size "
+                                      f"{shard.metadata.shard_sizes} is not one of this rank's boxes "
+                                      f"{[(b.offsets, b.sizes) for b in mine.values()]}")
+            dst = local[box.local_index()]
+            if not _same(shard.tensor, dst):
+                dst.copy_(shard.tensor)
+        return
+    mine = False                      # whether `value` is laid out as `local` is (this rank's shard)
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor import Shard as DShard
+        mine = (layout is not None and value.device_mesh.size() == lay.p and value.device_mesh.get_local_rank() ==
+                lay.rank and tuple(value.placements) == (DShard(layout.dim),))
+        value = value.to_local()
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(f"{key!r}: a {type(value).__name__} where a tensor was expected")
+    value = value.detach()
+    if value.shape == local.shape and (layout is None or mine or _same(value, local)):
+        if not _same(value, local):
+            local.copy_(value)
+        return
+    if layout is None:
+        raise CheckpointError(f"{key!r}: shape {tuple(value.shape)}, expected {tuple(local.shape)}")
+    if tuple(value.shape) != lay.global_shape(key, local.shape):
+        raise CheckpointError(f"{key!r}: a tensor of shape {tuple(value.shape)} is neither this rank's shard "
+                              f"{tuple(local.shape)} nor the global tensor {lay.global_shape(key, local.shape)}")
+    for box in boxes(value.shape, layout, lay.rank, lay.p):         # a full tensor: take my boxes
+        local[box.local_index()].copy_(value[box.global_index()])
+
+
+def _is_sharded_tensor(value) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    return isinstance(value, ShardedTensor)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+# ----------------------------------------------------------------------------- checks against a checkpoint
+
+def _flat(state_dict) -> dict:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    return flatten_state_dict(state_dict)[0]
+
+
+def check_checkpoint(state_dict, metadata) -> None:
+    """Refuse `metadata` (a DCP checkpoint's) for `state_dict`: keys the state dict asks for that the
+    checkpoint lacks, keys the checkpoint has under the state dict's top-level names that nobody
+    asks for, and tensors whose global shapes differ. Raises CheckpointError naming all of them."""
+    flat = _flat(state_dict)
+    saved = metadata.state_dict_metadata
+    tops = {k.split(".", 1)[0] for k in flat}
+    missing = sorted(k for k in flat if k not in saved)
+    extra = sorted(k for k in saved if k not in flat and k.split(".", 1)[0] in tops)
+    shapes = []
+    for key, value in flat.items():
+        md = saved.get(key)
+        if md is None:
+            continue
+        got = _global_shape_of(value)
+        if isinstance(md, TensorStorageMetadata) and got is not None and tuple(md.size) != got:
+            shapes.append(f"{key!r}: checkpoint {tuple(md.size)}, model {got}")
+        elif isinstance(md, BytesStorageMetadata) and isinstance(value, torch.Tensor):
+            shapes.append(f"{key!r}: the checkpoint holds an object, the model a tensor of {got}")
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {_few(missing)}")
+    if extra:
+        problems.append(f"in the checkpoint but not in the model: {_few(extra)}")
+    if shapes:
+        problems.append("global shapes differ: " + "; ".join(shapes[:8]) +
+                        (f"; and {len(shapes) - 8} more" if len(shapes) > 8 else ""))
+    if problems:
+        raise CheckpointError("the checkpoint does not fit the state dict (nothing was loaded):\n  "
+                              + "\n  ".join(problems))
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that first runs `check_checkpoint` (on every rank, before any
+    read): `dcp.load(sd, checkpoint_id=path, planner=LoadPlanner())`."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        if metadata is not None:
+            check_checkpoint(state_dict, metadata)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+
+def _read_metadata(path):
+    """The checkpoint's Metadata, after checking that every file it names is there and long enough."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        names = sorted(os.listdir(path))[:8]
+        raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata file; it holds {names}): "
+                              "an unfinished or failed save, or not a DCP checkpoint")
+    reader = dcp.FileSystemReader(path)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unpickling error means the same thing
+        raise CheckpointError(f"{path}/.metadata cannot be read: {type(e).__name__}: {e}") from e
+    need: dict = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        file = os.path.join(path, name)
+        have = os.path.getsize(file) if os.path.isfile(file) else None
+        if have is None or have < size:
+            raise CheckpointError(f"{path}: partial checkpoint: {name} is "
+                                  f"{'missing' if have is None else f'{have} bytes'}, .metadata needs {size} bytes")
+    return metadata
+
+
+# ----------------------------------------------------------------------------- save / load
+
+def _is_coordinator(pg) -> bool:
+    return not dist.is_initialized() or dist.get_rank(pg) == 0
+
+
+def _barrier(pg) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=pg)
+
+
+def save(state_dict, checkpoint_id, *, process_group=None) -> None:
+    """`dcp.save(state_dict)` into `checkpoint_id` (a directory), atomically: the ranks write into
+    a hidden sibling directory, which rank 0 renames into place once every rank has written. A
+    failed save raises on every rank and leaves `checkpoint_id` as it was."""
+    path = os.path.abspath(os.fspath(checkpoint_id))
+    parent, name = os.path.split(path)
+    tmp, old = os.path.join(parent, f".{name}.partial"), os.path.join(parent, f".{name}.old")
+    pg = process_group
+    if _is_coordinator(pg):
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(pg)
+    try:
+        with _quiet_single_process():
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp), process_group=pg,
+                     no_dist=not dist.is_initialized())
+    except BaseException as e:
+        if _is_coordinator(pg):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, CheckpointException):      # a BaseException: make it an ordinary error
+            raise CheckpointError(f"saving {path} failed; it was left as it was. {_failures(e)}") from e
+        raise
+    if _is_coordinator(pg):
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(pg)
+
+
+def _failures(e) -> str:
+    """The per-rank errors of DCP's CheckpointException, one line each."""
+    return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+
+
+def load(state_dict, checkpoint_id, *, process_group=None) -> None:
+    """`dcp.load(state_dict)` from `checkpoint_id` in place, after checking that the directory is
+    complete and that its keys and global shapes are the state dict's (CheckpointError otherwise,
+    raised on every rank before any tensor is touched)."""
+    path = os.fspath(checkpoint_id)
+    metadata = _read_metadata(path)
+    check_checkpoint(state_dict, metadata)
+    try:
+        with _quiet_single_process():
+            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
+                     process_group=process_group, no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        raise CheckpointError(f"loading {path} failed: {_failures(e)}") from e
+
+
+# ----------------------------------------------------------------------------- conversion
+
+def dcp_to_torch_save(checkpoint_dir, torch_file) -> None:
+    """A DCP checkpoint as one `torch.save` file of full tensors (for the unsharded model); one process."""
+    from torch.distributed.checkpoint import format_utils
+    _read_metadata(checkpoint_dir)
+    with _quiet():
+        format_utils.dcp_to_torch_save(checkpoint_dir, torch_file)
+
+
+def torch_save_to_dcp(torch_file, checkpoint_dir) -> None:
+    """A `torch.save` file (e.g. {"model": model.state_dict(), ...}) as a DCP checkpoint that loads
+    at any degree (PyTorch's converter, into a hidden sibling directory renamed into place)."""
+    from torch.distributed.checkpoint import format_utils
+    if not os.path.isfile(torch_file):
+        raise CheckpointError(f"{torch_file}: no such file")
+    path = os.path.abspath(os.fspath(checkpoint_dir))
+    parent, name = os.path.split(path)
+    tmp = os.path.join(parent, f".{name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with _quiet():
+            format_utils.torch_save_to_dcp(torch_file, tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"converting {torch_file}: {type(e).__name__}: {e}") from e
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.rename(tmp, path)
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """Without a process group DCP warns that it assumes one process: that is what we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
