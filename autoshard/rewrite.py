@@ -101,8 +101,16 @@ class Rewriter:
         return self.old[name].meta.get("val")
 
     def placement(self, name):
+        """The plan's placement of node `name` (an element of a split's outputs included)."""
         d = self.plan.nodes.get(name)
-        return d.output if d is not None else None
+        if d is not None:
+            return d.output
+        n = self.old.get(name)
+        if n is not None and n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], int):
+            parent = self.plan.nodes.get(getattr(n.args[0], "name", None))
+            if parent is not None and isinstance(parent.output, tuple):
+                return parent.output[n.args[1]]
+        return None
 
     def call(self, fn, args, kwargs=None, name=None):
         node = self.graph.call_function(fn, tuple(args), kwargs or {})

@@ -104,7 +104,8 @@ class CatRow(nn.Module):
 
 
 class ShapeArithmetic(nn.Module):
-    """Head sizes and view sizes computed from x.shape at run time; split by a list of sizes."""
+    """Head sizes and view sizes computed from shapes at run time (of the input, and of one output
+    of a split, which is sharded); split by a list of sizes."""
 
     def __init__(self, h=64, heads=4):
         super().__init__()
@@ -112,7 +113,7 @@ class ShapeArithmetic(nn.Module):
 
     def forward(self, x):
         q, k, v = self.qkv(x).split([x.shape[-1]] * 3, -1)
-        hd = x.shape[-1] // self.heads
+        hd = q.shape[-1] // self.heads              # the size of a split's (sharded) output
 
         def heads(t):
             return t.reshape(x.shape[0], x.shape[1], self.heads, hd).transpose(1, 2)
