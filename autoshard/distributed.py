@@ -7,8 +7,10 @@ ProcessGroup object), resolved here at run time.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -81,6 +83,24 @@ def destroy_process_group() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _release_at_exit() -> None:
+    """atexit hook: a script that ends without `destroy_process_group` gets it here.
+
+    Otherwise the groups are freed (if at all) while the interpreter tears its modules down,
+    in no fixed order, and a gloo group freed then can abort the process (SIGABRT after a
+    finished run, reported as a failure by torchrun).  Here autoshard's references go first,
+    cycles holding groups (GraphModules, autograd nodes) are collected, and torch.distributed
+    shuts every group down while the interpreter is whole.  Registered at import, so hooks the
+    user registers later (which may still communicate) run before it.  Never raises."""
+    try:
+        destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - exiting anyway; say why, do not mask the exit status
+        print(f"autoshard: destroy_process_group at exit failed: {e!r}", file=sys.stderr)
+
+
+atexit.register(_release_at_exit)
 
 
 def set_group(group) -> None:
