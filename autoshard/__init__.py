@@ -6,6 +6,8 @@ from . import collectives, nn
 from .state_dict import (collect_state_dict, get_parallel_dim, layouts, register_ddp_parameters_to_ignore,
                          register_parallel_attribute, register_parallel_dim, relocate_state_dict, slice)
 
+from .state_dict import ORDER_TYPE as _ORDER_TYPE, PARALLEL_DIM as _PARALLEL_DIM  # TorchShard's names
+
 __version__ = "0.1.0"
 from .api import parallelize, plan
 from .loading import from_pretrained

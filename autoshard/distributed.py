@@ -7,12 +7,15 @@ ProcessGroup object), resolved here at run time.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.fx
 import torch.distributed.nn  # noqa: F401 - see below
 
 # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when first
@@ -82,6 +85,24 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _release_at_exit() -> None:
+    """atexit hook: a script that ends without `destroy_process_group` gets it here.
+
+    Otherwise the groups are freed (if at all) while the interpreter tears its modules down,
+    in no fixed order, and a gloo group freed then can abort the process (SIGABRT after a
+    finished run, reported as a failure by torchrun).  Here autoshard's references go first,
+    cycles holding groups (GraphModules, autograd nodes) are collected, and torch.distributed
+    shuts every group down while the interpreter is whole.  Registered at import, so hooks the
+    user registers later (which may still communicate) run before it.  Never raises."""
+    try:
+        destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - exiting anyway; say why, do not mask the exit status
+        print(f"autoshard: destroy_process_group at exit failed: {e!r}", file=sys.stderr)
+
+
+atexit.register(_release_at_exit)
+
+
 def set_group(group) -> None:
     """Make `group` this rank's current tensor-parallel group."""
     _STATE["tp"] = group
@@ -134,6 +155,51 @@ def get_rank(group=None) -> int:
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def get_group_size(group=None) -> int:
+    """TorchShard's name for the size of the tensor-parallel group (= `get_world_size`)."""
+    return get_world_size(group)
+
+
+# ----------------------------------------------------------------------------- TorchShard's communication functions
+# `torchshard.distributed.copy / scatter / gather / reduce`: autograd functions over the
+# tensor-parallel group whose backward is the dual of the forward (they are the collectives of
+# `autoshard.collectives`), and which label their output with TorchShard's `parallel_dim` /
+# `order_type` attributes, as TorchShard's layers read them: scatter and gather label it `dim`,
+# reduce None, copy not at all. At group size 1 the input comes back unchanged and unlabelled.
+# One difference: TorchShard's `reduce` sums a tensor that needs no gradient in place; this one
+# returns the sum in a new tensor and leaves its input alone.
+
+def _label(out, input, parallel_dim):
+    if out is not input and not isinstance(out, torch.fx.Proxy):
+        out.parallel_dim, out.order_type = parallel_dim, 0      # any dim, as TorchShard (no check)
+    return out
+
+
+def copy(input, group=None):
+    """Forward: identity; backward: all-reduce of the gradient (input of a column-parallel op)."""
+    from .collectives import copy_to
+    return copy_to(input, group=group)
+
+
+def scatter(input, dim: int = -1, group=None):
+    """Forward: this rank's block of `input` along `dim`; backward: all-gather. Labelled `dim`."""
+    from .collectives import scatter_to
+    return _label(scatter_to(input, dim, group=group), input, dim)
+
+
+def gather(input, dim: int = -1, group=None):
+    """Forward: all-gather of every rank's block along `dim`; backward: keep this rank's block.
+    Labelled `dim` (TorchShard's convention, although the result is whole)."""
+    from .collectives import gather_from
+    return _label(gather_from(input, dim, group=group), input, dim)
+
+
+def reduce(input, group=None):
+    """Forward: all-reduce (sum) into a new tensor; backward: identity. Labelled None."""
+    from .collectives import reduce_from
+    return _label(reduce_from(input, group=group), input, None)
 
 
 def local_rank() -> int:

@@ -7,7 +7,8 @@ import torch.distributed as dist
 from ..collectives import _split_along
 from ..distributed import get_group, register_group
 from ..errors import ProcessGroupError
-from ..state_dict import _check_parallel_dim, register_parallel_attribute, torchshard_layout
+from ..state_dict import (_check_parallel_dim, layouts, register_ddp_parameters_to_ignore, register_parallel_attribute,
+                          torchshard_layout)
 
 
 def check_dim(dim, what: str):
@@ -56,11 +57,22 @@ def install_shards(module, fulls: dict, order_type: int, size: int, rank: int,
 
 
 def convert_modules(module, torch_cls, make):
-    """Replace every `torch_cls` instance in `module` (or `module` itself) by `make(instance)`."""
+    """Replace every `torch_cls` instance in `module` (or `module` itself) by `make(instance)`.
+
+    Like TorchShard's converters, the result lists its sharded parameters for DDP to ignore
+    (`register_ddp_parameters_to_ignore`): a model converted in place and then wrapped in DDP
+    must not have one rank's shards broadcast over the others, nor different shards averaged."""
+    out = _convert(module, torch_cls, make)
+    if layouts(out):
+        register_ddp_parameters_to_ignore(out)
+    return out
+
+
+def _convert(module, torch_cls, make):
     if isinstance(module, torch_cls):
         return make(module)
     for name, child in module.named_children():
-        new = convert_modules(child, torch_cls, make)
+        new = _convert(child, torch_cls, make)
         if new is not child:
             setattr(module, name, new)
     return module

@@ -14,7 +14,7 @@ from torch.nn import _reduction
 from ..collectives import copy_to, gather_from, reduce_from, scatter_to
 from ..distributed import get_group
 from ..errors import ShardingError
-from ..state_dict import get_parallel_dim, register_parallel_dim
+from ..state_dict import get_parallel_dim, register_parallel_attribute
 from ._common import check_dim
 from ._cross_entropy import vocab_parallel_cross_entropy
 
@@ -26,32 +26,61 @@ def _is_column_sharded(x) -> bool:
     return get_parallel_dim(x) in (-1, 1)
 
 
+def _row_input(input, weight, group):
+    """This rank's block of the features of a row-parallel linear's input.
+
+    As in TorchShard, an input labelled parallel_dim -1/1 is this rank's block already and one
+    without is split.  TorchShard also labels a *gathered* (whole) tensor with its dim (-1), so a
+    labelled input whose last dim is the full feature count is split as well: the size tells the
+    two apart whenever the group has more than one rank."""
+    p = torch.distributed.get_world_size(get_group(group))
+    local, n = weight.size(1), input.size(-1)
+    if _is_column_sharded(input) and n == local:
+        return input
+    if n == local * p:
+        return scatter_to(input, -1, group=group)
+    raise ShardingError(
+        f"row-parallel linear: input of shape {tuple(input.shape)} (parallel_dim {get_parallel_dim(input)}) "
+        f"has {n} features, but the weight shard {tuple(weight.shape)} expects {local} (this rank's block, "
+        f"labelled parallel_dim -1) or {local * p} (the whole input, split here)")
+
+
+def _column_input(input, weight, group):
+    """The whole input of a column-parallel linear: used as is (TorchShard ignores its label), or
+    all-gathered when it is labelled -1/1 and holds 1/p of the features (a column-parallel output)."""
+    full, n = weight.size(1), input.size(-1)
+    if _is_column_sharded(input) and n != full:
+        p = torch.distributed.get_world_size(get_group(group))
+        if n * p == full:
+            return gather_from(input, -1, group=group)
+    if n != full:
+        raise ShardingError(
+            f"column-parallel linear: input of shape {tuple(input.shape)} (parallel_dim "
+            f"{get_parallel_dim(input)}) has {n} features, but the weight shard {tuple(weight.shape)} expects {full}")
+    return input
+
+
 def parallel_linear(input, weight, bias=None, dim=None, group=None):
     """`F.linear` with a column (-1/1: weight dim 0 and bias split) or row (0: weight dim 1) shard.
 
-    Column: input replicated (gathered first if it carries parallel_dim -1), output carries
-    parallel_dim -1.  Row: input used as is if it carries parallel_dim -1, else scattered; the
-    output is all-reduced and the (unsplit) bias added once."""
+    Column: the input is whole (gathered first if it is a labelled -1 block), the output is
+    this rank's block of the output features, labelled parallel_dim -1.  Row: the input is
+    used as is if it is labelled -1 (a block), else split; the output is all-reduced, the
+    (unsplit) bias added once, and it is labelled None."""
     dim = check_dim(dim, "parallel_linear")
     if weight.dim() != 2:
         raise ShardingError(f"parallel_linear: weight must be 2-D, got shape {tuple(weight.shape)}")
     if dim is None:
         return F.linear(input, weight, bias)
     if dim == 0:
-        x = input if _is_column_sharded(input) else scatter_to(input, -1, group=group)
-        if x.size(-1) != weight.size(1):
-            raise ShardingError(
-                f"row-parallel linear: input of shape {tuple(input.shape)} (parallel_dim "
-                f"{get_parallel_dim(input)}) gives {x.size(-1)} features per rank, but the weight "
-                f"shard {tuple(weight.shape)} expects {weight.size(1)}")
+        x = _row_input(input, weight, group)
         out = reduce_from(F.linear(x, weight), group=group, inplace=True)   # sums the fresh matmul output
         if bias is not None:
             out = out + bias
-        register_parallel_dim(out, None)
+        register_parallel_attribute(out, None)
         return out
-    x = gather_from(input, -1, group=group) if _is_column_sharded(input) else input
-    out = F.linear(copy_to(x, group=group), weight, bias)
-    register_parallel_dim(out, -1)
+    out = F.linear(copy_to(_column_input(input, weight, group), group=group), weight, bias)
+    register_parallel_attribute(out, -1)
     return out
 
 
