@@ -180,15 +180,22 @@ class InliningTracer(fx.Tracer):
         return super().is_leaf_module(m, qualname)
 
 
+def _from_shape(a):
+    """A `torch.Size` example stands for token ids of that shape (zeros: values do not matter)."""
+    return torch.zeros(a, dtype=torch.long) if isinstance(a, torch.Size) else a
+
+
 def _split_inputs(example_inputs) -> tuple[tuple, dict]:
     if example_inputs is None:
         return (), {}
+    if isinstance(example_inputs, torch.Size):
+        return (_from_shape(example_inputs),), {}
     if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
+        return (), {k: _from_shape(v) for k, v in example_inputs.items()}
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
+        return tuple(_from_shape(a) for a in example_inputs), {}
     raise TypeError(f"example_inputs must be a tuple of positional arguments or a dict of keyword "
                     f"arguments, got {type(example_inputs).__name__}")
 

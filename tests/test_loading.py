@@ -246,3 +246,12 @@ def test_cli_from_pretrained_reads_no_weights(tmp_path, capsys):
     assert mem["parameters"] == 4 * plan.params_per_rank
     with pytest.raises(SystemExit):
         main(["plan", "-n", "2"])                                              # neither target nor DIR
+
+
+def test_shapes_stand_for_example_token_ids():
+    """A meta model planned from shapes alone (torch.Size: int64 token ids of that shape)."""
+    with torch.device("meta"):
+        model = GPT(vocab=512, h=64, heads=4, blocks=2)
+    plan = autoshard.plan(model, 2, (torch.Size([2, 32]), torch.Size([2, 32])))
+    assert plan.dims["head"] == -1 and plan.params_per_rank * 2 < plan.params_total * 1.01
+    assert all(p.is_meta for p in model.parameters())
