@@ -23,9 +23,9 @@ from .capture import DYNAMIC, placeholder_inputs
 from .cost import redistribute
 from .errors import ShardingError
 from .nn import functional as PF
-from .nn.norm import sharded_layer_norm, sharded_rms_norm
+from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from .placements import Partial, Replicate, Shard
-from .rules.norm import norm_params
+from .rules.norm import norm_params, var_args
 from .problem import fetch_attr
 from .state_dict import register_parallel_attribute
 from .verify import check_local_graph
@@ -205,6 +205,12 @@ class Rewriter:
                 self._vocab_cross_entropy(n, t)
             elif d.strategy == "split_norm":
                 self._split_norm(n, t)
+            elif d.strategy == "split_var":
+                dim, correction, keepdim = var_args(n)
+                with self.graph.inserting_before(n):
+                    out = self.call(sharded_var, (n.args[0], dim, correction, keepdim), {"group": self.key})
+                n.replace_all_uses_with(out)
+                self.graph.erase_node(n)
             elif d.strategy == "partial_mean":
                 self._partial_mean(n)
             elif t in SIZE_OPS or (t is getattr and n.args[1] == "shape"):

@@ -17,7 +17,7 @@ from . import collectives as C
 from .capture import placeholder_inputs, reads_scalar, stand_in_scalar
 from .errors import ShardingError
 from .nn import functional as PF
-from .nn.norm import sharded_layer_norm, sharded_rms_norm
+from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 
 
 def _gather(p, rank):
@@ -54,6 +54,8 @@ _LOCAL = {
                                          F.layer_norm(x, x.shape[-1:], weight, bias, eps)),
     sharded_rms_norm: lambda p, rank: (lambda x, shape, weight=None, eps=None, group=None:
                                        F.rms_norm(x, x.shape[-1:], weight, eps)),
+    sharded_var: lambda p, rank: (lambda x, dim, correction=1, keepdim=False, group=None:
+                                  x.var(dim, keepdim=keepdim)),
 }
 
 

@@ -146,6 +146,19 @@ class PartialPlusNumber(nn.Module):
         return (self.fc2(F.gelu(self.fc1(x))) + 1.0) * 2.0
 
 
+class Variance(nn.Module):
+    """A hand-written standardisation over a column-parallel output (torch.var over the split dim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = (h - h.mean(-1, keepdim=True)) / torch.sqrt(torch.var(h, dim=-1, keepdim=True) + 1e-5)
+        return self.down(F.gelu(h))
+
+
 def _feat(*shape):
     return lambda g: (torch.randn(*shape, generator=g),)
 
@@ -164,6 +177,7 @@ CASES = {
     "shape_arithmetic": (ShapeArithmetic, _feat(2, 16, 64), [_feat(3, 8, 64), _feat(1, 5, 64)]),
     "factorised": (Factorised, _ids(2, 64), [_ids(3, 9), _ids(1, 5)]),
     "partial_plus_number": (PartialPlusNumber, _feat(4, 64), [_feat(2, 64), _feat(7, 64)]),
+    "variance": (Variance, _feat(4, 512, 64), [_feat(1, 33, 64), _feat(2, 7, 64)]),
 }
 
 
@@ -226,6 +240,9 @@ def test_rules_avoid_gathers():
     cat = _plan("cat_row", 2)
     assert dict(cat.dims) == {"a": -1, "b": -1, "c": 0} and set(cat.comm_by_kind) == {"all_reduce"}
     assert str(cat.layouts["c.weight"]) == "S(1)x2"        # rank r holds its block of each branch
+    var = _plan("variance", 2)
+    assert {d.strategy for k, d in var.nodes.items() if k.startswith("var")} == {"split_var"}
+    assert dict(var.dims) == {"up": -1, "down": 0} and "all_gather" not in var.comm_by_kind
     t = _plan("transposed", 2)
     assert t.params_per_rank * 2 == t.params_total
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import collectives as C
+from ..distributed import get_group
 
 
 def _sum_over_ranks(x, group):
@@ -42,3 +43,15 @@ def sharded_rms_norm(x, normalized_shape, weight=None, eps=None, group=None):
     ms = _sum_over_ranks(x.pow(2).sum(-1, keepdim=True), group) / n
     y = x * torch.rsqrt(ms + eps)
     return y * weight if weight is not None else y
+
+
+def sharded_var(x, dim: int, correction=1, keepdim=False, group=None):
+    """torch.var over `dim` of the full tensor, from this rank's block of that dim (two passes).
+
+    The result is whole on every rank and so is its gradient: the sum of squares is an
+    all-reduce with an identity backward; the mean, used by each rank's block, all-reduces its
+    gradient too."""
+    n = x.size(dim) * torch.distributed.get_world_size(get_group(group))
+    mean = _sum_over_ranks(x.sum(dim, keepdim=True), group) / n
+    var = C.reduce_from((x - mean).pow(2).sum(dim, keepdim=True), group=group) / (n - correction)
+    return var if keepdim else var.squeeze(dim)

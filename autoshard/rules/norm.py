@@ -3,7 +3,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .registry import PARTIAL, NodeInfo, Shard, norm_dim, register_rule
+from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, norm_dim, register_rule
 
 aten = torch.ops.aten
 
@@ -95,3 +95,36 @@ def _mean(info):
     keep = bool(info.arg(2, "keepdim", False))
     return keep_dims(info, x, _reduced_dims(info, nd), keepdim=keep, partial_sum="partial_mean") + \
         [info.req({x: PARTIAL}, "partial", PARTIAL)]
+
+
+VAR_OPS = (torch.var, torch.Tensor.var, aten.var.correction, aten.var.dim)
+
+
+def var_args(node):
+    """(dim, correction, keepdim) of a var call reducing one dim, or None."""
+    args, kw = list(node.args) + [None] * 4, node.kwargs
+    dim = args[1] if args[1] is not None else kw.get("dim")
+    if isinstance(dim, (tuple, list)):
+        dim = dim[0] if len(dim) == 1 else None
+    if not isinstance(dim, int):
+        return None
+    unbiased = args[2] if isinstance(args[2], bool) else kw.get("unbiased")
+    correction = kw.get("correction", (1 if unbiased is None or unbiased else 0))
+    keepdim = args[3] if isinstance(args[3], bool) else kw.get("keepdim", False)
+    return dim, (1 if correction is None else correction), bool(keepdim)
+
+
+@register_rule(*VAR_OPS)
+def _var(info):
+    """A variance over a split dim: mean and centred squares summed over the ranks (2 all-reduces
+    forward, the mean's 1 backward), the result whole; other dims keep their split."""
+    x = info.inputs[0]
+    nd = len(info.shape(x))
+    parsed = var_args(info.node)
+    if parsed is None:
+        return []
+    d = norm_dim(parsed[0], nd)
+    found = keep_dims(info, x, {d}, keepdim=parsed[2])
+    stats = info.val(info.node).numel() * info.val(x).element_size()
+    found.append(info.req({x: Shard(d)}, "split_var", REPLICATE, comm=[("all_reduce", stats)] * 3))
+    return found
