@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import fmt_bytes  # noqa: E402
 from launcher import RankPool  # noqa: E402
 from zoo import ZOO, run_zoo  # noqa: E402
 
@@ -32,12 +35,7 @@ STATUS = {"ok": "exact", "unsupported": "named error", "crash": "crash", "wrong"
 
 
 def _bytes(b) -> str:
-    if b is None:
-        return ""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(b) < 1024 or unit == "GiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
+    return "" if b is None else fmt_bytes(b)
 
 
 def _comms(rec) -> str:
