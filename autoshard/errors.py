@@ -1,6 +1,13 @@
 """Errors autoshard raises: each names the node, module or tensor and the sizes involved."""
 
 
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """The first line of an exception's message (at most `limit` characters), '' if it has none:
+    what an error of ours quotes of the error it reports."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else ""
+
+
 class AutoshardError(Exception):
     """Base class of every error autoshard raises on purpose."""
 
@@ -20,3 +27,7 @@ class ProcessGroupError(AutoshardError, RuntimeError):
 class LoadError(AutoshardError, ValueError):
     """A checkpoint does not match the model (missing, unexpected, wrongly shaped keys), or a
     meta tensor has no way to be initialised; raised before any shard is allocated."""
+
+
+class CheckpointError(AutoshardError, ValueError):
+    """A checkpoint that does not fit the model, or that cannot be read or written."""

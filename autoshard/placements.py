@@ -107,3 +107,12 @@ def boxes(shape, placement: Placement, rank: int, world_size: int) -> tuple[Box,
         out.append(Box(zeros[:d] + (start,) + zeros[d + 1:], local[:d] + (piece,) + local[d + 1:],
                        zeros[:d] + (c * piece,) + zeros[d + 1:]))
     return tuple(out)
+
+
+def fill_boxes(local, shape, placement: Placement, rank: int, world_size: int, read):
+    """Copy rank `rank`'s boxes of a global tensor of `shape` into `local` (its local tensor):
+    `read(global index)` gives one box's values (a slice of a full tensor, of a file), which
+    `copy_` converts to `local`'s dtype one box at a time. Returns `local`."""
+    for b in boxes(shape, placement, rank, world_size):
+        local[b.local_index()].copy_(read(b.global_index()))
+    return local
