@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .errors import CaptureError
+from .errors import CaptureError, first_line
 
 
 @dataclass
@@ -41,10 +40,10 @@ class Captured:
 DYNAMIC = "autoshard_dynamic"        # node.meta key: dims whose size follows the inputs' sizes
 
 
-def dynamic_dims(node: fx.Node):
+def dynamic_dims(node) -> frozenset | tuple:
     """The dims of a node's value (a frozenset, or a tuple of them for a multi-output node)
-    whose size varies with the inputs' batch / sequence lengths."""
-    return node.meta.get(DYNAMIC, frozenset())
+    whose size varies with the inputs' batch / sequence lengths; none for a non-node argument."""
+    return node.meta.get(DYNAMIC, frozenset()) if isinstance(node, fx.Node) else frozenset()
 
 
 def _symbolic_dims(v):
@@ -253,9 +252,8 @@ def _symbolic(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.Gr
         probe_shapes = _shapes_of(gm)
     except Exception as e:  # noqa: BLE001 - shapes stay as the example's; say so
         probe_shapes = None
-        notes.append(f"the model did not run at other input sizes ({type(e).__name__}: "
-                     f"{str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}); it is planned for the "
-                     "example's sizes")
+        notes.append(f"the model did not run at other input sizes ({type(e).__name__}: {first_line(e, 120)}); "
+                     "it is planned for the example's sizes")
     propagate(gm, flat)
     _mark_changed(gm, probe_shapes or _shapes_of(gm))
     return gm
@@ -279,12 +277,9 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.Grap
         _mark_dynamic(gm)
         propagate(gm, placeholder_inputs(gm, "export", args, kwargs))
     except Exception as e:  # noqa: BLE001 - fall back to the example's static shapes, and say so
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-        notes.append(f"capture with dynamic batch/sequence sizes failed ({type(e).__name__}: {first}); "
+        notes.append(f"capture with dynamic batch/sequence sizes failed ({type(e).__name__}: {first_line(e, 160)}); "
                      "the module accepts only the example's shapes")
         gm = torch.export.export(model, args, kwargs, strict=False).module()
-        for n in gm.graph.nodes:
-            n.meta.pop(DYNAMIC, None)
     _keep_all_names(gm, model)
     return gm
 
@@ -349,7 +344,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
             errors.append((name, e))
     lines = [f"could not capture {type(model).__name__}:"]
     for name, e in errors:
-        lines.append(f"  {name} failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}")
+        lines.append(f"  {name} failed: {type(e).__name__}: {first_line(e)}")
     lines.append("  try: pass example_inputs matching forward(), use tracer='export' for models with "
                  "data-dependent Python control flow, or make the failing code traceable")
     raise CaptureError("\n".join(lines)) from errors[-1][1]

@@ -7,11 +7,11 @@ sharded checkpoint (a DCP directory) to one torch.save file of full tensors, or 
     python -m autoshard plan path/to/model.py:build --world-size 8 --tracer export --json
     python -m autoshard plan tests.factories:gpt --world-size 2 --input-shape 2,64 --dtype long --draw plan.svg
     python -m autoshard plan --from-pretrained path/to/hf_checkpoint -n 8
+    python -m autoshard convert ckpt/step100 full.pt        # DCP directory -> torch.save file
+    python -m autoshard convert full.pt ckpt/step0          # torch.save file -> DCP directory
 
 --from-pretrained DIR builds the Hugging Face model of DIR/config.json on the meta device (no
 weight is read) and also prints the per-rank memory of parameters, gradients and Adam state.
-    python -m autoshard convert ckpt/step100 full.pt        # DCP directory -> torch.save file
-    python -m autoshard convert full.pt ckpt/step0          # torch.save file -> DCP directory
 
 FACTORY is called with no arguments and returns an nn.Module, or (module, example_inputs) where
 example_inputs is a tuple of positional arguments or a dict of keyword arguments (the builders
@@ -209,8 +209,10 @@ def cmd_plan(args) -> int:
     inputs = make_inputs(args.input_shape, args.dtype)
     if inputs is not None:
         example = inputs
-    if args.draw and os.path.splitext(args.draw)[1].lower() not in (".svg", ".png", ".pdf"):
-        raise CliError(f"--draw {args.draw}: the extension picks the format, one of .svg, .png, .pdf")
+    if args.draw:                           # before planning, which can take a while
+        from .draw import FORMATS
+        if os.path.splitext(args.draw)[1].lower() not in FORMATS:
+            raise CliError(f"--draw {args.draw}: the extension picks the format, one of {', '.join(FORMATS)}")
     knobs = {k: getattr(args, k) for k in ("bandwidth", "latency", "memory_weight", "memory_budget")
              if getattr(args, k) is not None}
     pins = dict(args.pin)

@@ -26,7 +26,7 @@ LAYOUT_COLORS = {             # parameter layout -> box color (colorblind-safe T
 }
 COMM_COLOR = "#c0392b"
 _INDEX = re.compile(r"^(?P<prefix>.+?)\.(?P<i>\d+)(?:\.(?P<rest>.*))?$")
-_FORMATS = (".svg", ".png", ".pdf")
+FORMATS = (".svg", ".png", ".pdf")     # by extension
 
 
 def fmt_bytes(n: float) -> str:
@@ -342,8 +342,8 @@ def _lanes(F, layer, pos, half_w, margin):
 def draw(plan, path, *, fold: bool = True, title: str | None = None, dpi: int = 110):
     """Write a picture of `plan` to `path` (.svg, .png or .pdf, by extension); returns `path`."""
     ext = os.path.splitext(str(path))[1].lower()
-    if ext not in _FORMATS:
-        raise ValueError(f"Plan.draw({str(path)!r}): the extension picks the format; use one of {', '.join(_FORMATS)}")
+    if ext not in FORMATS:
+        raise ValueError(f"Plan.draw({str(path)!r}): the extension picks the format; use one of {', '.join(FORMATS)}")
     try:
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D

@@ -32,7 +32,6 @@ import torch
 
 from .cost import ring_bytes
 from .placements import Partial, Replicate, Shard, local_shape
-from .problem import fetch_attr
 
 
 def _tensor(v) -> bool:

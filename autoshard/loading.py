@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from .errors import LoadError
-from .placements import Replicate, Shard, boxes, local_shape
+from .placements import Replicate, Shard, fill_boxes, local_shape
 
 __all__ = ["open_source", "check_source", "check_initialisable", "materialize", "has_meta", "from_pretrained", "meta_model",
            "memory_per_rank", "Source"]
@@ -202,12 +202,8 @@ def check_source(model: nn.Module, source) -> dict:
 
 # ----------------------------------------------------------------------------- filling
 
-def _take(full: torch.Tensor, placement, rank: int, p: int, dtype, device) -> torch.Tensor:
-    """This rank's local tensor of `full` (one new tensor, box by box)."""
-    local = torch.empty(local_shape(full.shape, placement, p), dtype=dtype, device=device)
-    for b in boxes(full.shape, placement, rank, p):
-        local[b.local_index()].copy_(full[b.global_index()])
-    return local
+def _empty_local(shape, placement, p: int, dtype, device) -> torch.Tensor:
+    return torch.empty(local_shape(shape, placement, p), dtype=dtype, device=device)
 
 
 def _init_fn(model: nn.Module, qualname: str, module: nn.Module):
@@ -227,15 +223,19 @@ def _init_fn(model: nn.Module, qualname: str, module: nn.Module):
     return None
 
 
+def _no_init(qualname: str, module: nn.Module, names) -> LoadError:
+    return LoadError(f"module {qualname or '(root)'} ({type(module).__name__}) has tensors on meta "
+                     f"({', '.join(names)}) and no way to initialise them (no reset_parameters); give "
+                     "load=, or add reset_parameters()")
+
+
 def check_initialisable(model: nn.Module) -> None:
     """Raise a LoadError naming the first module that holds meta tensors and has no way to
     initialise them (before anything is allocated)."""
     for qualname, module in model.named_modules():
         own = [k for d in (module._parameters, module._buffers) for k, t in d.items() if t is not None and t.is_meta]
         if own and _init_fn(model, qualname, module) is None:
-            raise LoadError(f"module {qualname or '(root)'} ({type(module).__name__}) has tensors on meta "
-                            f"({', '.join(own)}) and no way to initialise them (no reset_parameters); give "
-                            "load=, or add reset_parameters()")
+            raise _no_init(qualname, module, own)
 
 
 def _initialise(model, wanted: set, rank: int, p: int, placement_of, dtype_of, device, every_module: bool) -> dict:
@@ -253,8 +253,7 @@ def _initialise(model, wanted: set, rank: int, p: int, placement_of, dtype_of, d
         init = _init_fn(model, qualname, module)
         label = f"{qualname or '(root)'} ({type(module).__name__})"
         if init is None:
-            raise LoadError(f"module {label} has tensors on meta ({', '.join(k for _, k, _ in own)}) and no way to "
-                            "initialise them (no reset_parameters); give load=, or add reset_parameters()")
+            raise _no_init(qualname, module, [k for _, k, _ in own])
         saved = [(d, k, t) for d, k, t in own]
         try:
             for d, k, t in own:
@@ -270,7 +269,9 @@ def _initialise(model, wanted: set, rank: int, p: int, placement_of, dtype_of, d
                     continue
                 if value.is_floating_point() and torch.isnan(value).any():
                     raise LoadError(f"module {label}: its initialisation left {k} {list(t.shape)} unset")
-                done[id(t)] = _take(value.detach(), placement_of[id(t)], rank, p, dtype_of[id(t)], device)
+                pl, full = placement_of[id(t)], value.detach()
+                done[id(t)] = fill_boxes(_empty_local(t.shape, pl, p, dtype_of[id(t)], device), t.shape, pl, rank, p,
+                                         full.__getitem__)
         finally:
             for d, k, t in saved:                          # the model stays as it was (meta, ties intact)
                 d[k] = t
@@ -312,13 +313,9 @@ def materialize(gm, model: nn.Module, rank: int, p: int, *, source=None, chosen=
         todo = [(names, t) for names, t in groups if id(t) in chosen]
         bar = _progress(sum(t.numel() * t.element_size() for _, t in todo), progress if rank == 0 else False)
         for names, t in todo:
-            pl = placement_of[id(t)]
-            local = torch.empty(local_shape(t.shape, pl, p), dtype=dtype_of[id(t)], device=local_device)
-            for b in boxes(t.shape, pl, rank, p):
-                piece = src.read(chosen[id(t)], b.global_index())
-                local[b.local_index()].copy_(piece)           # converts the dtype, one slice at a time
-                del piece
-            filled[id(t)] = local
+            pl, key = placement_of[id(t)], chosen[id(t)]
+            local = _empty_local(t.shape, pl, p, dtype_of[id(t)], local_device)
+            filled[id(t)] = fill_boxes(local, t.shape, pl, rank, p, lambda index: src.read(key, index))
             if bar is not None:
                 bar.update(t.numel() * t.element_size())
         if bar is not None:
@@ -333,7 +330,7 @@ def materialize(gm, model: nn.Module, rank: int, p: int, *, source=None, chosen=
 def _install(gm, groups, filled, device) -> None:
     """Put the filled tensors into `gm` under every alias (parameters stay Parameters with their
     TorchShard attributes; buffers keep their persistence); move the others to `device`."""
-    from .state_dict import ORDER_TYPE, PARALLEL_DIM
+    from .state_dict import ORDER_TYPE, PARALLEL_DIM, register_parallel_attribute
     for names, t in groups:
         present = []
         for name in names:
@@ -357,10 +354,8 @@ def _install(gm, groups, filled, device) -> None:
             new = old.detach().to(device)
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
-            for a in (PARALLEL_DIM, ORDER_TYPE):
-                if hasattr(old, a):
-                    setattr(new, a, getattr(old, a))
-                    setattr(new.data, a, getattr(old, a))
+            if hasattr(old, PARALLEL_DIM):                   # TorchShard's attributes travel with it
+                register_parallel_attribute(new, getattr(old, PARALLEL_DIM), getattr(old, ORDER_TYPE, 0))
         for d, attr, _ in present:
             d[attr] = new
     stale = [n for n, t in list(gm.named_parameters()) + list(gm.named_buffers()) if t is not None and t.is_meta]

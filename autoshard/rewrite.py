@@ -19,13 +19,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import collectives as C
-from .capture import DYNAMIC, placeholder_inputs
+from .capture import dynamic_dims, placeholder_inputs
 from .cost import redistribute
 from .errors import ShardingError
 from .nn import functional as PF
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from .placements import Partial, Replicate, Shard
-from .rules.norm import norm_params, var_args
+from .rules.norm import LAYER_NORMS, norm_params, var_args
 from .problem import fetch_attr
 from .state_dict import register_parallel_attribute
 from .verify import check_local_graph
@@ -111,6 +111,14 @@ class Rewriter:
             if parent is not None and isinstance(parent.output, tuple):
                 return parent.output[n.args[1]]
         return None
+
+    def replace(self, n, fn, args, kwargs=None) -> fx.Node:
+        """Put a call of `fn` where `n` is: its users read the call, and `n` is gone."""
+        with self.graph.inserting_before(n):
+            out = self.call(fn, args, kwargs)
+        n.replace_all_uses_with(out)
+        self.graph.erase_node(n)
+        return out
 
     def call(self, fn, args, kwargs=None, name=None):
         node = self.graph.call_function(fn, tuple(args), kwargs or {})
@@ -206,11 +214,7 @@ class Rewriter:
             elif d.strategy == "split_norm":
                 self._split_norm(n, t)
             elif d.strategy == "split_var":
-                dim, correction, keepdim = var_args(n)
-                with self.graph.inserting_before(n):
-                    out = self.call(sharded_var, (n.args[0], dim, correction, keepdim), {"group": self.key})
-                n.replace_all_uses_with(out)
-                self.graph.erase_node(n)
+                self.replace(n, sharded_var, (n.args[0], *var_args(n)), {"group": self.key})
             elif d.strategy == "partial_mean":
                 self._partial_mean(n)
             elif t in SIZE_OPS or (t is getattr and n.args[1] == "shape"):
@@ -235,9 +239,7 @@ class Rewriter:
             raise ShardingError(f"{n.format_node()}: no row-parallel form with a bias")
         with self.graph.inserting_before(n):
             y = self.call(C.reduce_from, (y,), {"group": self.key, "inplace": True})     # y: the matmul's own
-            out = self.call(add, (y, b))
-        n.replace_all_uses_with(out)
-        self.graph.erase_node(n)
+        self.replace(n, add, (y, b))
 
     def _vocab_embedding(self, n, t):
         ia, wa = EMBEDDING_OPS[t]
@@ -247,10 +249,7 @@ class Rewriter:
         else:
             pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
             pad = None if pad == -1 else pad
-        with self.graph.inserting_before(n):
-            out = self.call(PF.masked_embedding, (idx, w, pad), {"group": self.key})
-        n.replace_all_uses_with(out)
-        self.graph.erase_node(n)
+        self.replace(n, PF.masked_embedding, (idx, w, pad), {"group": self.key})
 
     def _vocab_cross_entropy(self, n, t):
         logits, target = n.args[0], n.args[1]
@@ -275,25 +274,19 @@ class Rewriter:
                       ignore_index=a[4] if a[4] is not None else n.kwargs.get("ignore_index", -100),
                       label_smoothing=a[5] if a[5] is not None else n.kwargs.get("label_smoothing", 0.0))
         kw["group"] = self.key
-        with self.graph.inserting_before(n):
-            out = self.call(PF.vocab_parallel_cross_entropy, (logits, target), kw)
-        n.replace_all_uses_with(out)
-        self.graph.erase_node(n)
+        self.replace(n, PF.vocab_parallel_cross_entropy, (logits, target), kw)
 
     def _split_norm(self, n, t):
         """A layer / RMS norm over a split last dim: statistics summed over the ranks."""
         weight, bias = norm_params(n)
         args = list(n.args) + [None] * 6
-        if t in (F.layer_norm, aten.layer_norm.default):
+        if t in LAYER_NORMS:
             eps = n.kwargs.get("eps", args[4] if args[4] is not None else 1e-5)
             fn, call_args = sharded_layer_norm, (n.args[0], args[1] or n.kwargs["normalized_shape"], weight, bias, eps)
         else:
             eps = n.kwargs.get("eps", args[3])
             fn, call_args = sharded_rms_norm, (n.args[0], args[1] or n.kwargs["normalized_shape"], weight, eps)
-        with self.graph.inserting_before(n):
-            out = self.call(fn, call_args, {"group": self.key})
-        n.replace_all_uses_with(out)
-        self.graph.erase_node(n)
+        self.replace(n, fn, call_args, {"group": self.key})
 
     def _partial_mean(self, n):
         """A mean over a split dim: this rank's mean over its block, divided by the degree, is
@@ -308,10 +301,7 @@ class Rewriter:
         if not isinstance(pl, Shard):
             return
         d = n.args[1] if len(n.args) > 1 and t is not getattr else n.kwargs.get("dim")
-        with self.graph.inserting_after(n):
-            out = self.call(global_size, (src, pl.dim, self.p), {"d": d})
-        n.replace_all_uses_with(out)
-        self.graph.erase_node(n)
+        self.replace(n, global_size, (src, pl.dim, self.p), {"d": d})
 
     def _local_sizes(self, n, out: Shard):
         """Divide the size argument of the sharded dim by the degree (a -1 stays -1)."""
@@ -372,7 +362,7 @@ class InputCheck:
         for n in plan.graph_module.graph.nodes:
             if n.op == "placeholder":
                 v = n.meta.get("val")
-                specs.append((n.target, tuple(int(x) for x in v.shape), n.meta.get(DYNAMIC, frozenset()))
+                specs.append((n.target, tuple(int(x) for x in v.shape), dynamic_dims(n))
                              if isinstance(v, torch.Tensor) else None)
         return cls(plan.tracer, tuple(specs))
 

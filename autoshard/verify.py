@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import collectives as C
 from .capture import placeholder_inputs, reads_scalar, stand_in_scalar
-from .errors import ShardingError
+from .errors import ShardingError, first_line
 from .nn import functional as PF
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 
@@ -25,7 +25,7 @@ def _gather(p, rank):
 
 
 def _scatter(p, rank):
-    return lambda x, dim, chunks=1, group=None: C._split_along(x, dim, p, chunks, what=f"tensor")[rank]
+    return lambda x, dim, chunks=1, group=None: C._split_along(x, dim, p, chunks, what="tensor")[rank]
 
 
 def _all_to_all(p, rank):
@@ -98,9 +98,9 @@ class _LocalShapes(fx.Interpreter):
             raise ShardingError(f"rank {self.rank} of {self.p} cannot run {n.format_node()}: {e}") from e
         except Exception as e:  # noqa: BLE001 - any failure is a plan that cannot run
             ins = {a.name: _shapes(self.env.get(a)) for a in n.all_input_nodes}
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ShardingError(f"the plan cannot run on rank {self.rank} of {self.p}: {n.format_node()} fails "
-                                f"with local input shapes {ins}: {type(e).__name__}: {first}") from e
+                                f"with local input shapes {ins}: {type(e).__name__}: "
+                                f"{first_line(e) or type(e).__name__}") from e
 
     def call_function(self, target, args, kwargs):
         fn = self.local.get(target)

@@ -25,6 +25,7 @@ def keep_dims(info: NodeInfo, src, reduced: set, *, keepdim=True, partial_sum=No
     return found
 
 
+LAYER_NORMS = (F.layer_norm, aten.layer_norm.default)         # mean and variance: two statistics
 NORM_ARGS = {F.layer_norm: ("weight", "bias"), aten.layer_norm.default: ("weight", "bias"),
              F.rms_norm: ("weight", None), aten.rms_norm.default: ("weight", None)}
 
@@ -48,7 +49,7 @@ def _layer_norm(info):
         m = {x: Shard(nd - 1)}
         m.update({a: Shard(0) for a in norm_params(info.node) if a in info.inputs})
         stats = info.val(x).numel() // info.shape(x)[-1] * info.val(x).element_size()
-        passes = 2 if info.node.target in (F.layer_norm, aten.layer_norm.default) else 1
+        passes = 2 if info.node.target in LAYER_NORMS else 1
         found.append(info.req(m, "split_norm", Shard(nd - 1), compute=1 / info.world_size,
                               comm=[("all_reduce", stats)] * (2 * passes)))
     return found

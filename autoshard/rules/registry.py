@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from ..capture import dynamic_dims
 from ..placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard, divides
 
 _RULES: dict[Any, Callable] = {}
@@ -162,18 +163,13 @@ def _fits(placement, v, p, dynamic) -> bool:
     return isinstance(v, torch.Tensor) and divides(v.shape, placement, p) and placement.dim not in dynamic
 
 
-def dynamic(n) -> frozenset | tuple:
-    """Dims of a node's value that follow the inputs' batch / sequence sizes (capture marks them)."""
-    return n.meta.get("autoshard_dynamic", frozenset()) if isinstance(n, fx.Node) else frozenset()
-
-
 def valid(info: NodeInfo, s: OpStrategy) -> bool:
     """Every shard of every input and output divides evenly over the degree, and no dim whose
     size follows the inputs (batch, sequence) is split: the plan must hold for every size."""
     p = info.world_size
-    if not _fits(s.output, info.val(info.node), p, dynamic(info.node)):
+    if not _fits(s.output, info.val(info.node), p, dynamic_dims(info.node)):
         return False
-    return all(_fits(pl, info.val(n), p, dynamic(n)) for pl, n in zip(s.inputs, info.inputs))
+    return all(_fits(pl, info.val(n), p, dynamic_dims(n)) for pl, n in zip(s.inputs, info.inputs))
 
 
 def strategies(info: NodeInfo) -> tuple[list[OpStrategy], bool]:

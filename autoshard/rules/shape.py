@@ -83,7 +83,7 @@ def _perm(info):
     if info.node.op == "call_method":         # x.permute(...) / x.t(): the method, not its name
         t = getattr(torch.Tensor, t)
     if t in (torch.Tensor.permute, torch.permute, aten.permute.default):
-        dims = info.node.args[1:] if info.node.op == "call_method" else info.node.args[1:]
+        dims = info.node.args[1:]
         if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
             dims = dims[0]
         perm = [norm_dim(int(d), nd) for d in dims]
