@@ -13,6 +13,7 @@ and the rewritten module accepts any size there.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -319,6 +320,24 @@ def _retarget_meta_device(gm: fx.GraphModule, device: torch.device) -> None:
             sub.recompile()
 
 
+@contextlib.contextmanager
+def _without_kv_cache(model: nn.Module, kwargs: dict, notes: list):
+    """A Hugging Face config with `use_cache` on (its default) makes forward return a key/value
+    cache object that no tracer can output: capture the training graph, with the cache off for
+    the duration, unless the inputs say otherwise."""
+    config = getattr(model, "config", None)
+    if "use_cache" in kwargs or getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
+    notes.append(f"{type(model).__name__}.config.use_cache is on: captured without the key/value cache "
+                 "(a training graph; the output's past_key_values is None)")
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
 def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512) -> Captured:
     """Capture `model` with `tracer` ("symbolic_trace", "export" or "auto": the first that works)."""
     if not isinstance(model, nn.Module):
@@ -333,15 +352,16 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
     errors = []
     order = ["symbolic_trace", "export"] if tracer == "auto" else [tracer]
     on_meta, run_on = _meta_inputs(model, args, kwargs)
-    for name in order:
-        try:
-            fn = _symbolic if name == "symbolic_trace" else _export
-            gm = fn(model, *on_meta, notes) if on_meta else fn(model, args, kwargs, notes)
-            if on_meta:
-                _retarget_meta_device(gm, run_on)
-            return Captured(gm, name, args, kwargs, notes)
-        except Exception as e:  # noqa: BLE001 - every tracer failure is reported below
-            errors.append((name, e))
+    with _without_kv_cache(model, kwargs, notes):
+        for name in order:
+            try:
+                fn = _symbolic if name == "symbolic_trace" else _export
+                gm = fn(model, *on_meta, notes) if on_meta else fn(model, args, kwargs, notes)
+                if on_meta:
+                    _retarget_meta_device(gm, run_on)
+                return Captured(gm, name, args, kwargs, notes)
+            except Exception as e:  # noqa: BLE001 - every tracer failure is reported below
+                errors.append((name, e))
     lines = [f"could not capture {type(model).__name__}:"]
     for name, e in errors:
         lines.append(f"  {name} failed: {type(e).__name__}: {first_line(e)}")

@@ -2,7 +2,8 @@
 
 A GPT (tied embeddings, fused q/k/v) is parallelized at degree p, trained one AdamW step, and its
 model + optimizer state saved with `dcp.save`; then loaded at degree q with `dcp.load` and
-`autoshard.checkpoint.set_state_dict`. Each rank reports the rise of its peak resident memory
+`autoshard.checkpoint.set_state_dict`, once with PyTorch's FileSystemReader and once with
+autoshard's (`autoshard.checkpoint.FileSystemReader`, what `autoshard.checkpoint.load` uses). Each rank reports the rise of its peak resident memory
 (VmHWM from /proc/self/status, reset through /proc/self/clear_refs just before the operation; not
 ru_maxrss, which a spawned child inherits from its parent) above its resident memory before the
 operation, beside the bytes of its own shard of the state and of the full state. For contrast the
@@ -101,7 +102,7 @@ def _save_rank(args, tp, path, collect_path):
                         collect=rise_collect))
 
 
-def _load_rank(args, tp, path):
+def _load_rank(args, tp, path, reader):
     import torch.distributed.checkpoint as dcp
     import autoshard
     gm, opt, full, _ = _build(args, tp)
@@ -110,7 +111,10 @@ def _load_rank(args, tp, path):
 
     def load():
         sd = {"model": msd, "optim": osd}
-        dcp.load(sd, checkpoint_id=path)
+        if reader:                                  # autoshard's reader: only this rank's rows
+            dcp.load(sd, storage_reader=autoshard.checkpoint.FileSystemReader(path))
+        else:                                       # PyTorch's: each saved chunk whole, then narrowed
+            dcp.load(sd, checkpoint_id=path)
         autoshard.checkpoint.set_state_dict(gm, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     rise, seconds = _peak_rise(load)
@@ -154,11 +158,13 @@ def main(argv=None) -> int:
                       f"{r['full'] / MB:>7.1f} {r['collect'] / MB:>9.1f} {'':>6}")
         _to_full_file(os.path.join(tmp, "p4"), os.path.join(tmp, "p1"))
         for saved, q in (("p4", 4), ("p4", 2), ("p2", 4), ("p1", 4)):
-            rows = launch(_load_rank, q, args, q, os.path.join(tmp, saved))
-            what = {"p4": "saved at 4", "p2": "saved at 2", "p1": "unsharded (torch_save_to_dcp)"}[saved]
-            for r in rows:
-                print(f"{f'load at {q}, {what}':<44} {r['rank']:>4} {r['shard'] / MB:>9.1f} {r['full'] / MB:>7.1f} "
-                      f"{r['load'] / MB:>9.1f} {r['seconds']:>6.2f}")
+            what = {"p4": "saved at 4", "p2": "saved at 2", "p1": "unsharded"}[saved]
+            for reader in (False, True):
+                rows = launch(_load_rank, q, args, q, os.path.join(tmp, saved), reader)
+                how = "autoshard reader" if reader else "dcp reader"
+                for r in rows:
+                    print(f"{f'load at {q}, {what}, {how}':<44} {r['rank']:>4} {r['shard'] / MB:>9.1f} "
+                          f"{r['full'] / MB:>7.1f} {r['load'] / MB:>9.1f} {r['seconds']:>6.2f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -114,14 +114,17 @@ def _train_and_save(rank, world, tp, path, plain):
     return True
 
 
-def _resume(rank, world, tp, path, plain):
-    """A differently initialised model at degree tp, a fresh optimizer, load, one more step: the
-    full state dict after it (to compare with 3 uninterrupted steps)."""
+def _resume(rank, world, tp, path, how):
+    """A differently initialised model at degree tp, a fresh optimizer, load (`how`: plain dcp.load,
+    dcp.load with autoshard's reader, or autoshard.checkpoint.load), one more step: the full state
+    dict after it (to compare with 3 uninterrupted steps)."""
     gm, train, opt, dp, dp_rank = _parallel(tp, seed=1)
     msd, osd = autoshard.checkpoint.get_state_dict(gm, opt)
     sd = {"model": msd, "optim": osd}
-    if plain:
+    if how == "dcp":
         dcp.load(sd, checkpoint_id=path)
+    elif how == "reader":
+        dcp.load(sd, storage_reader=autoshard.checkpoint.FileSystemReader(path, block_bytes=1024))
     else:
         autoshard.checkpoint.load(sd, path)
     autoshard.checkpoint.set_state_dict(gm, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
@@ -254,11 +257,12 @@ def run(tmp_path_factory, dist2, dist4):
     return {"tmp": tmp, "paths": paths, "at2": at2, "at3": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-@pytest.mark.parametrize("saved,world,tp,plain", [("p4", 2, 2, True), ("p2", 4, 4, False), ("p2x2", 4, 4, True),
-                                                   ("p1", 2, 2, False), ("p1_torch", 2, 2, True)])
-def test_resume_at_another_degree_equals_uninterrupted_training(run, saved, world, tp, plain, request):
+@pytest.mark.parametrize("saved,world,tp,how", [("p4", 2, 2, "dcp"), ("p2", 4, 4, "autoshard"),
+                                                 ("p2x2", 4, 4, "dcp"), ("p1", 2, 2, "autoshard"),
+                                                 ("p1_torch", 2, 2, "reader")])
+def test_resume_at_another_degree_equals_uninterrupted_training(run, saved, world, tp, how, request):
     pool = request.getfixturevalue(f"dist{world}")
-    full = pool.run(_resume, tp, run["paths"][saved], plain, timeout=120)[0]
+    full = pool.run(_resume, tp, run["paths"][saved], how, timeout=120)[0]
     assert _check_full(full, run["at3"], f"saved at {saved}, resumed at {tp}x{world // tp}")
 
 
@@ -375,3 +379,78 @@ def test_gpt2_fused_conv1d_checkpoint_converts_to_the_unsharded_state_dict(run, 
     fresh, _ = gpt2(n_layer=1, seed=1)
     fresh.load_state_dict(full)
     _check_full(fresh.state_dict(), expected, "GPT-2 checkpoint loaded into the unsharded model")
+
+
+# ----------------------------------------------------------------------------- reading only a rank's box
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reader_copies_exactly_the_requested_box_a_block_at_a_time(tmp_path, seed):
+    """Random shapes, dtypes, saved views and boxes: the reader's box equals narrowing the saved
+    tensor, no block exceeds block_bytes or the box (or one element), and a box of whole rows
+    reads its own bytes and nothing else."""
+    from autoshard.checkpoint.reader import FileSystemReader as Reader, _locate
+    g = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool]
+    tensors = {}
+    for i in range(12):
+        shape = tuple(int(n) for n in torch.randint(1, 9, (int(torch.randint(0, 4, (1,), generator=g)),),
+                                                     generator=g))
+        dtype = dtypes[int(torch.randint(len(dtypes), (1,), generator=g))]
+        base = (torch.randn((3,) + shape, generator=g) * 10).to(dtype)
+        tensors[f"t{i}"] = base[1]                      # a view into a larger storage
+    path = str(tmp_path / "ckpt")
+    with pytest.warns(UserWarning):
+        dcp.save(tensors, checkpoint_id=path, no_dist=True)
+    storage = dcp.FileSystemReader(path).read_metadata().storage_data
+    checked = 0
+    for index, info in storage.items():
+        saved = tensors[index.fqn]
+        with open(os.path.join(path, info.relative_path), "rb", buffering=0) as f:
+            place = _locate(f, info.offset, info.length)
+            assert place is not None and place.size == tuple(saved.shape) and place.dtype == saved.dtype
+            for _ in range(5):
+                offsets = [int(torch.randint(n, (1,), generator=g)) for n in saved.shape]
+                lengths = [int(torch.randint(1, n - o + 1, (1,), generator=g)) for n, o in zip(saved.shape, offsets)]
+                whole_rows = saved.dim() > 0 and torch.rand(1, generator=g).item() < 0.5
+                if whole_rows:
+                    offsets[1:], lengths[1:] = [0] * (saved.dim() - 1), list(saved.shape[1:])
+                block = int(torch.randint(1, 64, (1,), generator=g))
+                reader = Reader(path, block_bytes=block)
+                target = torch.full(lengths, 7, dtype=saved.dtype)
+                reader._copy(f, place, tuple(offsets), target)
+                expected = saved
+                for d, (o, n) in enumerate(zip(offsets, lengths)):
+                    expected = expected.narrow(d, o, n)
+                assert torch.equal(target, expected), (index.fqn, offsets, lengths, block)
+                box = target.numel() * saved.element_size()
+                assert reader.largest_block <= min(block, box) or reader.largest_block == saved.element_size()
+                if whole_rows:
+                    assert reader.bytes_read == target.numel() * saved.element_size()
+                checked += 1
+    assert checked == 5 * len(tensors)
+
+
+def _load_unsharded_a_block_at_a_time(rank, world, path):
+    """Load the unsharded checkpoint at degree `world` through dcp.load with a 512-byte block:
+    (the full model state, the largest block and the bytes this rank read)."""
+    gm, train, opt, dp, dp_rank = _parallel(world, seed=1)
+    msd, osd = autoshard.checkpoint.get_state_dict(gm, opt)
+    sd = {"model": msd, "optim": osd}
+    reader = autoshard.checkpoint.FileSystemReader(path, block_bytes=512)
+    dcp.load(sd, storage_reader=reader)
+    autoshard.checkpoint.set_state_dict(gm, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    full = autoshard.collect_state_dict(gm, gm.state_dict())
+    return (full if rank == 0 else None), reader.largest_block, reader.bytes_read
+
+
+def test_unsharded_checkpoint_loads_at_4_without_a_full_tensor(run, dist4):
+    """Every rank of degree 4 reads the unsharded checkpoint in blocks of at most 512 bytes (the
+    largest saved tensor is the 64 KiB embedding) and less than half the checkpoint (0.28 of it:
+    replicated tensors whole, row shards their rows, column shards whole rows a block at a time)."""
+    path = run["paths"]["p1"]
+    results = dist4.run(_load_unsharded_a_block_at_a_time, path, timeout=120)
+    _check_full(results[0][0], run["at2"], "unsharded checkpoint loaded at 4")
+    saved = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+    for rank, (_, largest, read) in enumerate(results):
+        assert 0 < largest <= 512, (rank, largest)
+        assert read < saved / 2, (rank, read, saved)

@@ -110,3 +110,26 @@ def test_hf_world2(dist2, name):
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_world4(dist4, name):
     _check(dist4.run(_case, name, timeout=180), name, 4)
+
+
+def _use_cache_case(rank, p):
+    """LLaMA with its config's default use_cache=True: captured as the training graph (the cache
+    off for the capture, on again after), and equal to the model in loss and gradients."""
+    import autoshard
+    model, kwargs = hf_models.llama(vocab_size=256, seq=16, use_cache=True)
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kwargs, tracer="export")
+    assert model.config.use_cache is True
+    assert any("use_cache" in note for note in gm._autoshard_plan.notes), gm._autoshard_plan.notes
+    out, want = gm(**kwargs), ref(**kwargs)
+    out.loss.backward()
+    want.loss.backward()
+    grads = autoshard.collect_state_dict(gm, {k: v.grad for k, v in gm.named_parameters() if v.grad is not None})
+    ref_grads = dict(ref.named_parameters())
+    return abs(out.loss.item() - want.loss.item()), max((g - ref_grads[k].grad).abs().max().item()
+                                                         for k, g in grads.items())
+
+
+def test_use_cache_on_in_the_config_captures_the_training_graph(dist2):
+    for loss_err, grad_err in dist2.run(_use_cache_case, timeout=120):
+        assert loss_err < 1e-5 and grad_err < 1e-5, (loss_err, grad_err)

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ..errors import CheckpointError
+from .reader import FileSystemReader
 from .state import _few, _global_shape_of, _quiet, _quiet_single_process
 
 
@@ -158,13 +159,14 @@ def _failures(e) -> str:
 def load(state_dict, checkpoint_id, *, process_group=None) -> None:
     """`dcp.load(state_dict)` from `checkpoint_id` in place, after checking that the directory is
     complete and that its keys and global shapes are the state dict's (CheckpointError otherwise,
-    raised on every rank before any tensor is touched)."""
+    raised on every rank before any tensor is touched). Reads with `FileSystemReader`: only this
+    rank's boxes of each saved tensor, a bounded block at a time."""
     path = os.fspath(checkpoint_id)
     metadata = _read_metadata(path)
     check_checkpoint(state_dict, metadata)
     try:
         with _quiet_single_process():
-            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
+            dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=LoadPlanner(),
                      process_group=process_group, no_dist=not dist.is_initialized())
     except CheckpointException as e:
         raise CheckpointError(f"loading {path} failed: {_failures(e)}") from e
