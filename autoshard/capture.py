@@ -325,17 +325,24 @@ def _without_kv_cache(model: nn.Module, kwargs: dict, notes: list):
     """A Hugging Face config with `use_cache` on (its default) makes forward return a key/value
     cache object that no tracer can output: capture the training graph, with the cache off for
     the duration, unless the inputs say otherwise."""
-    config = getattr(model, "config", None)
-    if "use_cache" in kwargs or getattr(config, "use_cache", None) is not True:
+    configs = {}
+    if "use_cache" not in kwargs:                       # submodules may hold their own copies (T5's stacks)
+        for m in model.modules():
+            config = getattr(m, "config", None)
+            if getattr(config, "use_cache", None) is True:
+                configs[id(config)] = config
+    if not configs:
         yield
         return
-    config.use_cache = False
+    for config in configs.values():
+        config.use_cache = False
     notes.append(f"{type(model).__name__}.config.use_cache is on: captured without the key/value cache "
                  "(a training graph; the output's past_key_values is None)")
     try:
         yield
     finally:
-        config.use_cache = True
+        for config in configs.values():
+            config.use_cache = True
 
 
 def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512) -> Captured:

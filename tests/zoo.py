@@ -99,7 +99,7 @@ def build(arch: Arch, seed: int = 0):
 
 
 # ---- config templates -------------------------------------------------------------------------
-_COMMON = dict(vocab_size=VOCAB, use_cache=False, bos_token_id=1, eos_token_id=2)
+_COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)     # use_cache: the config default (on)
 _GQA = dict(_COMMON, hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=2,
             num_hidden_layers=LAYERS, max_position_embeddings=POS, tie_word_embeddings=False)
 _BERT = dict(_COMMON, hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS,
