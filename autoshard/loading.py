@@ -397,8 +397,7 @@ def _hf_dtype(config, dtype):
 
 def meta_model(path_or_config, dtype=None, model_class=None) -> nn.Module:
     """A Hugging Face model built from its config on the meta device (no weights read or made),
-    in `dtype` (default: the config's, as `from_pretrained(dtype="auto")`), in eval mode, with
-    use_cache off (the graph is for training and full-sequence forward passes)."""
+    in `dtype` (default: the config's, as `from_pretrained(dtype="auto")`), in eval mode."""
     transformers = _require("transformers")
     config = path_or_config
     if isinstance(path_or_config, (str, os.PathLike)):
@@ -407,8 +406,6 @@ def meta_model(path_or_config, dtype=None, model_class=None) -> nn.Module:
         config = transformers.AutoConfig.from_pretrained(path_or_config)
     else:
         config = copy.deepcopy(config)
-    if getattr(config, "use_cache", None):
-        config.use_cache = False            # training graphs: a key/value cache output does not export
     model_class = model_class or transformers.AutoModelForCausalLM
     dt = _hf_dtype(config, dtype)
     previous = torch.get_default_dtype()
