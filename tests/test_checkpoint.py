@@ -385,8 +385,9 @@ def test_gpt2_fused_conv1d_checkpoint_converts_to_the_unsharded_state_dict(run, 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_reader_copies_exactly_the_requested_box_a_block_at_a_time(tmp_path, seed):
-    """Random shapes, dtypes, saved views and boxes: the reader's box equals narrowing the saved
-    tensor, no block exceeds block_bytes or the box (or one element), and a box of whole rows
+    """Random shapes, dtypes, saved views and boxes, into destinations of another dtype and
+    non-contiguous ones: the reader's box equals narrowing the saved tensor (nothing around it is
+    written), no block exceeds block_bytes or the box (or one element), and a box of whole rows
     reads its own bytes and nothing else."""
     from autoshard.checkpoint.reader import FileSystemReader as Reader, _locate
     g = torch.Generator().manual_seed(seed)
@@ -416,12 +417,20 @@ def test_reader_copies_exactly_the_requested_box_a_block_at_a_time(tmp_path, see
                     offsets[1:], lengths[1:] = [0] * (saved.dim() - 1), list(saved.shape[1:])
                 block = int(torch.randint(1, 64, (1,), generator=g))
                 reader = Reader(path, block_bytes=block)
-                target = torch.full(lengths, 7, dtype=saved.dtype)
+                # the destination may have another dtype (a model in float64) and, as DCP's
+                # narrowed destinations do, may be a non-contiguous view of a larger tensor
+                dtype = torch.float64 if saved.is_floating_point() and seed % 2 else saved.dtype
+                outer = torch.full(lengths[:-1] + [lengths[-1] + 3] if lengths else [], 7, dtype=dtype)
+                target = outer.narrow(-1, 1, lengths[-1]) if lengths else outer
+                before = outer.clone()
                 reader._copy(f, place, tuple(offsets), target)
                 expected = saved
                 for d, (o, n) in enumerate(zip(offsets, lengths)):
                     expected = expected.narrow(d, o, n)
-                assert torch.equal(target, expected), (index.fqn, offsets, lengths, block)
+                assert torch.equal(target, expected.to(dtype)), (index.fqn, offsets, lengths, block)
+                if lengths:
+                    around = [(0, 1), (lengths[-1] + 1, 2)]
+                    assert all(torch.equal(outer.narrow(-1, o, n), before.narrow(-1, o, n)) for o, n in around)
                 box = target.numel() * saved.element_size()
                 assert reader.largest_block <= min(block, box) or reader.largest_block == saved.element_size()
                 if whole_rows:
