@@ -320,28 +320,42 @@ def _retarget_meta_device(gm: fx.GraphModule, device: torch.device) -> None:
             sub.recompile()
 
 
+def _passes(model: nn.Module, args: tuple, kwargs: dict, name: str) -> bool:
+    """Whether the example inputs give forward's argument `name` (by keyword or position)."""
+    if name in kwargs:
+        return True
+    try:
+        return name in inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return False
+
+
 @contextlib.contextmanager
-def _without_kv_cache(model: nn.Module, kwargs: dict, notes: list):
+def _without_kv_cache(model: nn.Module, args: tuple, kwargs: dict, notes: list):
     """A Hugging Face config with `use_cache` on (its default) makes forward return a key/value
-    cache object that no tracer can output: capture the training graph, with the cache off for
-    the duration, unless the inputs say otherwise."""
+    cache object that no tracer can output: capture the training graph, with the cache off in
+    every config the model holds (T5's stacks keep their own copies) for the duration, unless the
+    inputs pass use_cache themselves."""
     configs = {}
-    if "use_cache" not in kwargs:                       # submodules may hold their own copies (T5's stacks)
+    if not _passes(model, args, kwargs, "use_cache"):
         for m in model.modules():
             config = getattr(m, "config", None)
-            if getattr(config, "use_cache", None) is True:
-                configs[id(config)] = config
-    if not configs:
-        yield
-        return
-    for config in configs.values():
-        config.use_cache = False
-    notes.append(f"{type(model).__name__}.config.use_cache is on: captured without the key/value cache "
-                 "(a training graph; the output's past_key_values is None)")
+            if getattr(config, "use_cache", None) is True and id(config) not in configs:
+                configs[id(config)] = (config, type(m).__name__)
+    turned = []
     try:
+        for config, owner in configs.values():
+            try:
+                config.use_cache = False
+            except Exception:  # noqa: BLE001 - a config that refuses keeps its value
+                continue
+            turned.append((config, owner))
+        if turned:
+            notes.append(f"use_cache is on in the config of {', '.join(sorted({o for _, o in turned}))}: captured "
+                         "without the key/value cache (a training graph; the output's past_key_values is None)")
         yield
     finally:
-        for config in configs.values():
+        for config, _ in turned:
             config.use_cache = True
 
 
@@ -359,7 +373,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
     errors = []
     order = ["symbolic_trace", "export"] if tracer == "auto" else [tracer]
     on_meta, run_on = _meta_inputs(model, args, kwargs)
-    with _without_kv_cache(model, kwargs, notes):
+    with _without_kv_cache(model, args, kwargs, notes):
         for name in order:
             try:
                 fn = _symbolic if name == "symbolic_trace" else _export

@@ -3,10 +3,10 @@
 A GPT (tied embeddings, fused q/k/v) is parallelized at degree p, trained one AdamW step, and its
 model + optimizer state saved with `dcp.save`; then loaded at degree q with `dcp.load` and
 `autoshard.checkpoint.set_state_dict`, once with PyTorch's FileSystemReader and once with
-autoshard's (`autoshard.checkpoint.FileSystemReader`, what `autoshard.checkpoint.load` uses). Each rank reports the rise of its peak resident memory
-(VmHWM from /proc/self/status, reset through /proc/self/clear_refs just before the operation; not
-ru_maxrss, which a spawned child inherits from its parent) above its resident memory before the
-operation, beside the bytes of its own shard of the state and of the full state. For contrast the
+autoshard's (`autoshard.checkpoint.FileSystemReader`, what `autoshard.checkpoint.load` uses).
+Each rank reports the rise of its peak resident memory (VmHWM from /proc/self/status, reset
+through /proc/self/clear_refs just before the operation; not ru_maxrss, which a spawned child
+inherits from its parent) above its resident memory before the operation, beside the bytes of its own shard of the state and of the full state. For contrast the
 same is measured for `collect_state_dict` + `torch.save` on rank 0 (today's full-gather way).
 
     python benchmarks/checkpoint_memory.py                 # vocab 16384, hidden 512, 4 blocks

@@ -391,24 +391,41 @@ def test_reader_copies_exactly_the_requested_box_a_block_at_a_time(tmp_path, see
     reads its own bytes and nothing else."""
     from autoshard.checkpoint.reader import FileSystemReader as Reader, _locate
     g = torch.Generator().manual_seed(seed)
-    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool]
+    import torch.utils.serialization as serialization
+    # float8 and uint16 are pickled by _rebuild_tensor_v3 (an untyped storage, the dtype an argument)
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.float8_e4m3fn,
+              torch.uint16]
     tensors = {}
-    for i in range(12):
+    for i in range(14):
         shape = tuple(int(n) for n in torch.randint(1, 9, (int(torch.randint(0, 4, (1,), generator=g)),),
                                                      generator=g))
         dtype = dtypes[int(torch.randint(len(dtypes), (1,), generator=g))]
-        base = (torch.randn((3,) + shape, generator=g) * 10).to(dtype)
-        tensors[f"t{i}"] = base[1]                      # a view into a larger storage
+        base = (torch.randn((3,) + shape, generator=g) * 10)
+        base = (base.abs().to(torch.int32) if dtype == torch.uint16 else base).to(dtype)
+        view = base[1]                                  # a view into a larger storage
+        tensors[f"t{i}"] = view.transpose(0, -1) if i % 3 == 2 and view.dim() > 1 else view   # saved transposed
+    tensors["transposed"] = torch.randn(5, 7, generator=g).t()
+    tensors["channels_last"] = torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last)
     path = str(tmp_path / "ckpt")
-    with pytest.warns(UserWarning):
-        dcp.save(tensors, checkpoint_id=path, no_dist=True)
+    crc = serialization.config.save.compute_crc32
+    serialization.config.save.compute_crc32 = seed % 2 == 0      # archives without CRCs read in place too
+    try:
+        with pytest.warns(UserWarning):
+            dcp.save(tensors, checkpoint_id=path, no_dist=True)
+    finally:
+        serialization.config.save.compute_crc32 = crc
+
+    def bits(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
     storage = dcp.FileSystemReader(path).read_metadata().storage_data
-    checked = 0
+    checked, orders = 0, []
     for index, info in storage.items():
         saved = tensors[index.fqn]
         with open(os.path.join(path, info.relative_path), "rb", buffering=0) as f:
             place = _locate(f, info.offset, info.length)
-            assert place is not None and place.size == tuple(saved.shape) and place.dtype == saved.dtype
+            orders.append(place.order if place is not None else ())
+            assert place is not None and place.dtype == saved.dtype, index.fqn
+            assert place.size == tuple(saved.shape[d] for d in place.order)
             for _ in range(5):
                 offsets = [int(torch.randint(n, (1,), generator=g)) for n in saved.shape]
                 lengths = [int(torch.randint(1, n - o + 1, (1,), generator=g)) for n, o in zip(saved.shape, offsets)]
@@ -427,16 +444,18 @@ def test_reader_copies_exactly_the_requested_box_a_block_at_a_time(tmp_path, see
                 expected = saved
                 for d, (o, n) in enumerate(zip(offsets, lengths)):
                     expected = expected.narrow(d, o, n)
-                assert torch.equal(target, expected.to(dtype)), (index.fqn, offsets, lengths, block)
+                assert torch.equal(bits(target), bits(expected.to(dtype))), (index.fqn, offsets, lengths, block)
                 if lengths:
                     around = [(0, 1), (lengths[-1] + 1, 2)]
-                    assert all(torch.equal(outer.narrow(-1, o, n), before.narrow(-1, o, n)) for o, n in around)
+                    assert all(torch.equal(bits(outer.narrow(-1, o, n)), bits(before.narrow(-1, o, n)))
+                               for o, n in around)
                 box = target.numel() * saved.element_size()
                 assert reader.largest_block <= min(block, box) or reader.largest_block == saved.element_size()
-                if whole_rows:
+                if whole_rows and place.order == tuple(range(saved.dim())):
                     assert reader.bytes_read == target.numel() * saved.element_size()
                 checked += 1
     assert checked == 5 * len(tensors)
+    assert any(p != tuple(sorted(p)) for p in orders), "no transposed save was read in place"
 
 
 def _load_unsharded_a_block_at_a_time(rank, world, path):
@@ -449,7 +468,7 @@ def _load_unsharded_a_block_at_a_time(rank, world, path):
     dcp.load(sd, storage_reader=reader)
     autoshard.checkpoint.set_state_dict(gm, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     full = autoshard.collect_state_dict(gm, gm.state_dict())
-    return (full if rank == 0 else None), reader.largest_block, reader.bytes_read
+    return (full if rank == 0 else None), reader.largest_block, reader.bytes_read, reader.fallbacks
 
 
 def test_unsharded_checkpoint_loads_at_4_without_a_full_tensor(run, dist4):
@@ -460,6 +479,23 @@ def test_unsharded_checkpoint_loads_at_4_without_a_full_tensor(run, dist4):
     results = dist4.run(_load_unsharded_a_block_at_a_time, path, timeout=120)
     _check_full(results[0][0], run["at2"], "unsharded checkpoint loaded at 4")
     saved = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
-    for rank, (_, largest, read) in enumerate(results):
+    for rank, (_, largest, read, fallbacks) in enumerate(results):
+        assert fallbacks == 0, (rank, fallbacks)
         assert 0 < largest <= 512, (rank, largest)
         assert read < saved / 2, (rank, read, saved)
+
+
+def test_reader_leaves_what_it_cannot_read_to_pytorch_and_says_so(tmp_path):
+    tensors = {"a": torch.randn(6, 4), "b": torch.arange(5), "obj": {"lr": 0.1}}
+    path = str(tmp_path / "ckpt")
+    with pytest.warns(UserWarning):
+        dcp.save(tensors, checkpoint_id=path, no_dist=True)
+    into = {"a": torch.zeros(6, 4), "b": torch.zeros(5, dtype=torch.long), "obj": {"lr": 0.0}}
+    reader = autoshard.checkpoint.FileSystemReader(path)
+    with mock.patch("autoshard.checkpoint.reader._locate", return_value=None), \
+            pytest.warns(UserWarning, match=r"2 saved tensor\(s\) read whole by PyTorch's reader.*a, b"):
+        dcp.load(into, storage_reader=reader, no_dist=True)
+    assert torch.equal(into["a"], tensors["a"]) and torch.equal(into["b"], tensors["b"]) and into["obj"] == {"lr": 0.1}
+    assert reader.fallbacks == 2 and reader.bytes_read == 0
+    with pytest.raises(ValueError, match="block_bytes must be at least 1"):
+        autoshard.checkpoint.FileSystemReader(path, block_bytes=0)

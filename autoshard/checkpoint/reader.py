@@ -9,8 +9,9 @@ bounded block at a time (never larger than the box), straight into the destinati
 memory during a load is then its own shard plus one block (`block_bytes`), whatever degree the
 checkpoint was written at.
 
-Anything it does not recognise (byte items, transformed or compressed items, non-contiguous saved
-views, big-endian archives) goes to PyTorch's reader unchanged.
+Saved tensors in any dense layout (contiguous, transposed, channels_last) and any dtype are read
+in place. What it does not recognise (transformed or compressed items, overlapping or gapped
+saved views, big-endian archives, another pickle) goes to PyTorch's reader, with a warning.
 """
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ import io
 import math
 import pickle
 import struct
+import warnings
 import zipfile
 from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+from torch.storage import _get_dtype_from_pickle_storage_type
 
 __all__ = ["FileSystemReader"]
 
@@ -32,10 +35,12 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")       # a zip local file header, 
 
 @dataclass(frozen=True)
 class _Saved:
-    """Where a saved tensor's elements lie: byte `start` of element 0 of its (C-contiguous) view."""
+    """Where a saved tensor's elements lie: from byte `start`, a C-contiguous block of `size`
+    (its dims in storage order: `order[i]` is the tensor dim stored i-th, outermost first)."""
     start: int
     dtype: torch.dtype
     size: tuple
+    order: tuple
 
 
 class _Window(io.RawIOBase):
@@ -55,7 +60,10 @@ class _Window(io.RawIOBase):
         return self.pos
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence] + pos
+        pos += {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        if pos < 0:
+            raise OSError(f"seek to {pos}, before the saved item")
+        self.pos = pos
         return self.pos
 
     def readinto(self, b) -> int:
@@ -66,62 +74,93 @@ class _Window(io.RawIOBase):
         return got
 
 
+def _rebuild_v2(storage, offset, size, stride, *rest):
+    key, dtype = storage
+    return key, dtype, offset, tuple(size), tuple(stride)
+
+
+def _rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, *rest):
+    return storage[0], dtype, offset, tuple(size), tuple(stride)
+
+
 class _Header(pickle.Unpickler):
     """Unpickles a saved tensor's `data.pkl` into (storage key, dtype, storage offset, size,
-    stride) without touching its bytes; any other object raises (the caller falls back)."""
+    stride) without touching its bytes: `_rebuild_tensor_v2` (typed storages) and `_v3` (an
+    untyped storage and the dtype as an argument: float8, uint16-64). Anything else raises (the
+    caller falls back)."""
 
     def find_class(self, module, name):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: (*storage, offset, tuple(size), tuple(stride))
+            return _rebuild_v2
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+            return _rebuild_v3
         if (module, name) == ("collections", "OrderedDict"):
             return dict
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return None
         if module == "torch" and name.endswith("Storage"):
             return name
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
         raise pickle.UnpicklingError(f"not a plain tensor: {module}.{name}")
 
     def persistent_load(self, pid):
         kind, storage_type, key, _location, _numel = pid
         if kind != "storage":
             raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
-        from torch.storage import _get_dtype_from_pickle_storage_type
-        return key, _get_dtype_from_pickle_storage_type(storage_type)
+        dtype = None if storage_type is None else _get_dtype_from_pickle_storage_type(storage_type)
+        return key, dtype
 
 
-def _contiguous(size, stride) -> bool:
+def _storage_order(size, stride):
+    """The dims of a saved view from outermost to innermost in its storage, where the view is a
+    dense block in some dim order (contiguous, transposed, channels_last); None otherwise."""
+    order = tuple(sorted(range(len(size)), key=lambda d: -stride[d]))
     expect = 1
-    for n, s in zip(reversed(size), reversed(stride)):
-        if n != 1 and s != expect:
-            return False
-        expect *= n
-    return True
+    for d in reversed(order):
+        if size[d] != 1 and stride[d] != expect:
+            return None
+        expect *= size[d]
+    return order
+
+
+def _member(f, offset: int, info: zipfile.ZipInfo) -> tuple:
+    """(first byte in f, byte count) of a stored zip member, from its local header (zip64 sizes
+    come from the central directory through `info`; the CRC is not checked: torch.save may omit it)."""
+    f.seek(offset + info.header_offset)
+    header = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+    if header[0] != b"PK\x03\x04" or info.compress_type != zipfile.ZIP_STORED:
+        raise ValueError("not a stored zip member")
+    return offset + info.header_offset + _LOCAL_HEADER.size + header[9] + header[10], info.file_size
+
+
+def _read_member(f, offset: int, info: zipfile.ZipInfo) -> bytes:
+    start, n = _member(f, offset, info)
+    f.seek(start)
+    return f.read(n)
 
 
 def _locate(f, offset: int, length: int):
     """The `_Saved` place of the tensor saved (by `torch.save`) at bytes [offset, offset + length)
     of `f`, or None where the item is not one this reader can read in place."""
     try:
-        zf = zipfile.ZipFile(_Window(f, offset, length))
-        names = zf.namelist()
-        pkl = next((n for n in names if n.endswith("/data.pkl")), None)
+        with zipfile.ZipFile(_Window(f, offset, length)) as zf:
+            infos = {i.filename: i for i in zf.infolist()}
+        pkl = next((n for n in infos if n.endswith("/data.pkl")), None)
         if pkl is None:
             return None
         prefix = pkl[: -len("data.pkl")]
-        if prefix + "byteorder" in names and zf.read(prefix + "byteorder") != b"little":
+        if prefix + "byteorder" in infos and _read_member(f, offset, infos[prefix + "byteorder"]) != b"little":
             return None
-        key, dtype, storage_offset, size, stride = _Header(io.BytesIO(zf.read(pkl))).load()
-        info = zf.getinfo(f"{prefix}data/{key}")
-        if info.compress_type != zipfile.ZIP_STORED or not _contiguous(size, stride):
+        key, dtype, storage_offset, size, stride = _Header(io.BytesIO(_read_member(f, offset, infos[pkl]))).load()
+        order = _storage_order(size, stride)
+        if order is None or not isinstance(dtype, torch.dtype):
             return None
-        f.seek(offset + info.header_offset)
-        header = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
-        if header[0] != b"PK\x03\x04":
+        start, nbytes = _member(f, offset, infos[f"{prefix}data/{key}"])
+        if (storage_offset + math.prod(size)) * dtype.itemsize > nbytes:
             return None
-        data = offset + info.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if (storage_offset + math.prod(size)) * itemsize > info.file_size:
-            return None
-        return _Saved(data + storage_offset * itemsize, dtype, size)
-    except (zipfile.BadZipFile, pickle.UnpicklingError, KeyError, ValueError, TypeError, struct.error):
+        return _Saved(start + storage_offset * dtype.itemsize, dtype, tuple(size[d] for d in order), order)
+    except Exception:  # noqa: BLE001 - whatever this reader cannot parse, PyTorch's reader reads whole
         return None
 
 
@@ -133,25 +172,31 @@ class FileSystemReader(dcp.FileSystemReader):
 
         dcp.load(sd, storage_reader=autoshard.checkpoint.FileSystemReader(path))
 
-    `bytes_read` and `largest_block` count what the last loads read (for tests and benchmarks)."""
+    Since construction, `bytes_read` and `largest_block` count what it read in place, and
+    `fallbacks` the tensor requests it left to PyTorch's reader (read whole; a warning says so)."""
 
     def __init__(self, path, *, block_bytes: int = 4 << 20, **kwargs):
         super().__init__(path, **kwargs)
+        if int(block_bytes) < 1:
+            raise ValueError(f"block_bytes must be at least 1, got {block_bytes}")
         self.block_bytes = int(block_bytes)
         self.bytes_read = 0
         self.largest_block = 0
+        self.fallbacks = 0
 
     def read_data(self, plan: LoadPlan, planner):
-        rest, per_file = [], {}
+        rest, whole, per_file = [], [], {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
-            if req.type == LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
+            if req.type == LoadItemType.BYTE_IO:
                 rest.append(req)
+            elif getattr(info, "transform_descriptors", None):
+                whole.append(req)
             else:
                 per_file.setdefault(info.relative_path, []).append(req)
         places: dict = {}
         for relative_path, reqs in per_file.items():
-            with open(self.fs.concat_path(self.path, relative_path), "rb", buffering=0) as f:
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as f:
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                     info = self.storage_data[req.storage_index]
                     key = (relative_path, info.offset)
@@ -159,7 +204,7 @@ class FileSystemReader(dcp.FileSystemReader):
                         places[key] = _locate(f, info.offset, info.length)
                     saved = places[key]
                     if saved is None:
-                        rest.append(req)
+                        whole.append(req)
                         continue
                     target = planner.resolve_tensor(req).detach()
                     if tuple(req.lengths) != tuple(target.shape):
@@ -167,8 +212,14 @@ class FileSystemReader(dcp.FileSystemReader):
                                              f"destination {tuple(target.shape)}")
                     self._copy(f, saved, tuple(req.storage_offsets), target)
                     planner.commit_tensor(req, target)
-        if rest:
-            return super().read_data(LoadPlan(rest, plan.storage_data, plan.planner_data), planner)
+        if whole:
+            self.fallbacks += len(whole)
+            names = sorted({r.storage_index.fqn for r in whole})
+            warnings.warn(f"autoshard.checkpoint.FileSystemReader: {len(whole)} saved tensor(s) read whole by "
+                          f"PyTorch's reader (compressed or an archive layout this reader does not know): "
+                          f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}", stacklevel=2)
+        if rest or whole:
+            return super().read_data(LoadPlan(rest + whole, plan.storage_data, plan.planner_data), planner)
         fut = torch.futures.Future()
         fut.set_result(None)
         return fut
@@ -176,7 +227,7 @@ class FileSystemReader(dcp.FileSystemReader):
     # -------------------------------------------------------------------- reading a box
 
     def _read(self, f, start: int, nbytes: int, dtype) -> torch.Tensor:
-        """nbytes from byte `start`, as a flat tensor of `dtype` (a fresh block)."""
+        """nbytes (> 0) from byte `start`, as a flat tensor of `dtype` (a fresh block)."""
         buf = bytearray(nbytes)
         f.seek(start)
         view, got = memoryview(buf), 0
@@ -187,15 +238,17 @@ class FileSystemReader(dcp.FileSystemReader):
             got += n
         self.bytes_read += nbytes
         self.largest_block = max(self.largest_block, nbytes)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype) if nbytes else torch.empty(0, dtype=dtype)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
 
     def _copy(self, f, saved: _Saved, offsets: tuple, target: torch.Tensor) -> None:
         """Copy the box (offsets, target.shape) of the saved tensor into target, reading whole
-        dim-0 slices (rows) a block at a time. A block holds at most `block_bytes`, and never more
-        than the box itself: where one row is larger, it goes a dim deeper (one row at a time)."""
-        itemsize = torch.empty((), dtype=saved.dtype).element_size()
+        slices of the outermost stored dim (rows) a block at a time. A block holds at most
+        `block_bytes`, and never more than the box itself: where one row is larger, it goes a dim
+        deeper (one row at a time)."""
+        itemsize = saved.dtype.itemsize
         limit = min(self.block_bytes, max(target.numel(), 1) * itemsize)
-        self._copy_dims(f, saved.start, saved.size, saved.dtype, itemsize, limit, offsets, target)
+        self._copy_dims(f, saved.start, saved.size, saved.dtype, itemsize, limit,
+                        tuple(offsets[d] for d in saved.order), target.permute(saved.order))
 
     def _copy_dims(self, f, start, size, dtype, itemsize, limit, offsets, target) -> None:
         if target.numel() == 0:
