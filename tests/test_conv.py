@@ -156,6 +156,9 @@ def _run_case(name, world_size, tracer, pin):
     assert set(collected) == set(expected), (sorted(collected), sorted(expected))
     for key, g in expected.items():
         _close(collected[key], g, f"{name}: grad of {key}")
+    if name == "cnn":                         # batch, height and width stay free (both tracers)
+        other = torch.randn(3, 3, 12, 10, generator=torch.Generator().manual_seed(8))
+        _close(gm(other), ref(other), f"{name}: output at another batch and image size")
     full = autoshard.collect_state_dict(gm, gm.state_dict())                 # state-dict round trip
     assert list(full) == list(ref.state_dict()), (list(full), list(ref.state_dict()))
     for key, value in ref.state_dict().items():
