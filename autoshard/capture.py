@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +124,18 @@ class _ShapeProp(FakeTensorProp):
             n.meta["val"] = stand_in_scalar(self.env[n.all_input_nodes[0]])
             return n.meta["val"]
         return super().run_node(n)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor():
+    """A probe that fails is expected: keep FakeTensor's error log of the failing meta op quiet."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def propagate(gm: fx.GraphModule, flat: list) -> None:
@@ -274,12 +287,13 @@ def _symbolic(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.Gr
         raise CaptureError(f"example inputs name {sorted(extra)} which {type(model).__name__}.forward does not take")
     flat = placeholder_inputs(gm, "symbolic_trace", args, kwargs)
     error = None
-    try:               # the same graph at other batch / sequence sizes: what changes is dynamic
-        propagate(gm, [_probe(a) for a in flat])
-        probe_shapes = _shapes_of(gm)
-    except Exception as e:  # noqa: BLE001 - find the dims that may change one at a time; else say so
-        error = e
-        probe_shapes = _probe_each_dim(gm, flat)
+    with _quiet_fake_tensor():
+        try:               # the same graph at other batch / sequence sizes: what changes is dynamic
+            propagate(gm, [_probe(a) for a in flat])
+            probe_shapes = _shapes_of(gm)
+        except Exception as e:  # noqa: BLE001 - find the dims that may change one at a time; else say so
+            error = e
+            probe_shapes = _probe_each_dim(gm, flat)
     if probe_shapes is None:
         notes.append(f"the model did not run at other input sizes ({type(error).__name__}: {first_line(error, 120)}); "
                      "it is planned for the example's sizes")

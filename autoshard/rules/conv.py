@@ -8,8 +8,8 @@ linear layer along its channel dim (1 for a batched (N, C, ...) input, 0 for an 
   Partial; with a bias the op reduces itself and adds the bias once (groups == 1);
 - grouped (groups g > 1, g % p == 0): each rank holds g / p whole groups, so input, weight,
   bias and output are all split on channels and the local op runs with groups = g / p: no
-  communication (depthwise convolutions);
-- batch: input split on the batch dim, weight Replicate (a static batch only).
+  communication (depthwise convolutions).
+No batch split: capture keeps batch dims dynamic, and the planner never splits those.
 Pooling and padding act on the spatial dims only: a split channel or batch dim passes through.
 """
 import torch
@@ -75,8 +75,6 @@ def _conv(info):
         if b is not None:
             m[b] = Shard(0)
         found.append(info.req(m, "grouped", Shard(ch), compute=1 / p, dim=-1))
-    if ch == 1 and info.out_shape[0] > 1:          # batch split, replicated weight
-        found.append(info.req({x: Shard(0)}, "shard(0)", Shard(0), compute=1 / p))
     return found
 
 
