@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -125,6 +126,18 @@ class _ShapeProp(FakeTensorProp):
         return super().run_node(n)
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor():
+    """A probe that fails is expected: keep FakeTensor's error log of the failing meta op quiet."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def propagate(gm: fx.GraphModule, flat: list) -> None:
     """node.meta['val'] = FakeTensor of the example's concrete shapes."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -133,16 +146,38 @@ def propagate(gm: fx.GraphModule, flat: list) -> None:
         _ShapeProp(gm, mode).propagate(*fake)
 
 
-def _probe(a):
-    """An input like `a` whose free dims (_input_dynamic_dims) have other sizes (size 1 stays:
-    export specialises it too)."""
+def _probe(a, dims=None):
+    """An input like `a` whose free dims (`dims`, default _input_dynamic_dims) have other sizes
+    (size 1 stays: export specialises it too)."""
     if not isinstance(a, torch.Tensor):
         return a
     shape = list(a.shape)
-    for d in _input_dynamic_dims(a):
+    for d in _input_dynamic_dims(a) if dims is None else dims:
         if shape[d] > 1:
             shape[d] = shape[d] - 1 if shape[d] > 2 else 3
     return torch.zeros(shape, dtype=a.dtype, device=a.device) if shape != list(a.shape) else a
+
+
+def _probe_each_dim(gm: fx.GraphModule, flat: list):
+    """When the joint probe fails (an image (N, C, H, W) whose channels meet a convolution's
+    weight): probe every dim of every input alone (the last one too: an image's width), then all
+    that ran together; the node shapes of that run, or None when no dim may change."""
+    free = [[] for _ in flat]
+    for i, a in enumerate(flat):
+        for d in range(a.dim()) if isinstance(a, torch.Tensor) else ():
+            if a.shape[d] > 1:
+                try:
+                    propagate(gm, [_probe(b, [d]) if j == i else b for j, b in enumerate(flat)])
+                    free[i].append(d)
+                except Exception:  # noqa: BLE001 - this dim is fixed by the model
+                    pass
+    if not any(free):
+        return None
+    try:
+        propagate(gm, [_probe(a, dims) for a, dims in zip(flat, free)])
+    except Exception:  # noqa: BLE001 - free one at a time, not together: keep the example's sizes
+        return None
+    return _shapes_of(gm)
 
 
 def _shapes_of(gm: fx.GraphModule) -> dict:
@@ -171,11 +206,14 @@ def _mark_changed(gm: fx.GraphModule, probe_shapes: dict) -> None:
 
 
 class InliningTracer(fx.Tracer):
-    """Traces through nn.Linear / nn.Embedding / nn.LayerNorm / nn.RMSNorm so their parameters
-    become get_attr nodes the planner can split."""
+    """Traces through nn.Linear / nn.Embedding / nn.LayerNorm / nn.RMSNorm / nn.Conv1d-3d so
+    their parameters become get_attr nodes the planner can split (a convolution with
+    padding_mode other than "zeros" becomes F.pad then F.conv*)."""
+
+    INLINED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if type(m) in (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm):
+        if type(m) in self.INLINED:
             return False
         return super().is_leaf_module(m, qualname)
 
@@ -248,12 +286,16 @@ def _symbolic(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.Gr
     if extra:
         raise CaptureError(f"example inputs name {sorted(extra)} which {type(model).__name__}.forward does not take")
     flat = placeholder_inputs(gm, "symbolic_trace", args, kwargs)
-    try:               # the same graph at other batch / sequence sizes: what changes is dynamic
-        propagate(gm, [_probe(a) for a in flat])
-        probe_shapes = _shapes_of(gm)
-    except Exception as e:  # noqa: BLE001 - shapes stay as the example's; say so
-        probe_shapes = None
-        notes.append(f"the model did not run at other input sizes ({type(e).__name__}: {first_line(e, 120)}); "
+    error = None
+    with _quiet_fake_tensor():
+        try:               # the same graph at other batch / sequence sizes: what changes is dynamic
+            propagate(gm, [_probe(a) for a in flat])
+            probe_shapes = _shapes_of(gm)
+        except Exception as e:  # noqa: BLE001 - find the dims that may change one at a time; else say so
+            error = e
+            probe_shapes = _probe_each_dim(gm, flat)
+    if probe_shapes is None:
+        notes.append(f"the model did not run at other input sizes ({type(error).__name__}: {first_line(error, 120)}); "
                      "it is planned for the example's sizes")
     propagate(gm, flat)
     _mark_changed(gm, probe_shapes or _shapes_of(gm))

@@ -113,12 +113,12 @@ def _op_name(n: fx.Node, gm) -> str:
 
 
 def _parallel_layer(n: fx.Node) -> bool:
-    """A linear / addmm / matmul / embedding op: a TorchShard parallel layer, listed in Plan.dims
-    (None when it stays whole)."""
-    from .rules import linear as L
+    """A linear / addmm / matmul / embedding / convolution op: a TorchShard parallel layer, listed
+    in Plan.dims (None when it stays whole)."""
+    from .rules import conv, linear as L
     from .rules.registry import _RULES, op_key
     return n.op in ("call_function", "call_method") and \
-        _RULES.get(op_key(n, {})) in (L._linear, L._addmm, L._matmul, L._embedding, L._aten_embedding)
+        _RULES.get(op_key(n, {})) in (L._linear, L._addmm, L._matmul, L._embedding, L._aten_embedding, conv._conv)
 
 
 def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {})) -> Plan:

@@ -45,10 +45,13 @@ def _matmul_like(node: fx.Node) -> bool:
 
 def _flops(node: fx.Node, s: OpStrategy) -> float:
     """Forward + backward flops of a node, whichever strategy runs it (the strategy's `compute`
-    scales them): matmul family 3 x 2 * output elements * contraction size; others 3 per element."""
+    scales them): matmul family 3 x 2 * output elements * contraction size, convolutions likewise
+    (the contraction is in-channels per group x kernel); others 3 per element."""
     v = node.meta.get("val")
     if not _tensor(v):
         return 0.0
+    if node.op == "call_function" and node.target in rules.conv.CONV_OPS:
+        return rules.conv.conv_flops(node)
     if _matmul_like(node):
         for a in node.all_input_nodes:          # x of linear / addmm(b, x, w), a of a @ b
             x = a.meta.get("val")

@@ -25,6 +25,7 @@ from .errors import ShardingError
 from .nn import functional as PF
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from .placements import Partial, Replicate, Shard
+from .rules.conv import CONV_OPS
 from .rules.norm import LAYER_NORMS, norm_params, var_args
 from .problem import fetch_attr
 from .state_dict import register_parallel_attribute
@@ -43,7 +44,7 @@ SIZE_OPS = {torch.Tensor.size, aten.sym_size.int}
 # summed in place (no copy), as Megatron's row-parallel layer does
 FRESH_OUTPUT_OPS = LINEAR_OPS | {torch.mm, torch.bmm, torch.matmul, operator.matmul, torch.Tensor.matmul,
                                  torch.addmm, aten.mm.default, aten.bmm.default, aten.matmul.default,
-                                 aten.addmm.default, PF.masked_embedding}
+                                 aten.addmm.default, PF.masked_embedding, *CONV_OPS}
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
@@ -207,6 +208,8 @@ class Rewriter:
             t = _target(n)
             if d.strategy == "row" and isinstance(d.output, Replicate):
                 self._row_with_bias(n, t)
+            elif d.strategy == "grouped" and t in CONV_OPS:
+                self._local_groups(n, t)
             elif d.strategy == "vocab" and t in EMBEDDING_OPS:
                 self._vocab_embedding(n, t)
             elif d.strategy == "vocab":
@@ -235,11 +238,37 @@ class Rewriter:
             add = aten.add.Tensor if t is aten.addmm.default else operator.add
             with self.graph.inserting_before(n):
                 y = self.call(aten.mm.default if t is aten.addmm.default else torch.mm, (x, w))
+        elif t in CONV_OPS:
+            x, w, b = n.args[0], n.args[1], n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+            aten_op = isinstance(t, torch._ops.OpOverload)
+            args, kwargs = list(n.args), dict(n.kwargs)
+            if len(args) > 2:
+                args[2] = None
+            else:
+                kwargs.pop("bias", None)
+            # the bias broadcasts over the spatial dims: (C,) -> (C, 1, ...)
+            spatial = self.val(w.name).dim() - 2
+            shape = [self.val(b.name).shape[0]] + [1] * spatial
+            add = aten.add.Tensor if aten_op else operator.add
+            with self.graph.inserting_before(n):
+                y = self.call(t, args, kwargs)
+                b = self.call(aten.view.default if aten_op else torch.reshape, (b, shape))
         else:
             raise ShardingError(f"{n.format_node()}: no row-parallel form with a bias")
         with self.graph.inserting_before(n):
             y = self.call(C.reduce_from, (y,), {"group": self.key, "inplace": True})     # y: the matmul's own
         self.replace(n, add, (y, b))
+
+    def _local_groups(self, n, t):
+        """A grouped convolution split on channels: this rank holds groups / p whole groups."""
+        i = CONV_OPS[t]
+        g = n.args[i] if len(n.args) > i else n.kwargs["groups"]
+        if g % self.p:
+            raise ShardingError(f"{n.format_node()}: groups={g} do not divide by the degree {self.p}")
+        if len(n.args) > i:
+            n.args = (*n.args[:i], g // self.p, *n.args[i + 1:])
+        else:
+            n.update_kwarg("groups", g // self.p)
 
     def _vocab_embedding(self, n, t):
         ia, wa = EMBEDDING_OPS[t]
