@@ -19,3 +19,16 @@ def close(a, b, **kw):
     """assert_close at fp32 test tolerance (1e-5); returns True so cases can `return close(...)`."""
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, **kw)
     return True
+
+
+def close_to_scale(actual, expected, what):
+    """fp32 agreement, 1e-5 relative to the expected tensor's largest entry; `what` in the message."""
+    expected = expected.detach()
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual.detach(), expected, rtol=1e-5, atol=1e-5 * scale + 1e-8,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def grads(module):
+    """{parameter name: gradient} of the parameters that have one."""
+    return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}

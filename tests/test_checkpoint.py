@@ -25,6 +25,7 @@ import autoshard
 from autoshard import distributed as ad
 from autoshard.checkpoint import CheckpointError
 from models import GPT
+from refs import close_to_scale as _close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, H, SEQ, LR = 512, 32, 32, 3e-3
@@ -67,12 +68,6 @@ def _reference():
     _steps(model, opt, range(2))
     at2 = {k: v.clone() for k, v in model.state_dict().items()}
     return model, opt, at2
-
-
-def _close(actual, expected, what):
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(actual.detach(), expected.detach(), rtol=1e-5, atol=1e-5 * scale + 1e-8,
-                               msg=lambda m: f"{what}: {m}")
 
 
 def _check_full(full, expected, what, ordered=True):

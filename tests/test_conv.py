@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import autoshard
 from autoshard.errors import ShardingError
 from autoshard.placements import Shard
+from refs import close_to_scale as _close, grads as _grads
 
 
 # ----------------------------------------------------------------------------- models
@@ -130,17 +131,6 @@ def _build(name):
 
 
 # ----------------------------------------------------------------------------- checks (on every rank)
-
-def _close(actual, expected, what):
-    expected = expected.detach()
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(actual.detach(), expected, rtol=1e-5, atol=1e-5 * scale + 1e-8,
-                               msg=lambda m: f"{what}: {m}")
-
-
-def _grads(module):
-    return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
-
 
 def _run_case(name, world_size, tracer, pin):
     model, x, y = _build(name)

@@ -29,6 +29,7 @@ from autoshard.collectives import _cat_along, count_comm
 from autoshard.errors import CaptureError, ProcessGroupError, ShardingError
 from autoshard.nn import functional as PF
 from models import GPT, MLPStack
+from refs import close_to_scale as _close, grads as _grads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "docs", "examples", "train_gpt.py")
@@ -88,18 +89,6 @@ def _build(name, seed=0):
     if name == "mix":
         model.eval()                  # dropout off for the comparisons (checked separately below)
     return model, batch(seed), batch, loss
-
-
-def _close(actual, expected, what):
-    """fp32 agreement, 1e-5 relative to the tensor's scale."""
-    expected = expected.detach()
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(actual.detach(), expected, rtol=1e-5, atol=1e-5 * scale + 1e-8,
-                               msg=lambda m: f"{what}: {m}")
-
-
-def _grads(module):
-    return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
 
 
 def _check_grads(gm, ref, what):

@@ -40,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import autoshard  # noqa: E402
 from launcher import RankError, RankPool  # noqa: E402
 from random_models import make_model, world_of  # noqa: E402
+from refs import grads as _grads  # noqa: E402
+
 
 def _parse_seeds(text: str) -> list:
     if ":" in text:
@@ -104,10 +106,6 @@ def _names_a_node(message: str, model, example, tracer) -> bool:
     except Exception:  # noqa: BLE001 - a capture failure is named by the CaptureError itself
         pass
     return any(re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", message) for n in names)
-
-
-def _grads(module):
-    return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
 
 
 def _call(gm, ref, inputs):
