@@ -25,8 +25,9 @@ from .errors import ShardingError
 from .nn import functional as PF
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from .placements import Partial, Replicate, Shard
-from .rules.conv import CONV_OPS
+from .rules.conv import CONV_OPS, conv_groups
 from .rules.norm import LAYER_NORMS, norm_params, var_args
+from .rules.registry import node_arg
 from .problem import fetch_attr
 from .state_dict import register_parallel_attribute
 from .verify import check_local_graph
@@ -229,7 +230,7 @@ class Rewriter:
 
     def _row_with_bias(self, n, t):
         if t in LINEAR_OPS:
-            x, w, b = n.args[0], n.args[1], n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+            x, w, b = n.args[0], n.args[1], node_arg(n, 2, "bias")
             op, add = (F.linear, operator.add) if t is F.linear else (aten.linear.default, aten.add.Tensor)
             with self.graph.inserting_before(n):
                 y = self.call(op, (x, w))
@@ -239,7 +240,7 @@ class Rewriter:
             with self.graph.inserting_before(n):
                 y = self.call(aten.mm.default if t is aten.addmm.default else torch.mm, (x, w))
         elif t in CONV_OPS:
-            x, w, b = n.args[0], n.args[1], n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+            w, b = n.args[1], node_arg(n, 2, "bias")
             aten_op = isinstance(t, torch._ops.OpOverload)
             args, kwargs = list(n.args), dict(n.kwargs)
             if len(args) > 2:
@@ -261,8 +262,7 @@ class Rewriter:
 
     def _local_groups(self, n, t):
         """A grouped convolution split on channels: this rank holds groups / p whole groups."""
-        i = CONV_OPS[t]
-        g = n.args[i] if len(n.args) > i else n.kwargs["groups"]
+        i, g = CONV_OPS[t], conv_groups(n)
         if g % self.p:
             raise ShardingError(f"{n.format_node()}: groups={g} do not divide by the degree {self.p}")
         if len(n.args) > i:
@@ -273,11 +273,9 @@ class Rewriter:
     def _vocab_embedding(self, n, t):
         ia, wa = EMBEDDING_OPS[t]
         idx, w = n.args[ia], n.args[wa]
-        if t is F.embedding:
-            pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx")
-        else:
-            pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
-            pad = None if pad == -1 else pad
+        pad = node_arg(n, 2, "padding_idx")
+        if t is not F.embedding and pad == -1:
+            pad = None
         self.replace(n, PF.masked_embedding, (idx, w, pad), {"group": self.key})
 
     def _vocab_cross_entropy(self, n, t):

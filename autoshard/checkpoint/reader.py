@@ -245,18 +245,17 @@ class FileSystemReader(dcp.FileSystemReader):
         slices of the outermost stored dim (rows) a block at a time. A block holds at most
         `block_bytes`, and never more than the box itself: where one row is larger, it goes a dim
         deeper (one row at a time)."""
-        itemsize = saved.dtype.itemsize
-        limit = min(self.block_bytes, max(target.numel(), 1) * itemsize)
-        self._copy_dims(f, saved.start, saved.size, saved.dtype, itemsize, limit,
+        limit = min(self.block_bytes, max(target.numel(), 1) * saved.dtype.itemsize)
+        self._copy_dims(f, saved.start, saved.size, saved.dtype, limit,
                         tuple(offsets[d] for d in saved.order), target.permute(saved.order))
 
-    def _copy_dims(self, f, start, size, dtype, itemsize, limit, offsets, target) -> None:
+    def _copy_dims(self, f, start, size, dtype, limit, offsets, target) -> None:
         if target.numel() == 0:
             return
         if len(size) == 0:
-            target.copy_(self._read(f, start, itemsize, dtype).view(()))
+            target.copy_(self._read(f, start, dtype.itemsize, dtype).view(()))
             return
-        row = math.prod(size[1:]) * itemsize                      # bytes of one dim-0 slice
+        row = math.prod(size[1:]) * dtype.itemsize                # bytes of one dim-0 slice
         first, count = offsets[0], target.shape[0]
         if len(size) == 1 or row <= limit:
             rows = max(1, limit // row)
@@ -268,4 +267,4 @@ class FileSystemReader(dcp.FileSystemReader):
                 target[r:r + k].copy_(block)
             return
         for r in range(count):
-            self._copy_dims(f, start + (first + r) * row, size[1:], dtype, itemsize, limit, offsets[1:], target[r])
+            self._copy_dims(f, start + (first + r) * row, size[1:], dtype, limit, offsets[1:], target[r])

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .linear import _bytes
-from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, register_rule
+from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, node_arg, register_rule
 
 aten = torch.ops.aten
 
@@ -29,8 +29,7 @@ CONV_OPS[aten.convolution.default] = 8        # (input, weight, bias, stride, pa
 
 def conv_groups(node) -> int:
     """The `groups` argument of a convolution node (1 when left at its default)."""
-    i = CONV_OPS[node.target]
-    return int(node.args[i]) if len(node.args) > i else int(node.kwargs.get("groups", 1))
+    return int(node_arg(node, CONV_OPS[node.target], "groups", 1))
 
 
 def channel_dim(info: NodeInfo, x, w) -> int:

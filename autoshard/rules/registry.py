@@ -50,6 +50,11 @@ class OpStrategy:
         return REPLICATE if isinstance(req, Partial) else req
 
 
+def node_arg(node: fx.Node, pos: int, name: str, default=None):
+    """The argument `name` of a call node, given at position `pos` or by keyword (else `default`)."""
+    return node.args[pos] if pos < len(node.args) else node.kwargs.get(name, default)
+
+
 @dataclass
 class NodeInfo:
     """What a rule may look at: the node, its module, static shapes and the degree."""
@@ -83,10 +88,7 @@ class NodeInfo:
 
     def arg(self, pos: int, name: str, default=None):
         """A positional-or-keyword argument of the node (call_function/call_method)."""
-        args = self.node.args
-        if pos < len(args):
-            return args[pos]
-        return self.node.kwargs.get(name, default)
+        return node_arg(self.node, pos, name, default)
 
     def req(self, mapping: dict, name: str, output, *, grads: dict | None = None, compute=1.0,
             comm=(), dim=None) -> OpStrategy:
