@@ -147,7 +147,8 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     from .rewrite import rewrite
     from . import loading
     world_size = _check_world_size(world_size)
-    chosen = loading.check_source(model, load) if load is not None else None     # before any allocation
+    source = loading.open_source(load) if load is not None else None             # opened once, read per rank
+    chosen = loading.check_source(model, source) if source is not None else None  # before any allocation
     if load is None and loading.has_meta(model):
         loading.check_initialisable(model)
     key = None
@@ -186,7 +187,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
         _check_same_plan(plan, pg)
     gm = rewrite(plan, rank, key, model)
     if load is not None or device is not None or loading.has_meta(model):
-        loading.materialize(gm, model, rank, world_size, source=load, chosen=chosen, device=device,
+        loading.materialize(gm, model, rank, world_size, source=source, chosen=chosen, device=device,
                             progress=progress)
     return gm
 

@@ -200,7 +200,7 @@ def picture_graph(plan, G=None, fold: bool = True):
         b = _block(it["module"])
         if b and fold:
             block_of[key] = b[:2]
-            rest_of[key] = b[2] if it["kind"] != "comm" else b[2]
+            rest_of[key] = b[2]
     members: dict = {}
     for key in sorted(block_of, key=lambda k: C.nodes[k]["order"]):
         members.setdefault(block_of[key], []).append(key)
@@ -300,7 +300,7 @@ def _order(F, layer, sweeps: int = 6):
     return rows, x
 
 
-def _unit_text(it, p):
+def _unit_text(it):
     """Two lines: the module (and a weight it shares with another module), then the op, its
     strategy, the layout of its largest parameter and that parameter's full -> per-rank shape."""
     title = it["label"]
@@ -371,7 +371,6 @@ def draw(plan, path, *, fold: bool = True, title: str | None = None, dpi: int = 
         return 0.09 if F.nodes[n]["kind"] == "comm" else BH / 2
     def label_w(n):                              # right end of a marker's label (7.5 pt text)
         return 0.25 + 0.062 * len(_comm_text(F.nodes[n], count_of[n]))
-    count_of = {n: folds[F.nodes[n]["fold"]]["count"] if F.nodes[n]["fold"] is not None else 1 for n in F}
     lanes = _lanes(F, layer, pos, half_w, 0.3)
     count_of = {n: folds[F.nodes[n]["fold"]]["count"] if F.nodes[n]["fold"] is not None else 1 for n in F}
     boxes = []                                   # fold boxes: (run, x0, y0, x1, y1)
@@ -434,7 +433,7 @@ def draw(plan, path, *, fold: bool = True, title: str | None = None, dpi: int = 
                     color=COMM_COLOR, zorder=5, bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85))
             continue
         if kind == "unit":
-            fc, lines = LAYOUT_COLORS[it["layout"]], _unit_text(it, p)
+            fc, lines = LAYOUT_COLORS[it["layout"]], _unit_text(it)
         elif kind == "input":
             fc, lines = "white", [it["name"], f"input {_shape(it['shape'])}"]
         else:

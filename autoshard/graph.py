@@ -57,26 +57,15 @@ def _node_kind(n, plan) -> str:
     return "select"
 
 
-def param_bytes_per_rank(plan) -> int:
-    """Bytes of parameters one rank holds under `plan` (each tensor once, tied aliases too)."""
-    total, seen = 0, set()
-    for name, t in plan.graph_module.named_parameters(remove_duplicate=False):
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        pl = plan.layouts.get(name, Replicate())
-        total += math.prod(_local_shape(t.shape, pl, plan.world_size) or t.shape) * t.element_size()
-    return total
-
-
 def to_networkx(plan):
     """The captured graph of `plan` as a networkx.DiGraph (see the module docstring)."""
     import networkx as nx
 
+    from .loading import memory_per_rank
     p, gm = plan.world_size, plan.graph_module
     G = nx.DiGraph(world_size=p, comm_bytes=plan.comm_bytes, comm_by_kind=dict(plan.comm_by_kind),
                    params_total=plan.params_total, params_per_rank=plan.params_per_rank,
-                   param_bytes_per_rank=param_bytes_per_rank(plan), step_time=plan.step_time,
+                   param_bytes_per_rank=memory_per_rank(gm, plan)["parameters"], step_time=plan.step_time,
                    tracer=plan.tracer, search=plan.search)
     place: dict[str, object] = {}
     for n in gm.graph.nodes:

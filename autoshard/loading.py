@@ -66,9 +66,6 @@ class Source:
     def read(self, key, index):
         raise NotImplementedError
 
-    def close(self):
-        pass
-
 
 class SafetensorsSource(Source):
     """One or several .safetensors files. A file is opened (memory-mapped) per tensor read and
@@ -229,11 +226,22 @@ def _no_init(qualname: str, module: nn.Module, names) -> LoadError:
                      "load=, or add reset_parameters()")
 
 
+def _placement(layouts: dict, names) -> object:
+    """The planned placement of a tensor known under `names` (its tied aliases); Replicate if none."""
+    return next((layouts[n] for n in names if n in layouts), Replicate())
+
+
+def _own_meta(module: nn.Module) -> list:
+    """(its dict, name, tensor) for each parameter and buffer of the module itself on meta."""
+    return [(d, k, t) for d in (module._parameters, module._buffers) for k, t in d.items()
+            if t is not None and t.is_meta]
+
+
 def check_initialisable(model: nn.Module) -> None:
     """Raise a LoadError naming the first module that holds meta tensors and has no way to
     initialise them (before anything is allocated)."""
     for qualname, module in model.named_modules():
-        own = [k for d in (module._parameters, module._buffers) for k, t in d.items() if t is not None and t.is_meta]
+        own = [k for _, k, _ in _own_meta(module)]
         if own and _init_fn(model, qualname, module) is None:
             raise _no_init(qualname, module, own)
 
@@ -246,15 +254,13 @@ def _initialise(model, wanted: set, rank: int, p: int, placement_of, dtype_of, d
     a tied tensor gives its value."""
     done = {}
     for qualname, module in model.named_modules():
-        own = [(d, k, t) for d in (module._parameters, module._buffers) for k, t in d.items()
-               if t is not None and t.is_meta]
+        own = _own_meta(module)
         if not own or not (every_module or any(id(t) in wanted and id(t) not in done for _, _, t in own)):
             continue
         init = _init_fn(model, qualname, module)
         label = f"{qualname or '(root)'} ({type(module).__name__})"
         if init is None:
             raise _no_init(qualname, module, [k for _, k, _ in own])
-        saved = [(d, k, t) for d, k, t in own]
         try:
             for d, k, t in own:
                 full = torch.empty(t.shape, dtype=t.dtype, device="cpu")
@@ -273,7 +279,7 @@ def _initialise(model, wanted: set, rank: int, p: int, placement_of, dtype_of, d
                 done[id(t)] = fill_boxes(_empty_local(t.shape, pl, p, dtype_of[id(t)], device), t.shape, pl, rank, p,
                                          full.__getitem__)
         finally:
-            for d, k, t in saved:                          # the model stays as it was (meta, ties intact)
+            for d, k, t in own:                            # the model stays as it was (meta, ties intact)
                 d[k] = t
     left = wanted - set(done)
     if left:
@@ -301,7 +307,7 @@ def materialize(gm, model: nn.Module, rank: int, p: int, *, source=None, chosen=
     read nor on meta stay as `gm` holds them (moved to `device` when given)."""
     layouts = getattr(gm, "_autoshard_layouts", {})
     groups = _groups(model)
-    placement_of = {id(t): next((layouts[n] for n in names if n in layouts), Replicate()) for names, t in groups}
+    placement_of = {id(t): _placement(layouts, names) for names, t in groups}
     dtype_of = {id(t): t.dtype for _, t in groups}
     local_device = torch.device(device) if device is not None else torch.device("cpu")
     src = open_source(source) if source is not None else None
@@ -375,7 +381,7 @@ def memory_per_rank(model: nn.Module, plan, optimizer_states: int = 2) -> dict:
     for names, t in _groups(model):
         if not isinstance(t, nn.Parameter):
             continue
-        pl = next((plan.layouts[n] for n in names if n in plan.layouts), Replicate())
+        pl = _placement(plan.layouts, names)
         n = t.numel() // (plan.world_size if isinstance(pl, Shard) else 1)
         params += n * t.element_size()
         if t.requires_grad:

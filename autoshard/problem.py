@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from networkx.utils import UnionFind
 
 from . import rules
 from .capture import DYNAMIC
@@ -259,6 +258,7 @@ class Problem:
         for k in decision:
             for c in options[k]:
                 consumers.setdefault(c, []).append(k)
+        from networkx.utils import UnionFind          # here: networkx stays out of `import autoshard`
         joint = UnionFind(decision)                  # parameters sharing a consumer decide together
         for ks in consumers.values():
             joint.union(*ks)

@@ -33,14 +33,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from benchmarks.common import launch  # noqa: E402
+from benchmarks.common import launch, proc_status  # noqa: E402
 
 MB = 2 ** 20
-
-
-def _status() -> dict:
-    with open("/proc/self/status") as f:
-        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith(("VmHWM", "VmRSS"))}
 
 
 def _peak_rise(fn) -> tuple:
@@ -48,10 +43,10 @@ def _peak_rise(fn) -> tuple:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")                                   # VmHWM := VmRSS
-    base = _status()["VmRSS"]
+    base = proc_status()["VmRSS"]
     t0 = time.perf_counter()
     fn()
-    return _status()["VmHWM"] - base, time.perf_counter() - t0
+    return proc_status()["VmHWM"] - base, time.perf_counter() - t0
 
 
 def _build(args, tp):

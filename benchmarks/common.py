@@ -64,10 +64,22 @@ __all__ = [
 
 # ----------------------------------------------------------------------------- launcher
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a gloo rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def proc_status() -> dict:
+    """VmRSS and VmHWM of this process in bytes (its own, never a child's: not ru_maxrss)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs: dict,
@@ -108,7 +120,7 @@ def launch(fn: Callable, world_size: int, *args, timeout_s: float = 900.0,
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, world_size, port, fn, args, kwargs, queue, threads,
                                collective_timeout_s))

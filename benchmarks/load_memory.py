@@ -26,13 +26,14 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import socket
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks.common import free_port, proc_status  # noqa: E402
 
 FULL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20, num_attention_heads=16,
             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
@@ -43,17 +44,6 @@ LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
 LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                  num_key_value_heads=8, vocab_size=128256)
 WORLD, TOKENS = 4, 256
-
-
-def _status() -> dict:
-    """VmRSS and VmHWM of this process in bytes (its own, never a child's)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def _held_bytes(gm) -> int:
@@ -96,12 +86,12 @@ def _rank_ours(rank, world, port, directory, queue):
     import autoshard
     import transformers  # noqa: F401 - imported before the baseline reading
     torch.set_num_threads(1)
-    base = _status()["VmRSS"]
+    base = proc_status()["VmRSS"]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     t0 = time.perf_counter()
     gm = autoshard.from_pretrained(directory, world, dtype=torch.float32, tokens=TOKENS, progress=False)
     seconds = time.perf_counter() - t0
-    st = _status()
+    st = proc_status()
     queue.put(dict(rank=rank, seconds=seconds, growth=st["VmHWM"] - base, shard=_held_bytes(gm)))
     del gm
     autoshard.distributed.destroy_process_group()
@@ -112,14 +102,14 @@ def _rank_today(rank, world, directory, queue):
     import autoshard
     import transformers
     torch.set_num_threads(1)
-    base = _status()["VmRSS"]
+    base = proc_status()["VmRSS"]
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     model.config.use_cache = False
     ids = {"input_ids": torch.zeros(1, TOKENS, dtype=torch.long)}
     gm = autoshard.parallelize(model, world, ids, rank=rank, tracer="export")
     seconds = time.perf_counter() - t0
-    st = _status()
+    st = proc_status()
     queue.put(dict(rank=rank, seconds=seconds, growth=st["VmHWM"] - base, shard=_held_bytes(gm)))
 
 
@@ -128,20 +118,14 @@ def _plan_job(cfg, world, queue):
     import transformers
     import autoshard
     from autoshard.loading import meta_model
-    base = _status()["VmRSS"]
+    base = proc_status()["VmRSS"]
     t0 = time.perf_counter()
     model = meta_model(transformers.LlamaConfig(**cfg, tie_word_embeddings=False))
     plan = autoshard.plan(model, world, {"input_ids": torch.zeros(1, 512, dtype=torch.long)}, tracer="export")
     seconds = time.perf_counter() - t0
-    st = _status()
+    st = proc_status()
     queue.put(dict(seconds=seconds, search_seconds=plan.search_seconds, peak_rss=st["VmHWM"],
                    growth=st["VmHWM"] - base, params=plan.params_total))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(ctx, target, args_list):
@@ -174,7 +158,7 @@ def main(argv=None) -> int:
             p.join()
         largest = _largest_fp32(directory)
         results["largest_tensor_fp32"] = largest
-        ours = _spawn(ctx, _rank_ours, [(r, WORLD, port, directory) for port in [_free_port()] for r in range(WORLD)])
+        ours = _spawn(ctx, _rank_ours, [(r, WORLD, port, directory) for port in [free_port()] for r in range(WORLD)])
         today = []
         for r in range(WORLD):                        # one full fp32 model at a time
             today += _spawn(ctx, _rank_today, [(r, WORLD, directory)])

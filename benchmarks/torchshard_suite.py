@@ -34,7 +34,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,10 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.common import free_port  # noqa: E402
+
 RANKS = 2
 
 # (file pattern, old, new, required): `required` edits must match at least once, so a changed
@@ -116,12 +119,6 @@ if __name__ == "__main__":                 # spawned ranks import this module ag
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def port_tests(checkout: Path, dest: Path, library: str) -> list[str]:
     """Copy the checkout's tests/ into `dest` with the edits; returns the test module names."""
     src = checkout / "tests"
@@ -175,7 +172,7 @@ def run_library(library: str, tests_dir: Path, modules: list[str], pythonpath: l
     for module in modules:
         out, log = tests_dir / f"{module}.jsonl", tests_dir / f"{module}.log"
         out.unlink(missing_ok=True)
-        env["TS_SUITE_PORT"] = str(_free_port())
+        env["TS_SUITE_PORT"] = str(free_port())
         t0 = time.time()
         with open(log, "w") as logf:
             try:

@@ -277,7 +277,7 @@ def _dag(rng: random.Random):
         if loss is None:
             return (x,)
         labels = torch.randint(classes, lead, generator=g)
-        labels[torch.rand(lead, generator=g) < 0.2] = loss[0] if loss[0] >= 0 else -100
+        labels[torch.rand(lead, generator=g) < 0.2] = loss[0]
         return (x, labels)
 
     b, t = rng.randint(2, 3), rng.randint(3, 7)
@@ -460,7 +460,7 @@ def _lm(rng: random.Random):
         if loss is None:
             return (idx,)
         tgt = torch.randint(vocab, (b, t), generator=g)
-        tgt[torch.rand(b, t, generator=g) < 0.2] = loss[0] if loss[0] >= 0 else -100
+        tgt[torch.rand(b, t, generator=g) < 0.2] = loss[0]
         return (idx, tgt)
 
     b, t = rng.randint(2, 3), rng.randint(4, 8)
@@ -484,10 +484,6 @@ def make_model(seed: int) -> RandomModel:
     text = (f"seed {seed} (world {world}, tracer={tracer}): {text}\n  inputs: {shapes(example)}; other: "
             + "; ".join(shapes(o) for o in others))
     return RandomModel(model, example, others, text, tracer, world)
-
-
-def describe(seed: int) -> str:
-    return make_model(seed).description
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ def close_to_scale(actual, expected, what):
                                msg=lambda m: f"{what}: {m}")
 
 
-def grads(module):
-    """{parameter name: gradient} of the parameters that have one."""
-    return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+def grads(module, remove_duplicate=True):
+    """{parameter name: gradient} of the parameters that have one (tied aliases too with
+    remove_duplicate=False)."""
+    return {n: p.grad for n, p in module.named_parameters(remove_duplicate=remove_duplicate) if p.grad is not None}

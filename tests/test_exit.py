@@ -7,10 +7,11 @@ such a process ("terminate called without an active exception", SIGABRT); autosh
 hook now releases its groups first.  Several jobs run at once (load makes the race likelier).
 """
 import os
-import socket
 import subprocess
 import sys
 import time
+
+from launcher import _free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = 4
@@ -34,12 +35,6 @@ def _worker(rank: int, port: int) -> None:
     y = autoshard.distributed.gather(autoshard.distributed.scatter(x.requires_grad_(), 0), 0)
     y.sum().backward()
     print(f"rank {rank} done", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_jobs(jobs: int, timeout: float = 240) -> list:

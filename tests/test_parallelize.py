@@ -28,6 +28,7 @@ from autoshard import distributed as ad
 from autoshard.collectives import _cat_along, count_comm
 from autoshard.errors import CaptureError, ProcessGroupError, ShardingError
 from autoshard.nn import functional as PF
+from launcher import _free_port
 from models import GPT, MLPStack
 from refs import close_to_scale as _close, grads as _grads
 
@@ -378,13 +379,6 @@ def _env(**extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     env.update({k: str(v) for k, v in extra.items()})
     return env
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SMALL = ["--vocab", "512", "--hidden", "32", "--heads", "2", "--layers", "1", "--seq", "16", "--batch", "4", "--quiet"]

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 import hf_models
+from autoshard.errors import first_line
+from refs import grads
 
 __all__ = ["Arch", "ZOO", "FAST", "build", "zoo_case", "run_zoo"]
 
@@ -288,12 +290,11 @@ def _stage(exc: BaseException) -> str:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:400]
+    return f"{type(exc).__name__}: {first_line(exc)}"[:400]
 
 
 def _grads(model) -> dict:
-    return {k: p.grad for k, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+    return grads(model, remove_duplicate=False)      # tied aliases too: collect_state_dict sees every name
 
 
 def zoo_case(rank, p, name, seed=0):

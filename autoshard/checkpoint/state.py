@@ -120,11 +120,6 @@ def _global_shape_of(value) -> tuple | None:
 
 # ----------------------------------------------------------------------------- optimizer state
 
-def _param_names(gm) -> dict:
-    """{id(parameter): its first name} (a tied parameter is named once, as named_parameters does)."""
-    return {id(p): name for name, p in gm.named_parameters()}
-
-
 def _init_optimizer_state(optimizer) -> None:
     """Give the parameters of `optimizer` that have no state yet their state (zero moments, a step
     count) so that a load can fill it: one step at learning rate 0 on zero gradients, which moves no
@@ -152,7 +147,7 @@ def _init_optimizer_state(optimizer) -> None:
 
 def _optimizer_entries(gm, optimizer):
     """(name, parameter) of every parameter the optimizer holds, in its order; unknown ones raise."""
-    names = _param_names(gm)
+    names = {id(p): name for name, p in gm.named_parameters()}     # a tied parameter is named once
     out = []
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -182,11 +177,10 @@ def get_state_dict(gm, optimizer=None):
     if optimizer is None:
         return msd, {}
     _init_optimizer_state(optimizer)
-    state = {}
-    for name, p in _optimizer_entries(gm, optimizer):
-        state[name] = {k: lay.wrap(name, v) if _is_param_shaped(v, p) else v
-                       for k, v in optimizer.state.get(p, {}).items()}
-    names = _param_names(gm)
+    entries = _optimizer_entries(gm, optimizer)
+    state = {name: {k: lay.wrap(name, v) if _is_param_shaped(v, p) else v for k, v in optimizer.state.get(p, {}).items()}
+             for name, p in entries}
+    names = {id(p): name for name, p in entries}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
     return msd, {"state": state, "param_groups": groups}
@@ -197,10 +191,11 @@ def _expected_model(gm, lay) -> dict:
     return {key: (lay.global_shape(key, t.shape), t) for key, t in gm.state_dict(keep_vars=True).items()}
 
 
-def _expected_optimizer(gm, optimizer, lay) -> dict:
-    """{name: {state key: (global shape or None for a scalar/non-tensor, local value)}}."""
+def _expected_optimizer(entries, optimizer, lay) -> dict:
+    """{name: {state key: (global shape or None for a scalar/non-tensor, local value)}} of the
+    optimizer's (name, parameter) `entries`."""
     out = {}
-    for name, p in _optimizer_entries(gm, optimizer):
+    for name, p in entries:
         out[name] = {k: ((lay.global_shape(name, v.shape) if _is_param_shaped(v, p) else
                           tuple(v.shape) if isinstance(v, torch.Tensor) else None), v)
                      for k, v in optimizer.state.get(p, {}).items()}
@@ -244,33 +239,30 @@ def set_state_dict(gm, optimizer=None, *, model_state_dict, optim_state_dict=Non
     optim = None
     if optimizer is not None and optim_state_dict is not None:
         _init_optimizer_state(optimizer)
-        optim = _expected_optimizer(gm, optimizer, lay)
+        entries = _optimizer_entries(gm, optimizer)
+        optim = _expected_optimizer(entries, optimizer, lay)
+        param_of = dict(entries)
         given = optim_state_dict.get("state", {})
         problems += _compare("optimizer state", {k: (None, None) for k in optim}, given)
-        for name, entries in optim.items():
+        for name, expected in optim.items():
             if name in given:
-                problems += _compare(f"optimizer state of {name!r}", entries, given[name])
-        problems += _check_groups(optimizer, optim_state_dict, [n for n, _ in _optimizer_entries(gm, optimizer)])
+                problems += _compare(f"optimizer state of {name!r}", expected, given[name])
+        problems += _check_groups(optimizer, optim_state_dict, list(optim))
     if problems:
         raise CheckpointError(f"the state dict does not fit {type(gm).__name__}:\n  " + "\n  ".join(problems))
     with torch.no_grad():
         for key, (_, local) in model.items():
             _copy_into(lay, key, local, model_state_dict[key])
         if optim is not None:
-            for name, entries in optim.items():
-                for k, (_, local) in entries.items():
+            for name, expected in optim.items():
+                for k, (_, local) in expected.items():
                     value = optim_state_dict["state"][name][k]
                     if isinstance(local, torch.Tensor):
                         _copy_into(lay if local.dim() else None, name, local, value)
                     else:
-                        _param_state(optimizer, gm, name)[k] = value
+                        optimizer.state[param_of[name]][k] = value
             for group, saved in zip(optimizer.param_groups, optim_state_dict["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def _param_state(optimizer, gm, name):
-    p = dict(gm.named_parameters())[name]
-    return optimizer.state[p]
 
 
 def _check_groups(optimizer, osd, names) -> list:

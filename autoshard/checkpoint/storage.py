@@ -166,7 +166,7 @@ def load(state_dict, checkpoint_id, *, process_group=None) -> None:
     check_checkpoint(state_dict, metadata)
     try:
         with _quiet_single_process():
-            dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=LoadPlanner(),
+            dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=DefaultLoadPlanner(),  # checked above
                      process_group=process_group, no_dist=not dist.is_initialized())
     except CheckpointException as e:
         raise CheckpointError(f"loading {path} failed: {_failures(e)}") from e
