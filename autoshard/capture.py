@@ -85,11 +85,13 @@ def _input_dynamic_dims(t: torch.Tensor) -> list[int]:
     return list(range(t.dim()))
 
 
-def placeholder_inputs(gm: fx.GraphModule, tracer: str, args: tuple, kwargs: dict) -> list:
-    """The example inputs in the order of `gm`'s placeholders."""
+def placeholder_inputs(gm: fx.GraphModule, tracer: str, args: tuple, kwargs: dict, placeholders=None) -> list:
+    """The example inputs in the order of `gm`'s placeholders (`placeholders`: those nodes, when
+    the caller already holds them)."""
     if tracer == "export":
         return fx._pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if placeholders is None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     flat = list(args)
     for n in placeholders[len(args):]:
         if n.target in kwargs:
@@ -298,7 +300,8 @@ def _symbolic(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.Gr
         notes.append(f"the model did not run at other input sizes ({type(error).__name__}: {first_line(error, 120)}); "
                      "it is planned for the example's sizes")
     propagate(gm, flat)
-    _mark_changed(gm, probe_shapes or _shapes_of(gm))
+    if probe_shapes is not None:            # else no dim is dynamic (a fresh trace carries no marks)
+        _mark_changed(gm, probe_shapes)
     return gm
 
 
@@ -331,7 +334,8 @@ def _meta_inputs(model: nn.Module, args: tuple, kwargs: dict):
     """For a model built on the meta device: its example inputs moved to meta (so that capture
     allocates nothing and devices agree) and the device the inputs will really live on (their
     own when not meta, else CPU); (None, None) for a model with real tensors."""
-    if not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+    from .loading import has_meta
+    if not has_meta(model):
         return None, None
     devices = {a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_meta}
     meta = lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a      # noqa: E731

@@ -371,7 +371,7 @@ class Rewriter:
         self.gm._autoshard_layouts = table
         self.gm._autoshard_group = self.key
         self.gm._autoshard_plan = self.plan
-        self.gm.register_forward_pre_hook(InputCheck.of(self.plan), with_kwargs=True, prepend=True)
+        self.gm.register_forward_pre_hook(InputCheck.of(self.plan, self.gm), with_kwargs=True, prepend=True)
         return self.gm
 
 
@@ -380,22 +380,23 @@ class InputCheck:
     its sizes where the plan fixed them (feature dims, split dims); batch and sequence sizes,
     which capture found free, may be anything. A wrong input gets a ShardingError naming it."""
 
-    def __init__(self, tracer: str, specs: tuple):
+    def __init__(self, tracer: str, specs: tuple, placeholders: tuple):
         self.tracer, self.specs = tracer, specs          # ((name, example shape, free dims) | None, ...)
+        self.placeholders = placeholders                 # the module's placeholder nodes: found once, not per call
 
     @classmethod
-    def of(cls, plan) -> "InputCheck":
+    def of(cls, plan, gm: fx.GraphModule) -> "InputCheck":
         specs = []
         for n in plan.graph_module.graph.nodes:
             if n.op == "placeholder":
                 v = n.meta.get("val")
                 specs.append((n.target, tuple(int(x) for x in v.shape), dynamic_dims(n))
                              if isinstance(v, torch.Tensor) else None)
-        return cls(plan.tracer, tuple(specs))
+        return cls(plan.tracer, tuple(specs), tuple(n for n in gm.graph.nodes if n.op == "placeholder"))
 
     def __call__(self, module, args, kwargs):
         try:
-            flat = placeholder_inputs(module, self.tracer, args, kwargs)
+            flat = placeholder_inputs(module, self.tracer, args, kwargs, self.placeholders)
         except Exception:  # noqa: BLE001 - a call that does not match forward(): its own error follows
             return None
         for spec, x in zip(self.specs, flat):

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .linear import _bytes
-from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, node_arg, register_rule
+from .linear import column_row
+from .registry import PARTIAL, NodeInfo, Shard, node_arg, register_rule
 
 aten = torch.ops.aten
 
@@ -55,26 +55,14 @@ def _conv(info):
         return []
     p, g = info.world_size, conv_groups(node)
     ch = channel_dim(info, x, w)
-    found = []
     if g == 1:
-        for k in (1, *info.chunk_candidates):
-            m = {x: REPLICATE, w: Shard(0, k)}
-            if b is not None:
-                m[b] = Shard(0, k)
-            found.append(info.req(m, "column", Shard(ch, k), compute=1 / p, dim=-1))
-        for k in (1, *info.chunk_candidates):     # k > 1: the input is a cat of k pieces, each split
-            m = {x: Shard(ch, k), w: Shard(1, k)}
-            if b is None:
-                found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0))
-            else:
-                found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0,
-                                      comm=[("all_reduce", _bytes(info))]))
-    elif g % p == 0:                               # whole groups per rank (channels divide then too)
-        m = {x: Shard(ch), w: Shard(0)}
-        if b is not None:
-            m[b] = Shard(0)
-        found.append(info.req(m, "grouped", Shard(ch), compute=1 / p, dim=-1))
-    return found
+        return column_row(info, x, w, b, x_dim=ch, out_dim=ch, w_out_dim=0, w_in_dim=1)
+    if g % p:
+        return []
+    m = {x: Shard(ch), w: Shard(0)}                # whole groups per rank (channels divide then too)
+    if b is not None:
+        m[b] = Shard(0)
+    return [info.req(m, "grouped", Shard(ch), compute=1 / p, dim=-1)]
 
 
 # spatial ops: op -> number of trailing spatial dims they act on

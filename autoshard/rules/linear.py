@@ -17,24 +17,33 @@ def _bytes(info: NodeInfo, n=None) -> int:
     return v.numel() * v.element_size()
 
 
-def matmul_family(info: NodeInfo, x, w, b, *, w_out_dim: int, w_in_dim: int):
-    """Strategies of y = x @ W (+ b) where W's output features lie on `w_out_dim`."""
+def column_row(info: NodeInfo, x, w, b, *, x_dim: int, out_dim: int, w_out_dim: int, w_in_dim: int) -> list:
+    """Column and row strategies of a map over features (x's `x_dim`, the output's `out_dim`)
+    with weight W (output features on `w_out_dim`, input features on `w_in_dim`) and bias b:
+    linear layers and convolutions."""
     p = info.world_size
-    out_nd = len(info.out_shape)
-    last = out_nd - 1
     found = []
     for k in (1, *info.chunk_candidates):
         m = {x: REPLICATE, w: Shard(w_out_dim, k)}
         if b is not None:
             m[b] = Shard(0, k)
-        found.append(info.req(m, "column", Shard(last, k), compute=1 / p, dim=-1))
+        found.append(info.req(m, "column", Shard(out_dim, k), compute=1 / p, dim=-1))
     for k in (1, *info.chunk_candidates):     # k > 1: the input is k pieces, each split (a cat of shards)
-        m = {x: Shard(len(info.shape(x)) - 1, k), w: Shard(w_in_dim, k)}
+        m = {x: Shard(x_dim, k), w: Shard(w_in_dim, k)}
         if b is None:
             found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0))
         else:
             found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0,
                                   comm=[("all_reduce", _bytes(info))]))
+    return found
+
+
+def matmul_family(info: NodeInfo, x, w, b, *, w_out_dim: int, w_in_dim: int):
+    """Strategies of y = x @ W (+ b) where W's output features lie on `w_out_dim`."""
+    p = info.world_size
+    out_nd = len(info.out_shape)
+    found = column_row(info, x, w, b, x_dim=len(info.shape(x)) - 1, out_dim=out_nd - 1,
+                       w_out_dim=w_out_dim, w_in_dim=w_in_dim)
     for d in range(out_nd - 1):              # batch dims pass through with a replicated weight
         if info.out_shape[d] > 1:
             found.append(info.req({x: Shard(d)}, f"shard({d})", Shard(d), compute=1 / p))
