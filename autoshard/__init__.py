@@ -9,8 +9,7 @@ from .state_dict import (collect_state_dict, get_parallel_dim, layouts, register
 from .state_dict import ORDER_TYPE as _ORDER_TYPE, PARALLEL_DIM as _PARALLEL_DIM  # TorchShard's names
 
 __version__ = "0.1.0"
-from .api import parallelize, plan
-from .loading import from_pretrained
+from .api import from_pretrained, parallelize, plan
 from .cost import CostModel
 from .plan import Plan
 

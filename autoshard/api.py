@@ -1,41 +1,25 @@
-"""Entry points: `plan` (capture, rules, cost, search -> Plan) and `parallelize` (Plan -> GraphModule)."""
+"""Entry points: `plan` (capture -> planner -> Plan), `parallelize` (Plan -> this rank's
+GraphModule, filled from a checkpoint or initialised) and `from_pretrained` (a Hugging Face
+checkpoint directory -> this rank's GraphModule, never building the full model)."""
 from __future__ import annotations
 
 import hashlib
-import time
-from dataclasses import replace
+import os
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import search as _search
-from .capture import capture
+from . import groups as D
+from . import loading
+from .capture import capture, has_meta
 from .cost import CostModel
-from .errors import ShardingError
-from .placements import Shard
-from .plan import Plan, build_plan
+from .errors import LoadError, ProcessGroupError, ShardingError
+from .plan import Plan
+from .planner import plan_graph
+from .rewrite import rewrite
 
 _COST_KEYS = {"bandwidth", "latency", "flops", "memory_weight", "state_factor", "memory_budget"}
-
-
-def _chunk_candidates(gm: fx.GraphModule) -> tuple:
-    """Numbers of equal pieces tensors are split into (a fused q/k/v gives 3) or joined from (cat)."""
-    ks = set()
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if n.op == "call_function" and n.target in (torch.cat, torch.concat, torch.ops.aten.cat.default):
-            pieces = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-            if len(pieces) > 1:
-                ks.add(len(pieces))          # a cat of equal shards is a strided shard of that many
-            continue
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-        if n.op == "output" or not any(w in name for w in ("split", "chunk")):
-            continue                 # only splits unfuse (not a model's outputs, not (cos, sin))
-        if isinstance(v, (tuple, list)) and len(v) > 1 and all(isinstance(t, torch.Tensor) for t in v):
-            if len({(tuple(t.shape), t.dtype) for t in v}) == 1:     # not (values, indices), (out, mask)
-                ks.add(len(v))
-    return tuple(sorted(ks))
 
 
 def _check_world_size(world_size) -> int:
@@ -69,60 +53,6 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
                       notes=cap.notes, example=(cap.args, cap.kwargs))
 
 
-def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
-               tracer="fx", notes=(), example=((), {})) -> Plan:
-    """Plan an already captured graph (shapes in node.meta['val'])."""
-    t0 = time.perf_counter()
-    prob = _search.Problem(gm, world_size, cost, _chunk_candidates(gm), pins=pin or {})
-    if not prob.param_obj:
-        raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
-    if cost.memory_budget is None:
-        state = _run(prob, search)
-    else:
-        state, prob = _fit_budget(gm, world_size, cost, pin, search)
-        if _state_bytes(prob, state) > cost.memory_budget:
-            notes = list(notes) + [f"no plan fits memory_budget={cost.memory_budget:.0f} bytes; the most "
-                                   f"sharded one needs {_state_bytes(prob, state):.0f}"]
-    seconds = time.perf_counter() - t0
-    notes = list(notes) + _divisibility_notes(prob, world_size)
-    return build_plan(prob, state, tracer=tracer, search=search, seconds=seconds, notes=notes, example=example)
-
-
-def _run(prob, search):
-    return _search.exact(prob) if search == "exact" else _search.greedy(prob)
-
-
-def _state_bytes(prob, state) -> float:
-    """Training-state bytes a rank holds under `state` (parameters, gradients, optimizer moments)."""
-    return sum(t.numel() * t.element_size() * prob.cost.state_factor /
-               (prob.p if isinstance(state.placement_of_param(k), Shard) else 1) for k, t in prob.param_obj.items())
-
-
-def _fit_budget(gm, p, cost, pin, search):
-    """With a memory budget: the plan of the smallest memory weight (x4 steps from ~0) that fits."""
-    weight = 1e-15
-    while True:
-        prob = _search.Problem(gm, p, replace(cost, memory_weight=weight), _chunk_candidates(gm), pins=pin or {})
-        state = _run(prob, search)
-        if _state_bytes(prob, state) <= cost.memory_budget or weight > 1e-3:
-            return state, prob
-        weight *= 4
-
-
-def _divisibility_notes(prob, p) -> list:
-    notes = []
-    grouped = {k for g in prob.groups for k in g.params}
-    for key, obj in prob.param_obj.items():
-        if key in grouped or obj.dim() < 2:
-            continue
-        consumers = [u for i, kk in prob.param_key.items() if kk == key for u in prob.users[i]]
-        if any(prob.kind[c] == "op" for c in consumers):
-            names = prob.param_names[key][0]
-            if any(s % p for s in obj.shape):
-                notes.append(f"{names} {list(obj.shape)} stays replicated: its dims do not divide by {p}")
-    return notes
-
-
 def _fingerprint(model: nn.Module) -> tuple:
     return tuple(sorted((n, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)))
 
@@ -142,14 +72,10 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     torch.save file or a mapping of tensors; autoshard.loading) or, without it, by each module's
     own initialisation. `device=` places the filled tensors; `progress` shows a bar while reading.
     """
-    from . import distributed as D
-    from .errors import ProcessGroupError
-    from .rewrite import rewrite
-    from . import loading
     world_size = _check_world_size(world_size)
     source = loading.open_source(load) if load is not None else None             # opened once, read per rank
     chosen = loading.check_source(model, source) if source is not None else None  # before any allocation
-    if load is None and loading.has_meta(model):
+    if load is None and has_meta(model):
         loading.check_initialisable(model)
     key = None
     if D.is_initialized():
@@ -186,7 +112,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     if D.is_initialized():
         _check_same_plan(plan, pg)
     gm = rewrite(plan, rank, key, model)
-    if load is not None or device is not None or loading.has_meta(model):
+    if load is not None or device is not None or has_meta(model):
         loading.materialize(gm, model, rank, world_size, source=source, chosen=chosen, device=device,
                             progress=progress)
     return gm
@@ -208,7 +134,24 @@ def _check_same_plan(plan: Plan, pg) -> None:
     torch.distributed.all_gather(every, mine, group=pg)
     digests = [int(t.item()) for t in every]
     if len(set(digests)) > 1:
-        from .errors import ProcessGroupError
         raise ProcessGroupError(f"the ranks of the tensor-parallel group planned differently (plan digests "
                                 f"{digests}); plan once with the same model, inputs and options on every rank, "
                                 "or pass the same plan= everywhere")
+
+
+def from_pretrained(path, world_size: int, example_inputs=None, *, dtype=None, model_class=None, device=None,
+                    rank: int | None = None, progress=None, **plan_options):
+    """This rank's GraphModule of the Hugging Face checkpoint directory `path`, never building the
+    full model: config -> meta model -> plan -> this rank's slices of the weights.
+
+    `example_inputs` (default: input_ids of shape (1, tokens)) shape the plan; `dtype` (default:
+    the config's) is the dtype the weights are converted to; `model_class` defaults to
+    AutoModelForCausalLM; `device` holds the shards; other options go to `plan`."""
+    if not os.path.isdir(os.fspath(path)):
+        raise LoadError(f"from_pretrained: {os.fspath(path)!r} is not a checkpoint directory")
+    model = loading.meta_model(path, dtype, model_class)
+    if example_inputs is None:
+        example_inputs = loading.example_ids(model, plan_options.pop("tokens", 512))
+    plan_options.setdefault("tracer", "export")
+    return parallelize(model, world_size, example_inputs, load=path, device=device, rank=rank, progress=progress,
+                       **plan_options)

@@ -28,6 +28,12 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from .errors import CaptureError, first_line
 
 
+def has_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of `module` lives on the meta device."""
+    return any(t.is_meta for t in module.parameters()) or \
+        any(b is not None and b.is_meta for b in module.buffers())
+
+
 @dataclass
 class Captured:
     """A captured graph, the tracer that made it and the example inputs it was shaped with."""
@@ -334,7 +340,6 @@ def _meta_inputs(model: nn.Module, args: tuple, kwargs: dict):
     """For a model built on the meta device: its example inputs moved to meta (so that capture
     allocates nothing and devices agree) and the device the inputs will really live on (their
     own when not meta, else CPU); (None, None) for a model with real tensors."""
-    from .loading import has_meta
     if not has_meta(model):
         return None, None
     devices = {a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_meta}

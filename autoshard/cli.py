@@ -195,13 +195,13 @@ def cmd_plan(args) -> int:
     if (args.target is None) == (args.from_pretrained is None):
         raise CliError("give either MODULE:FACTORY or --from-pretrained DIR")
     if args.from_pretrained is not None:
-        from .loading import _example_ids, meta_model
+        from .loading import example_ids, meta_model
         from .errors import LoadError
         try:
             model = meta_model(args.from_pretrained, args.weights_dtype)
         except (LoadError, ImportError, OSError, ValueError) as e:
             raise CliError(f"--from-pretrained {args.from_pretrained}: {e}") from e
-        example = _example_ids(model, args.tokens)
+        example = example_ids(model, args.tokens)
         if args.tracer == "auto":
             args.tracer = "export"
     else:

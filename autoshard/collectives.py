@@ -5,7 +5,7 @@ Each collective is one small autograd function whose backward is the dual of its
 all-to-all/all-to-all.  Every public wrapper returns its input unchanged at group size 1 and is
 an FX leaf (`torch.fx.wrap`), so a traced or rewritten graph shows it as one named
 `call_function` node.  In traced code pass `group` as a registry key string
-(`autoshard.distributed.register_group`), never as a ProcessGroup object.
+(`autoshard.groups.register_group`), never as a ProcessGroup object.
 
 Works on gloo (CPU) and NCCL (CUDA): the single-tensor collectives are used when the backend
 has them, with list-based fallbacks otherwise.
@@ -20,48 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from .distributed import get_group
-from .errors import ShardingError
+from .groups import get_group
+from .placements import cat_along, checked_dim, split_along
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter", "all_gather",
            "all_to_all", "ring_bytes", "count_comm", "CommCounter"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-
-
-# ----------------------------------------------------------------------------- layout helpers
-
-def _norm_dim(dim: int, ndim: int, what: str = "tensor") -> int:
-    if not -ndim <= dim < ndim:
-        raise ShardingError(f"dim {dim} is out of range for a {ndim}-D {what}")
-    return dim % ndim
-
-
-def _split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = "tensor"):
-    """Split `x` along `dim` into the `n` rank pieces of Shard(dim, chunks): views when chunks=1.
-
-    With chunks > 1 the dim is `chunks` equal blocks, each split over the ranks, and piece r is
-    the concatenation of rank r's part of every block."""
-    dim = _norm_dim(dim, x.dim(), what)
-    size = x.size(dim)
-    if size % (n * chunks):
-        raise ShardingError(
-            f"{what} of shape {tuple(x.shape)}: size {size} of dim {dim} does not divide into "
-            f"{chunks} chunk(s) x {n} ranks")
-    step = size // (n * chunks)
-    parts = x.split(step, dim)                      # chunks * n parts, block-major
-    if chunks == 1:
-        return list(parts)
-    return [torch.cat(parts[r::n], dim) for r in range(n)]
-
-
-def _cat_along(pieces, dim: int, chunks: int = 1) -> torch.Tensor:
-    """Inverse of `_split_along`: the full tensor from the rank pieces in rank order."""
-    dim = _norm_dim(dim, pieces[0].dim())
-    if chunks == 1:
-        return torch.cat(list(pieces), dim)
-    blocks = [p.chunk(chunks, dim) for p in pieces]
-    return torch.cat([blocks[r][c] for c in range(chunks) for r in range(len(pieces))], dim)
 
 
 # ----------------------------------------------------------------------------- counters
@@ -173,7 +138,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _all_reduce(x, group, op="copy_to", direction="forward", reduce_op=dist.ReduceOp.SUM, inplace=False):
+def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op=dist.ReduceOp.SUM, inplace=False):
     """Sum (or `reduce_op`) of `x` over the group, in a fresh contiguous tensor (in `x` itself
     with `inplace`, which needs `x` contiguous)."""
     out = x if inplace else x.clone(memory_format=torch.contiguous_format)
@@ -197,19 +162,19 @@ def _gather(x, dim, chunks, group, op="gather_from", direction="forward"):
     """Full tensor from every rank's Shard(dim, chunks) piece."""
     stacked = _stacked_gather(x, group)
     _record(op, "all_gather", direction, stacked.nbytes, stacked.size(0))
-    return _cat_along(stacked.unbind(0), dim, chunks)
+    return cat_along(stacked.unbind(0), dim, chunks)
 
 
 def _scatter(x, dim, chunks, group):
     """This rank's Shard(dim, chunks) piece of the full `x` (no communication)."""
-    pieces = _split_along(x, dim, dist.get_world_size(group), chunks)
+    pieces = split_along(x, dim, dist.get_world_size(group), chunks)
     return pieces[dist.get_rank(group)].contiguous()
 
 
 def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forward"):
     """This rank's Shard(dim, chunks) piece of the sum of `x` over the group."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
-    pieces = _split_along(x, dim, p, chunks)
+    pieces = split_along(x, dim, p, chunks)
     stacked = torch.stack(pieces)
     out = pieces[0].new_empty(pieces[0].shape)
     if not _try_single("reduce_scatter", group,
@@ -223,8 +188,8 @@ def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forwa
 def _all_to_all(x, src_dim, dst_dim, group, op="all_to_all", direction="forward"):
     """Move the shard from `src_dim` to `dst_dim`: split on dst_dim, exchange, cat on src_dim."""
     p = dist.get_world_size(group)
-    src_dim, dst_dim = _norm_dim(src_dim, x.dim()), _norm_dim(dst_dim, x.dim())
-    stacked = torch.stack(_split_along(x, dst_dim, p))
+    src_dim, dst_dim = checked_dim(src_dim, x.dim()), checked_dim(dst_dim, x.dim())
+    stacked = torch.stack(split_along(x, dst_dim, p))
     out = torch.empty_like(stacked)
     if not _try_single("all_to_all", group, lambda: dist.all_to_all_single(out, stacked, group=group)):
         dist.all_to_all(list(out.unbind(0)), list(stacked.unbind(0)), group=group)
@@ -242,7 +207,7 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, "copy_to", "backward"), None
+        return raw_all_reduce(grad, ctx.group, "copy_to", "backward"), None
 
 
 class _ReduceFrom(torch.autograd.Function):
@@ -251,7 +216,7 @@ class _ReduceFrom(torch.autograd.Function):
         inplace = inplace and x.is_contiguous()
         if inplace:
             ctx.mark_dirty(x)               # autograd sees the in-place write (version counter)
-        return _all_reduce(x, group, "reduce_from", "forward", inplace=inplace)
+        return raw_all_reduce(x, group, "reduce_from", "forward", inplace=inplace)
 
     @staticmethod
     def backward(ctx, grad):

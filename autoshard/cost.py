@@ -11,8 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
+
 from .collectives import KINDS, ring_bytes  # noqa: F401  (one definition of ring bytes)
 from .placements import Partial, Replicate, Shard
+from .rules.conv import conv_flops
+from .rules.registry import family_of
 
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
@@ -84,3 +88,21 @@ def grad_fix(produced, wanted) -> tuple[str, ...]:
     if isinstance(produced, Shard) and isinstance(wanted, Replicate):
         return ("all_gather",)
     return ("all_to_all",)
+
+
+def flops(node, s) -> float:
+    """Forward + backward flops of a node, whichever strategy `s` runs it (the strategy's
+    `compute` scales them): matmul family 3 x 2 * output elements * contraction size,
+    convolutions likewise (the contraction is in-channels per group x kernel); others 3 per element."""
+    v = node.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return 0.0
+    family = family_of(node)
+    if family == "conv":
+        return conv_flops(node)
+    if family == "matmul":
+        for a in node.all_input_nodes:          # x of linear / addmm(b, x, w), a of a @ b
+            x = a.meta.get("val")
+            if isinstance(x, torch.Tensor) and x.dim() >= 2:
+                return 6.0 * v.numel() * x.shape[-1]
+    return 3.0 * v.numel()

@@ -1,175 +1,24 @@
-"""The tensor-parallel group registry.
+"""`autoshard.distributed`: TorchShard's `torchshard.distributed` under autoshard.
 
-`init_process_group(group_size)` forms tensor-parallel groups of `group_size` consecutive ranks
-(as TorchShard does); ranks with the same position in their tensor-parallel group form a
-data-parallel group.  Rewritten graphs name their group by a string key (FX code cannot hold a
-ProcessGroup object), resolved here at run time.
+The group functions (`init_process_group(group_size)`, `get_group`, `get_world_size`, ...) are
+those of `autoshard.groups`, the registry every layer of autoshard resolves its groups through;
+`copy / scatter / gather / reduce` are TorchShard's communication functions: autograd functions
+over the tensor-parallel group whose backward is the dual of the forward (they are the
+collectives of `autoshard.collectives`), and which label their output with TorchShard's
+`parallel_dim` / `order_type` attributes, as TorchShard's layers read them: scatter and gather
+label it `dim`, reduce None, copy not at all. At group size 1 the input comes back unchanged and
+unlabelled. One difference: TorchShard's `reduce` sums a tensor that needs no gradient in place;
+this one returns the sum in a new tensor and leaves its input alone.
 """
 from __future__ import annotations
 
-import atexit
-import gc
-import os
-import sys
-from datetime import timedelta
-
-import torch
-import torch.distributed as dist
 import torch.fx
-import torch.distributed.nn  # noqa: F401 - see below
 
-# torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when first
-# imported; imported after init_process_group (torch.export and FakeTensor import it), those
-# defaults keep the default ProcessGroup alive past destroy_process_group, and a gloo group freed
-# while the interpreter exits can abort the process. Importing it here, with autoshard, before
-# the group exists binds None instead.
+from .collectives import copy_to, gather_from, reduce_from, scatter_to
+from .groups import (default_backend, destroy_process_group, get_data_parallel_group, get_group,  # noqa: F401
+                     get_group_size, get_rank, get_world_size, init_process_group, is_initialized, local_rank,
+                     register_group, set_group)
 
-from .errors import ProcessGroupError
-
-_GROUPS: dict[str, object] = {}          # key -> ProcessGroup
-_STATE = {"tp": None, "dp": None}        # this rank's current tensor- and data-parallel groups
-
-
-def _require_initialized(what: str) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise ProcessGroupError(
-            f"{what} needs a process group: call torch.distributed.init_process_group (or "
-            "autoshard.distributed.init_process_group) first, e.g. under torchrun"
-        )
-
-
-def default_backend() -> str:
-    """NCCL when CUDA is usable, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-
-
-def init_process_group(group_size: int | None = None, backend: str | None = None,
-                       timeout: timedelta = timedelta(seconds=60), **kwargs):
-    """Initialise torch.distributed if needed (env:// as torchrun sets it) and form the
-    tensor-parallel groups of `group_size` consecutive ranks; returns this rank's TP group."""
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend or default_backend(), timeout=timeout, **kwargs)
-    world = dist.get_world_size()
-    group_size = world if group_size is None else int(group_size)
-    if group_size < 1 or world % group_size:
-        raise ProcessGroupError(
-            f"tensor-parallel group size {group_size} must be >= 1 and divide the world size {world}"
-        )
-    rank = dist.get_rank()
-    tp = dp = None
-    for start in range(0, world, group_size):                      # every rank creates every group
-        g = dist.new_group(list(range(start, start + group_size)))
-        if start <= rank < start + group_size:
-            tp = g
-    for offset in range(group_size):
-        g = dist.new_group(list(range(offset, world, group_size)))
-        if rank % group_size == offset:
-            dp = g
-    _STATE["tp"], _STATE["dp"] = tp, dp
-    register_group(tp)
-    return tp
-
-
-def destroy_process_group() -> None:
-    """Forget the registered groups and tear torch.distributed down.
-
-    Call it after the modules and autograd graphs of the run are dropped: autograd nodes of the
-    collectives hold their ProcessGroup, and a gloo group that is only freed while the
-    interpreter exits can abort the process ("terminate called without an active exception").
-    The `gc.collect()` frees such objects that sit in reference cycles (GraphModules do).
-    """
-    _GROUPS.clear()
-    _STATE["tp"] = _STATE["dp"] = None
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _release_at_exit() -> None:
-    """atexit hook: a script that ends without `destroy_process_group` gets it here.
-
-    Otherwise the groups are freed (if at all) while the interpreter tears its modules down,
-    in no fixed order, and a gloo group freed then can abort the process (SIGABRT after a
-    finished run, reported as a failure by torchrun).  Here autoshard's references go first,
-    cycles holding groups (GraphModules, autograd nodes) are collected, and torch.distributed
-    shuts every group down while the interpreter is whole.  Registered at import, so hooks the
-    user registers later (which may still communicate) run before it.  Never raises."""
-    try:
-        destroy_process_group()
-    except Exception as e:  # noqa: BLE001 - exiting anyway; say why, do not mask the exit status
-        print(f"autoshard: destroy_process_group at exit failed: {e!r}", file=sys.stderr)
-
-
-atexit.register(_release_at_exit)
-
-
-def set_group(group) -> None:
-    """Make `group` this rank's current tensor-parallel group."""
-    _STATE["tp"] = group
-    register_group(group)
-
-
-def get_group(group=None):
-    """Resolve `group` (a ProcessGroup, a registered key, or None for the current TP group)."""
-    if group is not None and not isinstance(group, str):
-        return group
-    _require_initialized("a tensor-parallel collective")
-    if isinstance(group, str):
-        if group not in _GROUPS:
-            if group == "world":
-                return dist.group.WORLD
-            raise ProcessGroupError(
-                f"process group {group!r} is not registered on rank {dist.get_rank()}; "
-                f"known: {sorted(_GROUPS)}. Build the module with parallelize(..., group=...) on this rank."
-            )
-        return _GROUPS[group]
-    return _STATE["tp"] if _STATE["tp"] is not None else dist.group.WORLD
-
-
-def get_data_parallel_group():
-    """This rank's data-parallel group (None when init_process_group was not called here)."""
-    return _STATE["dp"]
-
-
-def register_group(group) -> str:
-    """Register `group` and return the key rewritten graphs use to name it."""
-    if group is None or group is dist.group.WORLD:
-        return "world"
-    key = f"pg{id(group):x}"
-    name = getattr(group, "group_name", None)
-    if name:
-        key = f"pg:{name}"
-    _GROUPS[key] = group
-    return key
-
-
-def get_world_size(group=None) -> int:
-    """Size of the tensor-parallel group."""
-    return dist.get_world_size(get_group(group))
-
-
-def get_rank(group=None) -> int:
-    """This rank's index inside the tensor-parallel group."""
-    return dist.get_rank(get_group(group))
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def get_group_size(group=None) -> int:
-    """TorchShard's name for the size of the tensor-parallel group (= `get_world_size`)."""
-    return get_world_size(group)
-
-
-# ----------------------------------------------------------------------------- TorchShard's communication functions
-# `torchshard.distributed.copy / scatter / gather / reduce`: autograd functions over the
-# tensor-parallel group whose backward is the dual of the forward (they are the collectives of
-# `autoshard.collectives`), and which label their output with TorchShard's `parallel_dim` /
-# `order_type` attributes, as TorchShard's layers read them: scatter and gather label it `dim`,
-# reduce None, copy not at all. At group size 1 the input comes back unchanged and unlabelled.
-# One difference: TorchShard's `reduce` sums a tensor that needs no gradient in place; this one
-# returns the sum in a new tensor and leaves its input alone.
 
 def _label(out, input, parallel_dim):
     if out is not input and not isinstance(out, torch.fx.Proxy):
@@ -179,29 +28,20 @@ def _label(out, input, parallel_dim):
 
 def copy(input, group=None):
     """Forward: identity; backward: all-reduce of the gradient (input of a column-parallel op)."""
-    from .collectives import copy_to
     return copy_to(input, group=group)
 
 
 def scatter(input, dim: int = -1, group=None):
     """Forward: this rank's block of `input` along `dim`; backward: all-gather. Labelled `dim`."""
-    from .collectives import scatter_to
     return _label(scatter_to(input, dim, group=group), input, dim)
 
 
 def gather(input, dim: int = -1, group=None):
     """Forward: all-gather of every rank's block along `dim`; backward: keep this rank's block.
     Labelled `dim` (TorchShard's convention, although the result is whole)."""
-    from .collectives import gather_from
     return _label(gather_from(input, dim, group=group), input, dim)
 
 
 def reduce(input, group=None):
     """Forward: all-reduce (sum) into a new tensor; backward: identity. Labelled None."""
-    from .collectives import reduce_from
     return _label(reduce_from(input, group=group), input, None)
-
-
-def local_rank() -> int:
-    """LOCAL_RANK as torchrun sets it (0 when absent)."""
-    return int(os.environ.get("LOCAL_RANK", 0))

@@ -15,7 +15,8 @@ import os
 import re
 from collections import Counter
 
-from .placements import Shard
+from .placements import Shard, maybe_local_shape
+from .report import fmt_bytes
 
 LAYOUT_COLORS = {             # parameter layout -> box color (colorblind-safe Tableau hues)
     "replicate": "#d3d3d3",
@@ -27,11 +28,6 @@ LAYOUT_COLORS = {             # parameter layout -> box color (colorblind-safe T
 COMM_COLOR = "#c0392b"
 _INDEX = re.compile(r"^(?P<prefix>.+?)\.(?P<i>\d+)(?:\.(?P<rest>.*))?$")
 FORMATS = (".svg", ".png", ".pdf")     # by extension
-
-
-def fmt_bytes(n: float) -> str:
-    from .report import _fmt_bytes
-    return _fmt_bytes(n)
 
 
 def _shape(s) -> str:
@@ -191,9 +187,8 @@ def picture_graph(plan, G=None, fold: bool = True):
         it["layout"] = layout_class(it["strategy"], pl)
         it["layouts"] = [str(plan.layouts[q]) for q in names]
         if big is not None:
-            from .graph import _local_shape
             t = gm_params[big]
-            it["weight"] = (tuple(t.shape), _local_shape(t.shape, pl, p))
+            it["weight"] = (tuple(t.shape), maybe_local_shape(t.shape, pl, p))
     # ---- fold runs of identical blocks
     block_of, rest_of = {}, {}
     for key, it in C.nodes(data=True):

@@ -31,18 +31,11 @@ import math
 import torch
 
 from .cost import ring_bytes
-from .placements import Partial, Replicate, Shard, local_shape
+from .placements import Partial, Replicate, Shard, maybe_local_shape
 
 
 def _tensor(v) -> bool:
     return isinstance(v, torch.Tensor)
-
-
-def _local_shape(shape, placement, p):
-    try:
-        return local_shape(shape, placement, p)
-    except ValueError:           # a placement the plan never holds for this shape
-        return None
 
 
 def _node_kind(n, plan) -> str:
@@ -92,7 +85,7 @@ def to_networkx(plan):
         place[n.name] = pl
         attrs["placement"] = pl
         if _tensor(v):
-            ls = _local_shape(v.shape, pl, p) if isinstance(pl, (Replicate, Shard, Partial)) else tuple(v.shape)
+            ls = maybe_local_shape(v.shape, pl, p) if isinstance(pl, (Replicate, Shard, Partial)) else tuple(v.shape)
             attrs.update(shape=tuple(v.shape), dtype=v.dtype, local_shape=ls,
                          bytes=v.numel() * v.element_size(),
                          local_bytes=math.prod(ls) * v.element_size() if ls is not None else None)

@@ -6,8 +6,9 @@ parameter memory), then fills each of this rank's tensors box by box
 checkpoint, reading only those slices and converting their dtype slice by slice. Without
 `load=`, each module's own initialisation (`reset_parameters`, or a Hugging Face model's
 `_init_weights`) runs module by module in the model's order on a full-size copy of that module's
-own tensors only, and the rank keeps its shard. `from_pretrained` goes from a Hugging Face
-checkpoint directory to this rank's GraphModule without ever building the full model.
+own tensors only, and the rank keeps its shard. `meta_model` builds a Hugging Face model from its
+config on meta, with which `autoshard.from_pretrained` (autoshard.api) goes from a checkpoint
+directory to this rank's GraphModule without ever building the full model.
 
 Sources: a `.safetensors` file, a Hugging Face directory (`model.safetensors` or shards with
 `model.safetensors.index.json`; `pytorch_model.bin`), a `torch.save` file (opened with
@@ -24,26 +25,17 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
+from .capture import has_meta
 from .errors import LoadError
 from .placements import Replicate, Shard, fill_boxes, local_shape
 
-__all__ = ["open_source", "check_source", "check_initialisable", "materialize", "has_meta", "from_pretrained", "meta_model",
+__all__ = ["open_source", "check_source", "check_initialisable", "materialize", "meta_model", "example_ids",
            "memory_per_rank", "Source"]
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
 _PROGRESS_BYTES = 256 * 2 ** 20          # a bar (on rank 0) when a load reads more than this
-
-
-def has_meta(module: nn.Module) -> bool:
-    """Whether any parameter or buffer of `module` lives on the meta device."""
-    return any(t.is_meta for t in _tensors(module))
-
-
-def _tensors(module):
-    yield from module.parameters()
-    yield from (b for b in module.buffers() if b is not None)
 
 
 def _require(name: str):
@@ -428,25 +420,7 @@ def meta_model(path_or_config, dtype=None, model_class=None) -> nn.Module:
     return model.to(dt).eval()
 
 
-def _example_ids(model: nn.Module, tokens: int) -> dict:
+def example_ids(model: nn.Module, tokens: int) -> dict:
+    """Keyword inputs of a causal LM: zero `input_ids` of (1, tokens), at most its position limit."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or tokens
     return {"input_ids": torch.zeros((1, min(tokens, limit)), dtype=torch.long)}
-
-
-def from_pretrained(path, world_size: int, example_inputs=None, *, dtype=None, model_class=None, device=None,
-                    rank: int | None = None, progress=None, **plan_options):
-    """This rank's GraphModule of the Hugging Face checkpoint directory `path`, never building the
-    full model: config -> meta model -> plan -> this rank's slices of the weights.
-
-    `example_inputs` (default: input_ids of shape (1, tokens)) shape the plan; `dtype` (default:
-    the config's) is the dtype the weights are converted to; `model_class` defaults to
-    AutoModelForCausalLM; `device` holds the shards; other options go to `plan`."""
-    from .api import parallelize
-    if not os.path.isdir(os.fspath(path)):
-        raise LoadError(f"from_pretrained: {os.fspath(path)!r} is not a checkpoint directory")
-    model = meta_model(path, dtype, model_class)
-    if example_inputs is None:
-        example_inputs = _example_ids(model, plan_options.pop("tokens", 512))
-    plan_options.setdefault("tracer", "export")
-    return parallelize(model, world_size, example_inputs, load=path, device=device, rank=rank, progress=progress,
-                       **plan_options)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from .errors import ShardingError
+
 
 @dataclass(frozen=True)
 class Replicate:
@@ -59,6 +63,14 @@ def local_shape(shape, placement: Placement, world_size: int) -> tuple[int, ...]
             f"size {shape[d]} of dim {d} does not divide into {placement.chunks} chunk(s) x {world_size} ranks"
         )
     return shape[:d] + (shape[d] // world_size,) + shape[d + 1:]
+
+
+def maybe_local_shape(shape, placement: Placement, world_size: int) -> tuple[int, ...] | None:
+    """`local_shape`, or None where `placement` cannot hold `shape` (a view of a plan may ask)."""
+    try:
+        return local_shape(shape, placement, world_size)
+    except ValueError:
+        return None
 
 
 def divides(shape, placement: Placement, world_size: int) -> bool:
@@ -116,3 +128,39 @@ def fill_boxes(local, shape, placement: Placement, rank: int, world_size: int, r
     for b in boxes(shape, placement, rank, world_size):
         local[b.local_index()].copy_(read(b.global_index()))
     return local
+
+
+# ----------------------------------------------------------------------------- tensors cut into rank pieces
+
+def checked_dim(dim: int, ndim: int, what: str = "tensor") -> int:
+    """`dim` as a non-negative index of an `ndim`-D tensor; a ShardingError when out of range."""
+    if not -ndim <= dim < ndim:
+        raise ShardingError(f"dim {dim} is out of range for a {ndim}-D {what}")
+    return dim % ndim
+
+
+def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = "tensor") -> list:
+    """Split `x` along `dim` into the `n` rank pieces of Shard(dim, chunks): views when chunks=1.
+
+    With chunks > 1 the dim is `chunks` equal blocks, each split over the ranks, and piece r is
+    the concatenation of rank r's part of every block."""
+    dim = checked_dim(dim, x.dim(), what)
+    size = x.size(dim)
+    if size % (n * chunks):
+        raise ShardingError(
+            f"{what} of shape {tuple(x.shape)}: size {size} of dim {dim} does not divide into "
+            f"{chunks} chunk(s) x {n} ranks")
+    step = size // (n * chunks)
+    parts = x.split(step, dim)                      # chunks * n parts, block-major
+    if chunks == 1:
+        return list(parts)
+    return [torch.cat(parts[r::n], dim) for r in range(n)]
+
+
+def cat_along(pieces, dim: int, chunks: int = 1) -> torch.Tensor:
+    """Inverse of `split_along`: the full tensor from the rank pieces in rank order."""
+    dim = checked_dim(dim, pieces[0].dim())
+    if chunks == 1:
+        return torch.cat(list(pieces), dim)
+    blocks = [p.chunk(chunks, dim) for p in pieces]
+    return torch.cat([blocks[r][c] for c in range(chunks) for r in range(len(pieces))], dim)

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from . import rules
 from .capture import DYNAMIC
-from .cost import CostModel, grad_fix, grad_of, redistribute
+from .cost import CostModel, flops, grad_fix, grad_of, redistribute
 from .errors import ShardingError
 from .placements import REPLICATE, Partial, Replicate, Shard
 from .rules.registry import NodeInfo, OpStrategy
@@ -32,31 +32,6 @@ def _tensor(v) -> bool:
 
 def _nbytes(v) -> int:
     return v.numel() * v.element_size() if _tensor(v) else 0
-
-
-def _matmul_like(node: fx.Node) -> bool:
-    """Whether the node's sharding rule is the linear / addmm / matmul family's."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    L = rules.linear
-    return rules.registry._RULES.get(rules.registry.op_key(node, {})) in (L._linear, L._addmm, L._matmul)
-
-
-def _flops(node: fx.Node, s: OpStrategy) -> float:
-    """Forward + backward flops of a node, whichever strategy runs it (the strategy's `compute`
-    scales them): matmul family 3 x 2 * output elements * contraction size, convolutions likewise
-    (the contraction is in-channels per group x kernel); others 3 per element."""
-    v = node.meta.get("val")
-    if not _tensor(v):
-        return 0.0
-    if node.op == "call_function" and node.target in rules.conv.CONV_OPS:
-        return rules.conv.conv_flops(node)
-    if _matmul_like(node):
-        for a in node.all_input_nodes:          # x of linear / addmm(b, x, w), a of a @ b
-            x = a.meta.get("val")
-            if _tensor(x) and x.dim() >= 2:
-                return 6.0 * v.numel() * x.shape[-1]
-    return 3.0 * v.numel()
 
 
 @dataclass(frozen=True)
@@ -159,7 +134,7 @@ class Problem:
 
     # ---------------------------------------------------------------- costs
     def _node_cost(self, i: int, s: OpStrategy) -> float:
-        c = self.cost.compute_time(_flops(self.nodes[i], s) * s.compute)
+        c = self.cost.compute_time(flops(self.nodes[i], s) * s.compute)
         for kind, nb in s.comm:
             c += self.cost.comm_time(kind, nb, self.p)
         return c

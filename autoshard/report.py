@@ -10,7 +10,8 @@ from .placements import local_shape
 from .problem import fetch_attr
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """`n` bytes as B / KiB / MiB / GiB (one decimal above bytes)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -35,12 +36,12 @@ def format_plan(plan) -> str:
         for c in r.consumers[:1]:
             kinds = "+".join(r.forward) or "-"
             back = "+".join(r.backward) or "-"
-            comm_of.setdefault(c, []).append(f"{r.node} {r.src}->{r.dst}: fwd {kinds}, bwd {back} ({_fmt_bytes(r.ring_bytes(p))})")
+            comm_of.setdefault(c, []).append(f"{r.node} {r.src}->{r.dst}: fwd {kinds}, bwd {back} ({fmt_bytes(r.ring_bytes(p))})")
     rows = []
     for name, d in plan.nodes.items():
         params = params_of.get(name, [])
         comms = list(comm_of.get(name, []))
-        comms += [f"{k} ({_fmt_bytes(ring_bytes(k, nb, p))})" for k, nb in d.comm]
+        comms += [f"{k} ({fmt_bytes(ring_bytes(k, nb, p))})" for k, nb in d.comm]
         if not params and not comms:
             continue
         full, local, mem = [], [], 0
@@ -52,17 +53,17 @@ def format_plan(plan) -> str:
             mem += math.prod(ls) * t.element_size()
         owner = (d.module or params[0].rpartition(".")[0]) if params else ""   # a tied weight: the user
         rows.append([owner or name, d.op, ", ".join(full), ", ".join(local), _fmt_dim(d.dim) if params or d.dim is not None else "",
-                     d.strategy, "\n".join(comms), _fmt_bytes(mem) if params else ""])
+                     d.strategy, "\n".join(comms), fmt_bytes(mem) if params else ""])
     for consumer, comms in comm_of.items():     # the graph output: gathers of returned tensors
         if consumer not in plan.nodes:
             rows.append([consumer, "output", "", "", "", "", "\n".join(comms), ""])
     table = tabulate(rows, headers=["module / node", "op", "weight (full)", "local", "dim", "strategy",
                                     "collectives inserted (per rank)", "params/rank"], tablefmt="simple")
-    kinds = ", ".join(f"{k}: {c} x, {_fmt_bytes(b)}" for k, (c, b) in sorted(plan.comm_by_kind.items())) or "none"
+    kinds = ", ".join(f"{k}: {c} x, {fmt_bytes(b)}" for k, (c, b) in sorted(plan.comm_by_kind.items())) or "none"
     totals = [
         ["tensor-parallel degree", p],
         ["tracer / search", f"{plan.tracer} / {plan.search} ({plan.search_seconds * 1e3:.1f} ms)"],
-        ["comm per step per rank (fwd+bwd)", f"{_fmt_bytes(plan.comm_bytes)} ({kinds})"],
+        ["comm per step per rank (fwd+bwd)", f"{fmt_bytes(plan.comm_bytes)} ({kinds})"],
         ["params per rank / full", f"{plan.params_per_rank:,} / {plan.params_total:,} "
                                    f"({plan.params_per_rank / max(plan.params_total, 1):.2f})"],
         ["estimated step time", f"{plan.step_time * 1e3:.3f} ms (comm {plan.comm_time * 1e3:.3f} ms, "

@@ -24,7 +24,7 @@ from .cost import redistribute
 from .errors import ShardingError
 from .nn import functional as PF
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
-from .placements import Partial, Replicate, Shard
+from .placements import Partial, Replicate, Shard, split_along
 from .rules.conv import CONV_OPS, conv_groups
 from .rules.norm import LAYER_NORMS, norm_params, var_args
 from .rules.registry import node_arg
@@ -65,7 +65,7 @@ def shard_tensor(t: torch.Tensor, placement, rank: int, p: int) -> torch.Tensor:
     """This rank's shard of `t` (one contiguous copy of the shard only)."""
     if not isinstance(placement, Shard):
         return t
-    piece = C._split_along(t.detach(), placement.dim, p, placement.chunks)[rank]
+    piece = split_along(t.detach(), placement.dim, p, placement.chunks)[rank]
     # a view (a dim-0 block is contiguous already) would keep the whole tensor alive: copy it once
     return piece if piece._base is None else piece.clone(memory_format=torch.contiguous_format)
 

@@ -17,8 +17,10 @@ import heapq
 import itertools
 import math
 
+import torch
+
 from .placements import REPLICATE, Replicate
-from .problem import INF, Problem, _tensor  # noqa: F401  (search.Problem is what callers build)
+from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers build)
 
 WINDOW_DEPTH = 10        # ops a window looks ahead of its anchors
 WINDOW_GROUPS = 4        # groups a window enumerates at most (q, k, v and the out-projection)
@@ -79,13 +81,13 @@ class State:
         prob = self.prob
         kind = prob.kind[i]
         if kind == "input" or kind == "buffer":
-            return REPLICATE if _tensor(prob.val[i]) else None
+            return REPLICATE if isinstance(prob.val[i], torch.Tensor) else None
         if kind == "param":
             return self.placement_of_param(prob.param_key[i])
         if kind == "select":
             src = place[prob.ins[i][0]]
             k = prob.nodes[i].args[1]
-            return src[k] if isinstance(src, tuple) else (REPLICATE if _tensor(prob.val[i]) else None)
+            return src[k] if isinstance(src, tuple) else (REPLICATE if isinstance(prob.val[i], torch.Tensor) else None)
         if kind == "output":
             return None
         return prob.strats[i][si].output
@@ -295,7 +297,7 @@ def _window_shape(prob: Problem, win, reach_nodes):
             if j in pos:
                 refs.append(pos[j])
             else:
-                refs.append(("x", tuple(prob.val[j].shape) if _tensor(prob.val[j]) else None))
+                refs.append(("x", tuple(prob.val[j].shape) if isinstance(prob.val[j], torch.Tensor) else None))
                 boundary.append(j)
         if n.op == "call_module":
             tgt = type(prob.gm.get_submodule(n.target)).__name__
@@ -303,7 +305,7 @@ def _window_shape(prob: Problem, win, reach_nodes):
             tgt = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
         else:
             tgt = n.op
-        rows.append((n.op, str(tgt), tuple(v.shape) if _tensor(v) else None, tuple(refs)))
+        rows.append((n.op, str(tgt), tuple(v.shape) if isinstance(v, torch.Tensor) else None, tuple(refs)))
     groups = tuple(len(prob.groups[g].choices) for g in win)
     return (tuple(rows), groups), tuple(boundary)
 

@@ -18,10 +18,9 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from .collectives import _split_along, _cat_along
-from .distributed import get_data_parallel_group, get_group
 from .errors import ShardingError
-from .placements import Shard
+from .groups import get_data_parallel_group, get_group
+from .placements import Shard, cat_along, split_along
 
 __all__ = ["slice", "collect_state_dict", "relocate_state_dict", "get_parallel_dim",
            "register_parallel_dim", "register_parallel_attribute",
@@ -34,7 +33,8 @@ VALID_DIMS = (None, 0, 1, -1)
 
 # ----------------------------------------------------------------------------- TorchShard attributes
 
-def _check_parallel_dim(parallel_dim, what: str = "tensor") -> None:
+def check_parallel_dim(parallel_dim, what: str = "tensor") -> None:
+    """A ShardingError naming `what` unless `parallel_dim` is one of TorchShard's None, 0, 1, -1."""
     if parallel_dim not in VALID_DIMS or isinstance(parallel_dim, bool):
         raise ShardingError(f"{what}: parallel_dim must be one of None, 0, 1, -1; got {parallel_dim!r}")
 
@@ -48,13 +48,13 @@ def get_parallel_dim(tensor):
 
 def register_parallel_dim(tensor, parallel_dim) -> None:
     """Set TorchShard's `parallel_dim` attribute on `tensor` (in place)."""
-    _check_parallel_dim(parallel_dim)
+    check_parallel_dim(parallel_dim)
     setattr(tensor, PARALLEL_DIM, parallel_dim)
 
 
 def register_parallel_attribute(tensor, parallel_dim, order_type: int = 0) -> None:
     """Set `parallel_dim` and `order_type` on `tensor` (and on `.data` of a Parameter, as TorchShard)."""
-    _check_parallel_dim(parallel_dim)
+    check_parallel_dim(parallel_dim)
     if order_type not in (0, 1):
         raise ShardingError(f"order_type must be 0 ([out, in] weights) or 1 ([in, out]); got {order_type!r}")
     targets = [tensor, tensor.data] if isinstance(tensor, torch.nn.Parameter) else [tensor]
@@ -68,7 +68,7 @@ def torchshard_layout(parallel_dim, order_type: int, ndim: int):
 
     order_type 0 ([out, in]): -1/1 split dim 0, 0 splits dim 1 (1-D: not split);
     order_type 1 ([in, out]): 0 splits dim 0, -1/1 split dim 1 (1-D: not split)."""
-    _check_parallel_dim(parallel_dim)
+    check_parallel_dim(parallel_dim)
     if parallel_dim is None:
         return None
     along_first = (parallel_dim == 0) == (order_type == 1)
@@ -100,7 +100,7 @@ def layouts(model: torch.nn.Module) -> dict:
     return out
 
 
-def _group(model, group, needed: bool = True):
+def group_of(model, group, needed: bool = True):
     """(ProcessGroup, size, rank) for `model`; (None, 1, 0) when nothing needs a group."""
     if not needed:
         return None, 1, 0
@@ -142,7 +142,7 @@ def _full_shape(local, layout, p):
 def slice(tensor, num_partitions: int, dim=-1, contiguous: bool = False):
     """TorchShard's slice: `torch.split` into `num_partitions` equal pieces along `dim` (None: -1)."""
     dim = -1 if dim is None else dim
-    pieces = _split_along(tensor, dim, num_partitions, what=f"slice: tensor of dtype {tensor.dtype}")
+    pieces = split_along(tensor, dim, num_partitions, what=f"slice: tensor of dtype {tensor.dtype}")
     return tuple(p.contiguous() for p in pieces) if contiguous else tuple(pieces)
 
 
@@ -152,7 +152,7 @@ def collect_state_dict(model, state_dict, prefix: str = "", *, dst=None, group=N
     With `dst=r` the full tensors are gathered to group rank r only (one tensor at a time); the
     other ranks get an empty dict, so no rank but r ever holds the full model."""
     entries = _entries(model, state_dict, prefix, "collect_state_dict")
-    pg, p, rank = _group(model, group, dst is not None or any(e[3] for e in entries))
+    pg, p, rank = group_of(model, group, dst is not None or any(e[3] for e in entries))
     out = OrderedDict()
     for key, value, local, layout in entries:
         if layout is None or p == 1:
@@ -175,13 +175,13 @@ def _gather_entry(value, layout, pg, p, dst):
         dist.gather(value, pieces, dst=dist.get_global_rank(pg, dst), group=pg)
         if pieces is None:
             return None
-    return _cat_along(pieces, layout.dim, layout.chunks)
+    return cat_along(pieces, layout.dim, layout.chunks)
 
 
 def relocate_state_dict(model, state_dict, prefix: str = "", group=None):
     """This rank's shard of every sharded entry of a full `state_dict` (inverse of collect)."""
     entries = _entries(model, state_dict, prefix, "relocate_state_dict")
-    pg, p, rank = _group(model, group, any(e[3] for e in entries))
+    pg, p, rank = group_of(model, group, any(e[3] for e in entries))
     out = OrderedDict()
     for key, value, local, layout in entries:
         if layout is None or p == 1:
@@ -189,7 +189,7 @@ def relocate_state_dict(model, state_dict, prefix: str = "", group=None):
             continue
         _expect_shape("relocate_state_dict", key, value, _full_shape(local, layout, p),
                       f"the full tensor of a {layout} shard of {tuple(local.shape)} on {p} ranks")
-        piece = _split_along(value, layout.dim, p, layout.chunks, what=f"state dict entry {key!r}")[rank]
+        piece = split_along(value, layout.dim, p, layout.chunks, what=f"state dict entry {key!r}")[rank]
         out[key] = piece.clone(memory_format=torch.contiguous_format)
     return out
 

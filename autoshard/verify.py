@@ -18,18 +18,19 @@ from .capture import placeholder_inputs, reads_scalar, stand_in_scalar
 from .errors import ShardingError, first_line
 from .nn import functional as PF
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
+from .placements import cat_along, split_along
 
 
 def _gather(p, rank):
-    return lambda x, dim, chunks=1, group=None: C._cat_along([x] * p, dim, chunks)
+    return lambda x, dim, chunks=1, group=None: cat_along([x] * p, dim, chunks)
 
 
 def _scatter(p, rank):
-    return lambda x, dim, chunks=1, group=None: C._split_along(x, dim, p, chunks, what="tensor")[rank]
+    return lambda x, dim, chunks=1, group=None: split_along(x, dim, p, chunks, what="tensor")[rank]
 
 
 def _all_to_all(p, rank):
-    return lambda x, src_dim, dst_dim, group=None: C._split_along(C._cat_along([x] * p, src_dim), dst_dim, p)[rank]
+    return lambda x, src_dim, dst_dim, group=None: split_along(cat_along([x] * p, src_dim), dst_dim, p)[rank]
 
 
 def _vocab_ce(p, rank):

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard.distributed
+from autoshard.report import fmt_bytes as report_fmt_bytes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -445,13 +446,8 @@ def fmt_counts(counts: dict[str, int] | None) -> str:
 # ----------------------------------------------------------------------------- output
 
 def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    """autoshard's byte format (autoshard.report.fmt_bytes); "-" for a missing figure."""
+    return "-" if n is None else report_fmt_bytes(n)
 
 
 def _git_commit() -> str | None:

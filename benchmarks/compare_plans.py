@@ -214,7 +214,7 @@ def _planner(model, p, example, tracer, reuse: bool):
     """``plan(**kw)`` for one model at degree ``p``.
 
     The first call is ``autoshard.plan(model, p, example, tracer=...)``. With ``reuse``, later
-    calls plan the graph that call captured (``autoshard.api.plan_graph`` on
+    calls plan the graph that call captured (``autoshard.planner.plan_graph`` on
     ``plan.graph_module``, which is what ``autoshard.plan`` runs after capturing; search and
     rewrite only read the graph), so the slow part (FakeTensor propagation, torch.export) runs
     once per model instead of once per variant. ``--no-reuse`` calls ``autoshard.plan`` every time.
@@ -225,7 +225,7 @@ def _planner(model, p, example, tracer, reuse: bool):
     def make(**kw):
         if "plan" in first and reuse:
             try:
-                from autoshard.api import plan_graph
+                from autoshard.planner import plan_graph
             except ImportError:
                 plan_graph = None
             if plan_graph is not None:

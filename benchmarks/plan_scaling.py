@@ -8,7 +8,7 @@ What is measured, per graph (one process, one thread, shapes only: models on the
 
 - capture: `autoshard.capture.capture(model, example, tracer=...)`, i.e. tracing plus FakeTensor
   shape propagation, for `symbolic_trace` and (GPT only) `torch.export`. Wall seconds of one run.
-- plan: `autoshard.api.plan_graph(gm, p, CostModel())` on the captured graph: sharding rules per
+- plan: `autoshard.planner.plan_graph(gm, p, CostModel())` on the captured graph: sharding rules per
   node, cost tables, the greedy search and freezing the Plan, i.e. everything `autoshard.plan`
   does after capture. Best of `--repeats` runs (wall and CPU seconds; the CPU time is the more
   stable number on a shared machine), split into its stages: Problem (rules + cost tables),
@@ -52,10 +52,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 from autoshard import search as S  # noqa: E402
-from autoshard.api import _chunk_candidates, plan_graph  # noqa: E402
+from autoshard.planner import chunk_candidates, plan_graph  # noqa: E402
 from autoshard.capture import capture  # noqa: E402
 from autoshard.cost import CostModel  # noqa: E402
-from autoshard.plan import build_plan  # noqa: E402
+from autoshard.planner import build_plan  # noqa: E402
 from factories import dag_size, random_dag  # noqa: E402
 from models import GPT  # noqa: E402
 
@@ -95,7 +95,7 @@ def peak(fn) -> int:
 def stages(gm, p, cost) -> dict:
     """CPU seconds of plan_graph's stages, run one after the other as plan_graph runs them."""
     c0 = time.process_time()
-    prob = S.Problem(gm, p, cost, _chunk_candidates(gm))
+    prob = S.Problem(gm, p, cost, chunk_candidates(gm))
     c1 = time.process_time()
     state = S.greedy(prob)
     c2 = time.process_time()
@@ -121,12 +121,12 @@ def measure_plan(gm, p, repeats: int, memory: bool) -> dict:
 
 
 def measure_exact(gm, p) -> dict | None:
-    prob = S.Problem(gm, p, CostModel(), _chunk_candidates(gm))
+    prob = S.Problem(gm, p, CostModel(), chunk_candidates(gm))
     combos = math.prod(len(g.choices) for g in prob.groups)
     if combos > EXACT_LIMIT:
         return {"combinations": combos, "skipped": f"> {EXACT_LIMIT} combinations"}
-    g, gw, gc_ = clock(lambda: S.greedy(S.Problem(gm, p, CostModel(), _chunk_candidates(gm))))
-    e, ew, ec = clock(lambda: S.exact(S.Problem(gm, p, CostModel(), _chunk_candidates(gm)), limit=EXACT_LIMIT))
+    g, gw, gc_ = clock(lambda: S.greedy(S.Problem(gm, p, CostModel(), chunk_candidates(gm))))
+    e, ew, ec = clock(lambda: S.exact(S.Problem(gm, p, CostModel(), chunk_candidates(gm)), limit=EXACT_LIMIT))
     return {"combinations": combos, "groups": len(prob.groups), "greedy_wall": gw, "greedy_cpu": gc_,
             "exact_wall": ew, "exact_cpu": ec, "greedy_objective": g.total, "exact_objective": e.total,
             "greedy_over_exact": g.total / e.total}

@@ -27,10 +27,15 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 
 __all__ = ["RankPool", "RankError"]
+
+
+_STARTED = "started"     # a worker's first message: (rank, _STARTED, None or the init traceback)
+_START_TRIES = 3
 
 
 class RankError(RuntimeError):
@@ -45,11 +50,10 @@ def _free_port() -> int:
 
 def _reset_autoshard() -> None:
     try:
-        from autoshard import distributed as ad
+        from autoshard import groups
     except ImportError:
         return
-    ad._GROUPS.clear()
-    ad._STATE.update(tp=None, dp=None)
+    groups.forget()
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -60,8 +64,13 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import autoshard.distributed  # before the group exists (see its module comment)
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=30))
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=30))
+    except BaseException:  # noqa: BLE001 - the parent retries on another port
+        results.put((rank, _STARTED, traceback.format_exc()))
+        return
+    results.put((rank, _STARTED, None))
     while True:
         task = tasks.get()
         if task is None:
@@ -85,6 +94,28 @@ class RankPool:
         self._procs = None
 
     def _start(self) -> None:
+        """Spawn the ranks and wait until every one has joined the group; a failed join (a port
+        taken between choosing it and binding it) kills the ranks and tries another port."""
+        for _ in range(_START_TRIES):
+            self._spawn()
+            failed = self._await_start()
+            if not failed:
+                return
+            self.close(kill=True)
+        raise RankError(f"the {self.world_size} ranks could not form a gloo group in {_START_TRIES} tries:\n{failed}")
+
+    def _await_start(self, timeout: float = 120.0) -> str:
+        """'' once every rank has joined; else what went wrong."""
+        for _ in range(self.world_size):
+            try:
+                rank, _, tb = self._results.get(timeout=timeout)
+            except queue.Empty:
+                return f"no rank joined within {timeout} s"
+            if tb is not None:
+                return f"--- rank {rank} ---\n{tb}"
+        return ""
+
+    def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
@@ -103,14 +134,23 @@ class RankPool:
         for q in self._tasks:
             q.put((fn, args))
         out, errors = [None] * self.world_size, []
-        for _ in range(self.world_size):
+        deadline, answered = time.monotonic() + timeout, 0
+        while answered < self.world_size:
             try:
-                rank, ok, value = self._results.get(timeout=timeout if not errors else 2.0)
+                rank, ok, value = self._results.get(timeout=1.0 if not errors else 2.0)
             except queue.Empty:
                 if errors:
                     break
-                self.close(kill=True)
-                raise TimeoutError(f"{fn.__name__} did not finish on {self.world_size} ranks in {timeout} s")
+                dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
+                if dead:                 # a rank that died (a crash in C++, os._exit) never answers
+                    self.close(kill=True)
+                    raise RankError(f"{fn.__name__}: rank(s) {sorted(dead)} exited with codes "
+                                    f"{[dead[r] for r in sorted(dead)]} before answering")
+                if time.monotonic() > deadline:
+                    self.close(kill=True)
+                    raise TimeoutError(f"{fn.__name__} did not finish on {self.world_size} ranks in {timeout} s")
+                continue
+            answered += 1
             if ok:
                 out[rank] = value
             else:

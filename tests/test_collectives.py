@@ -262,7 +262,7 @@ def test_no_process_group_is_a_clear_error():
 def test_split_and_cat_with_chunks_round_trip():
     x = torch.arange(2 * 12 * 3.0).reshape(2, 12, 3)
     for chunks in (1, 2, 3):
-        pieces = C._split_along(x, 1, 2, chunks)
+        pieces = C.split_along(x, 1, 2, chunks)
         for r in range(2):
             assert torch.equal(pieces[r], ref_piece(x, 1, 2, r, chunks))
-        assert torch.equal(C._cat_along(pieces, 1, chunks), x)
+        assert torch.equal(C.cat_along(pieces, 1, chunks), x)

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models import GPT  # noqa: E402
 
 from autoshard import Replicate, Shard  # noqa: E402
-from autoshard.api import plan_graph  # noqa: E402
+from autoshard.planner import plan_graph  # noqa: E402
 from autoshard.capture import capture  # noqa: E402
 from autoshard.cost import CostModel  # noqa: E402
 from autoshard.draw import picture_graph  # noqa: E402

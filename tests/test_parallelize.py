@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import distributed as ad
-from autoshard.collectives import _cat_along, count_comm
+from autoshard.collectives import count_comm
+from autoshard.placements import cat_along
 from autoshard.errors import CaptureError, ProcessGroupError, ShardingError
 from autoshard.nn import functional as PF
 from launcher import _free_port
@@ -324,7 +325,7 @@ def test_rank_without_process_group_builds_that_ranks_module():
     for key, full in model.state_dict(keep_vars=True).items():
         pieces = [gm.state_dict()[key] for gm in shards]
         if key in layouts:                                          # the ranks' shards make the tensor
-            assert torch.equal(_cat_along(pieces, layouts[key].dim, layouts[key].chunks), full.detach()), key
+            assert torch.equal(cat_along(pieces, layouts[key].dim, layouts[key].chunks), full.detach()), key
         else:                                                       # replicated: the model's own tensor
             assert all(piece.data_ptr() == full.data_ptr() for piece in pieces), key
     assert "autoshard_collectives" in shards[0].code                # collectives are named graph nodes

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from autoshard.collectives import _split_along
+from autoshard.placements import split_along
 from autoshard.placements import PARTIAL, Replicate, Shard, boxes
 
 
@@ -10,7 +10,7 @@ from autoshard.placements import PARTIAL, Replicate, Shard, boxes
                                         ((5,), Replicate(), 2), ((24, 4), Shard(0, 3), 4), ((4, 6, 8), Shard(2, 2), 2)])
 def test_boxes_rebuild_each_rank_piece(shape, pl, p):
     t = torch.arange(torch.Size(shape).numel()).reshape(shape)
-    pieces = _split_along(t, pl.dim, p, pl.chunks) if isinstance(pl, Shard) else [t] * p
+    pieces = split_along(t, pl.dim, p, pl.chunks) if isinstance(pl, Shard) else [t] * p
     covered = torch.zeros(shape, dtype=torch.int64)
     for r in range(p):
         local = torch.full_like(pieces[r], -1)

@@ -24,7 +24,7 @@ from models import GPT, MLP, Block  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard import Replicate, Shard, ShardingError  # noqa: E402
-from autoshard.api import plan_graph  # noqa: E402
+from autoshard.planner import plan_graph  # noqa: E402
 from autoshard.capture import capture  # noqa: E402
 from autoshard.cost import CostModel  # noqa: E402
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from factories import RandomDAG, random_dag  # noqa: E402
 
 from autoshard import search as S  # noqa: E402
-from autoshard.api import _chunk_candidates, plan_graph  # noqa: E402
+from autoshard.planner import chunk_candidates, plan_graph  # noqa: E402
 from autoshard.capture import capture  # noqa: E402
 from autoshard.cost import CostModel  # noqa: E402
 
@@ -41,7 +41,7 @@ def case(seed: int):
 def problem(seed: int):
     model, p, cost = case(seed)
     gm = capture(model, model.example(), tracer="symbolic_trace").gm
-    return S.Problem(gm, p, cost, _chunk_candidates(gm))
+    return S.Problem(gm, p, cost, chunk_candidates(gm))
 
 
 def test_generator_is_seeded_and_varied():
@@ -99,7 +99,7 @@ def test_plan_exact_option_agrees_with_search_exact(seed):
     model, p, cost = case(seed)
     gm = capture(model, model.example(), tracer="symbolic_trace").gm
     plan = plan_graph(gm, p, cost, search="exact")
-    prob = S.Problem(gm, p, cost, _chunk_candidates(gm))
+    prob = S.Problem(gm, p, cost, chunk_candidates(gm))
     assert math.isclose(plan.objective, S.exact(prob).total, rel_tol=1e-12)
     assert plan.search == "exact"
 

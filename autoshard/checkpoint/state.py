@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from ..placements import boxes, fill_boxes
-from ..state_dict import _group, layouts
+from ..state_dict import group_of, layouts
 
 # DCP reads .size()/.device of the ShardedTensors we hand it and each read warns that ShardedTensor
 # is deprecated; we use it on purpose (docs/design.md, "Sharded checkpoints"), so the warning is noise.
@@ -47,7 +47,7 @@ class _Layout:
             raise CheckpointError(f"{type(gm).__name__} holds one rank's shards of a degree-{plan.world_size} plan "
                                   "but no process group is initialised: checkpoints are saved and loaded by all "
                                   "ranks of the tensor-parallel group together")
-        self.pg, self.p, self.rank = _group(gm, None, bool(self.table) and dist.is_initialized())
+        self.pg, self.p, self.rank = group_of(gm, None, bool(self.table) and dist.is_initialized())
         self._mesh = None
 
     def of(self, key):
@@ -110,10 +110,10 @@ def _contiguous_stride(shape) -> tuple:
     return tuple(reversed(stride))
 
 
-def _global_shape_of(value) -> tuple | None:
+def global_shape_of(value) -> tuple | None:
     """The global shape a state-dict value claims (DTensor and ShardedTensor: their global size)."""
     if isinstance(value, torch.Tensor):
-        with _quiet():                       # ShardedTensor warns that it is deprecated at every call
+        with quiet():                       # ShardedTensor warns that it is deprecated at every call
             return tuple(value.size())
     return None
 
@@ -208,18 +208,18 @@ def _compare(what, expected: dict, given: dict) -> list:
     missing = [k for k in expected if k not in given]
     extra = [k for k in given if k not in expected]
     if missing:
-        problems.append(f"{what}: missing keys {_few(missing)}")
+        problems.append(f"{what}: missing keys {few(missing)}")
     if extra:
-        problems.append(f"{what}: unexpected keys {_few(extra)}")
+        problems.append(f"{what}: unexpected keys {few(extra)}")
     for key, (shape, _) in expected.items():
         if key in given and shape is not None:
-            got = _global_shape_of(given[key])
+            got = global_shape_of(given[key])
             if got is not None and got != tuple(shape):
                 problems.append(f"{what}: {key!r} has global shape {got}, the model's is {tuple(shape)}")
     return problems
 
 
-def _few(keys, n=8) -> str:
+def few(keys, n=8) -> str:
     """The first n keys, and how many more."""
     keys = list(keys)
     return repr(keys[:n])[:-1] + (f", ... and {len(keys) - n} more]" if len(keys) > n else "]")
@@ -286,7 +286,7 @@ def _copy_into(lay, key, local: torch.Tensor, value) -> None:
     from torch.distributed.tensor import DTensor
     layout = lay.of(key) if lay is not None else None
     if _is_sharded_tensor(value):
-        with _quiet():
+        with quiet():
             shards, size = value.local_shards(), value.size()
         mine = {tuple(b.offsets): b for b in boxes(size, layout, lay.rank, lay.p)} if layout else {}
         for shard in shards:
@@ -330,14 +330,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
+    """No warnings inside the block (ShardedTensor's deprecation notice comes at every call)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
 
 
 @contextlib.contextmanager
-def _quiet_single_process():
+def quiet_single_process():
     """Without a process group DCP warns that it assumes one process: that is what we mean."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from ..errors import CheckpointError
 from .reader import FileSystemReader
-from .state import _few, _global_shape_of, _quiet, _quiet_single_process
+from .state import few, global_shape_of, quiet, quiet_single_process
 
 
 # ----------------------------------------------------------------------------- checks against a checkpoint
@@ -44,16 +44,16 @@ def check_checkpoint(state_dict, metadata) -> None:
         md = saved.get(key)
         if md is None:
             continue
-        got = _global_shape_of(value)
+        got = global_shape_of(value)
         if isinstance(md, TensorStorageMetadata) and got is not None and tuple(md.size) != got:
             shapes.append(f"{key!r}: checkpoint {tuple(md.size)}, model {got}")
         elif isinstance(md, BytesStorageMetadata) and isinstance(value, torch.Tensor):
             shapes.append(f"{key!r}: the checkpoint holds an object, the model a tensor of {got}")
     problems = []
     if missing:
-        problems.append(f"missing from the checkpoint: {_few(missing)}")
+        problems.append(f"missing from the checkpoint: {few(missing)}")
     if extra:
-        problems.append(f"in the checkpoint but not in the model: {_few(extra)}")
+        problems.append(f"in the checkpoint but not in the model: {few(extra)}")
     if shapes:
         problems.append("global shapes differ: " + "; ".join(shapes[:8]) +
                         (f"; and {len(shapes) - 8} more" if len(shapes) > 8 else ""))
@@ -137,7 +137,7 @@ def save(state_dict, checkpoint_id, *, process_group=None) -> None:
         os.makedirs(tmp)
     _barrier(pg)
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp), process_group=pg,
                      no_dist=not dist.is_initialized())
     except BaseException as e:
@@ -165,7 +165,7 @@ def load(state_dict, checkpoint_id, *, process_group=None) -> None:
     metadata = _read_metadata(path)
     check_checkpoint(state_dict, metadata)
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=DefaultLoadPlanner(),  # checked above
                      process_group=process_group, no_dist=not dist.is_initialized())
     except CheckpointException as e:
@@ -178,7 +178,7 @@ def dcp_to_torch_save(checkpoint_dir, torch_file) -> None:
     """A DCP checkpoint as one `torch.save` file of full tensors (for the unsharded model); one process."""
     from torch.distributed.checkpoint import format_utils
     _read_metadata(checkpoint_dir)
-    with _quiet():
+    with quiet():
         format_utils.dcp_to_torch_save(checkpoint_dir, torch_file)
 
 
@@ -192,7 +192,7 @@ def torch_save_to_dcp(torch_file, checkpoint_dir) -> None:
     tmp = _sibling(path, "partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with _quiet():
+        with quiet():
             format_utils.torch_save_to_dcp(torch_file, tmp)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 
 from ..collectives import copy_to, gather_from, reduce_from, scatter_to
-from ..distributed import get_group
+from ..groups import get_group
 from ..errors import ShardingError
 from ..state_dict import get_parallel_dim, register_parallel_attribute
-from ._common import check_dim
-from ._cross_entropy import vocab_parallel_cross_entropy
+from .common import check_dim
+from .cross_entropy import vocab_parallel_cross_entropy
 
 __all__ = ["parallel_linear", "parallel_embedding", "parallel_cross_entropy", "masked_embedding",
            "vocab_parallel_cross_entropy"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..collectives import _split_along
-from ..distributed import get_group
+from ..placements import split_along
+from ..groups import get_group
 from ..state_dict import ORDER_TYPE, PARALLEL_DIM, get_parallel_dim, torchshard_layout
-from ._common import group_info
+from .common import group_info
 
 
 def shard_init_helper_(init_method, tensor, group=None, **kwargs):
@@ -37,5 +37,5 @@ def shard_init_helper_(init_method, tensor, group=None, **kwargs):
         init_method(full, **kwargs)
         if dist.get_world_size(pg) > 1:
             dist.broadcast(full, src=dist.get_global_rank(pg, 0), group=pg)
-        tensor.copy_(full if layout is None else _split_along(full, layout.dim, size, layout.chunks, what=what)[rank])
+        tensor.copy_(full if layout is None else split_along(full, layout.dim, size, layout.chunks, what=what)[rank])
     return tensor

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import functional as PF
-from ._common import check_dim, convert_modules, group_info, install_shards
+from .common import check_dim, convert_modules, group_info, install_shards
 from ..state_dict import register_parallel_dim
 
 

@@ -5,7 +5,7 @@ from torch import nn
 from torch.nn import _reduction
 
 from . import functional as PF
-from ..distributed import register_group
+from ..groups import register_group
 
 
 class ParallelCrossEntropyLoss(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import collectives as C
-from ..distributed import get_group
+from ..groups import get_group
 
 
 def _sum_over_ranks(x, group):

@@ -43,7 +43,7 @@ def conv_flops(node) -> float:
     return 6.0 * out.numel() * w[0].numel()
 
 
-@register_rule(*CONV_OPS)
+@register_rule(*CONV_OPS, family="conv")
 def _conv(info):
     node = info.node
     if node.target is aten.convolution.default and (len(node.args) < 7 or node.args[6]):

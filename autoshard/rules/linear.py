@@ -50,14 +50,14 @@ def matmul_family(info: NodeInfo, x, w, b, *, w_out_dim: int, w_in_dim: int):
     return found
 
 
-@register_rule(F.linear, aten.linear.default)
+@register_rule(F.linear, aten.linear.default, family="matmul")
 def _linear(info):
     x, w = info.node.args[0], info.node.args[1]
     b = info.arg(2, "bias")
     return matmul_family(info, x, w, b if b in info.inputs else None, w_out_dim=0, w_in_dim=1)
 
 
-@register_rule(aten.addmm.default, torch.addmm)
+@register_rule(aten.addmm.default, torch.addmm, family="matmul")
 def _addmm(info):
     b, x, w = info.node.args[:3]
     if len(info.shape(b)) != 1:
@@ -66,7 +66,8 @@ def _addmm(info):
 
 
 @register_rule(torch.matmul, torch.Tensor.matmul, operator_matmul := __import__("operator").matmul,
-               torch.bmm, torch.Tensor.bmm, aten.matmul.default, aten.bmm.default, aten.mm.default, torch.mm)
+               torch.bmm, torch.Tensor.bmm, aten.matmul.default, aten.bmm.default, aten.mm.default, torch.mm,
+               family="matmul")
 def _matmul(info):
     a, b = info.node.args[0], info.node.args[1]
     sa, sb, so = info.shape(a), info.shape(b), info.out_shape
@@ -95,11 +96,11 @@ def embedding_strategies(info: NodeInfo, idx, w):
     ]
 
 
-@register_rule(F.embedding)
+@register_rule(F.embedding, family="embedding")
 def _embedding(info):
     return embedding_strategies(info, info.node.args[0], info.arg(1, "weight"))
 
 
-@register_rule(aten.embedding.default)
+@register_rule(aten.embedding.default, family="embedding")
 def _aten_embedding(info):
     return embedding_strategies(info, info.node.args[1], info.node.args[0])

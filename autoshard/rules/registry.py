@@ -17,6 +17,9 @@ from ..capture import dynamic_dims
 from ..placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard, divides
 
 _RULES: dict[Any, Callable] = {}
+_FAMILY: dict[Callable, str] = {}     # rule -> family name ("matmul", "embedding", "conv")
+# The families of TorchShard's parallel layers: Plan.dims lists their modules (None when whole).
+PARALLEL_LAYERS = ("matmul", "embedding", "conv")
 # Ops whose result is shape metadata (size, dim, ...): they accept any input placement.
 SHAPE_OPS: set[Any] = set()
 
@@ -107,11 +110,14 @@ def _all_replicate(output) -> bool:
     return output is None or isinstance(output, Replicate)
 
 
-def register_rule(*ops):
-    """Decorator: `fn(info) -> list[OpStrategy]` is the rule of every op in `ops`."""
+def register_rule(*ops, family: str | None = None):
+    """Decorator: `fn(info) -> list[OpStrategy]` is the rule of every op in `ops`; `family` names
+    the op family where other stages care (flop counts, which modules Plan.dims lists)."""
     def deco(fn):
         for op in ops:
             _RULES[op] = fn
+        if family is not None:
+            _FAMILY[fn] = family
         return fn
     return deco
 
@@ -141,6 +147,13 @@ def lookup(node: fx.Node, modules: dict):
                 return _RULES[cls]
         return None
     return _RULES.get(key)
+
+
+def family_of(node: fx.Node) -> str | None:
+    """The family of a call_function / call_method node's rule (None for the others)."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    return _FAMILY.get(_RULES.get(op_key(node, {})))
 
 
 def replicate_strategy(info: NodeInfo) -> OpStrategy:
@@ -203,5 +216,5 @@ def norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-__all__ = ["OpStrategy", "NodeInfo", "register_rule", "register_shape_op", "strategies", "lookup",
+__all__ = ["OpStrategy", "NodeInfo", "register_rule", "register_shape_op", "strategies", "lookup", "family_of",
            "norm_dim", "REPLICATE", "PARTIAL", "Shard", "Replicate", "Partial", "Placement"]

@@ -4,16 +4,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..collectives import _split_along
-from ..distributed import get_group, register_group
+from ..placements import split_along
+from ..groups import get_group, register_group
 from ..errors import ProcessGroupError
-from ..state_dict import (_check_parallel_dim, layouts, register_ddp_parameters_to_ignore, register_parallel_attribute,
+from ..state_dict import (check_parallel_dim, layouts, register_ddp_parameters_to_ignore, register_parallel_attribute,
                           torchshard_layout)
 
 
 def check_dim(dim, what: str):
     """`dim` if it is one of TorchShard's None, 0, 1, -1; else a ShardingError naming `what`."""
-    _check_parallel_dim(dim, what)
+    check_parallel_dim(dim, what)
     return dim
 
 
@@ -42,7 +42,7 @@ def install_shards(module, fulls: dict, order_type: int, size: int, rank: int,
         piece = full.detach()
         if layout is not None:
             table[name] = layout
-            piece = _split_along(piece, layout.dim, size, layout.chunks,
+            piece = split_along(piece, layout.dim, size, layout.chunks,
                                  what=f"{module._describe()} {name}")[rank]
         param = module._parameters.get(name)
         if param is not None and param.shape == piece.shape:

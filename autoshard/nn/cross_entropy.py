@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..collectives import _all_reduce
-from ..distributed import get_group
+from ..collectives import raw_all_reduce
+from ..groups import get_group
 from ..errors import ShardingError
 
 _OP = "vocab_parallel_cross_entropy"
@@ -56,7 +56,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         zmax = z.max(dim=1).values
         if p > 1:
-            zmax = _all_reduce(zmax, pg, _OP, reduce_op=dist.ReduceOp.MAX)
+            zmax = raw_all_reduce(zmax, pg, _OP, reduce_op=dist.ReduceOp.MAX)
         shifted = z - zmax.unsqueeze(1)
         stats = [shifted.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~hit, 0)]
         if smoothing > 0:
@@ -65,7 +65,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         stats.insert(0, softmax.sum(1))
         stats = torch.stack(stats, 1)
         if p > 1:
-            stats = _all_reduce(stats, pg, _OP)
+            stats = raw_all_reduce(stats, pg, _OP)
         sum_exp, picked = stats[:, 0], stats[:, 1]
         lse = sum_exp.log()
         if weight is None:
