@@ -11,10 +11,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import groups as D
-from . import loading
+from . import loading, rng
 from .capture import capture, has_meta
 from .cost import CostModel
 from .errors import LoadError, ProcessGroupError, ShardingError
+from .nn.dropout import MASKS
 from .plan import Plan
 from .planner import plan_graph
 from .rewrite import rewrite
@@ -59,7 +60,7 @@ def _fingerprint(model: nn.Module) -> tuple:
 
 def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan: Plan | None = None,
                 group=None, rank: int | None = None, load=None, device=None, progress=None,
-                **plan_options) -> fx.GraphModule:
+                dropout_masks: str = "independent", **plan_options) -> fx.GraphModule:
     """This rank's tensor-parallel GraphModule of `model` (plans first unless `plan` is given).
 
     With a process group (the current tensor-parallel group of autoshard.distributed, or
@@ -71,8 +72,16 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     then fills only its shards, from `load=` (a .safetensors file, a Hugging Face directory, a
     torch.save file or a mapping of tensors; autoshard.loading) or, without it, by each module's
     own initialisation. `device=` places the filled tensors; `progress` shows a bar while reading.
+
+    Dropout follows `gm.train()` / `gm.eval()` whatever mode `model` was captured in, and draws
+    from autoshard's streams (autoshard.rng; seeded alike over the group here, or by
+    `autoshard.manual_seed`): replicated activations get one mask on every rank, sharded ones
+    independent masks per rank, or with `dropout_masks="single_process"` each rank's slice of the
+    mask one process would draw under the same seed.
     """
     world_size = _check_world_size(world_size)
+    if dropout_masks not in MASKS:
+        raise ValueError(f"dropout_masks must be one of {MASKS}, got {dropout_masks!r}")
     source = loading.open_source(load) if load is not None else None             # opened once, read per rank
     chosen = loading.check_source(model, source) if source is not None else None  # before any allocation
     if load is None and has_meta(model):
@@ -111,7 +120,11 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
                                 f"{missing} of the planned one")
     if D.is_initialized():
         _check_same_plan(plan, pg)
-    gm = rewrite(plan, rank, key, model)
+        rng.synchronise(pg, rank)
+    else:
+        rng.ensure_seeded(rank)
+    gm = rewrite(plan, rank, key, model, dropout_masks)
+    gm.train(model.training)             # captured in train mode; the module starts in the model's mode
     if load is not None or device is not None or has_meta(model):
         loading.materialize(gm, model, rank, world_size, source=source, chosen=chosen, device=device,
                             progress=progress)

@@ -410,6 +410,20 @@ def _without_kv_cache(model: nn.Module, args: tuple, kwargs: dict, notes: list):
             config.use_cache = True
 
 
+@contextlib.contextmanager
+def _in_train_mode(model: nn.Module):
+    """Capture the training graph whatever mode `model` is in: the ops whose mode a tracer bakes in
+    (dropout's train flag, attention's dropout_p, batch norm's training) then carry their training
+    arguments, and the rewriter makes each follow the module's train() / eval() (nn.dropout)."""
+    modes = {m: m.training for m in model.modules()}
+    model.train()
+    try:
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
 def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512) -> Captured:
     """Capture `model` with `tracer` ("symbolic_trace", "export" or "auto": the first that works)."""
     if not isinstance(model, nn.Module):
@@ -424,7 +438,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
     errors = []
     order = ["symbolic_trace", "export"] if tracer == "auto" else [tracer]
     on_meta, run_on = _meta_inputs(model, args, kwargs)
-    with _without_kv_cache(model, args, kwargs, notes):
+    with _without_kv_cache(model, args, kwargs, notes), _in_train_mode(model):
         for name in order:
             try:
                 fn = _symbolic if name == "symbolic_trace" else _export

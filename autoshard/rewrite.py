@@ -23,6 +23,7 @@ from .capture import dynamic_dims, placeholder_inputs
 from .cost import redistribute
 from .errors import ShardingError
 from .nn import functional as PF
+from .nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, TrainOnly
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from .placements import Partial, Replicate, Shard, split_along
 from .rules.conv import CONV_OPS, conv_groups
@@ -41,6 +42,10 @@ VIEW_OPS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, aten.view.de
             aten._unsafe_view.default, torch.Tensor.expand, aten.expand.default}
 SPLIT_OPS = {torch.Tensor.split, torch.split, aten.split.Tensor, aten.split_with_sizes.default}
 SIZE_OPS = {torch.Tensor.size, aten.sym_size.int}
+# dropout ops (input, p, train/training): replaced by ParallelDropout, as nn.Dropout leaf modules are
+DROPOUT_OPS = {F.dropout, torch.dropout, aten.dropout.default}
+SDPA_OPS = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
+BATCH_NORM_OPS = {aten.batch_norm.default: (1, 2, 3, 4, 6, 7), F.batch_norm: (3, 4, 1, 2, 6, 7)}   # w, b, rm, rv, momentum, eps
 # ops whose output is a new tensor of their own: a Partial output only reduce_from reads can be
 # summed in place (no copy), as Megatron's row-parallel layer does
 FRESH_OUTPUT_OPS = LINEAR_OPS | {torch.mm, torch.bmm, torch.matmul, operator.matmul, torch.Tensor.matmul,
@@ -82,8 +87,8 @@ def _torchshard_attrs(placement: Shard, ndim: int, label) -> tuple[int, int]:
 class Rewriter:
     """Applies one Plan to a structural copy of the captured GraphModule for one rank."""
 
-    def __init__(self, plan, rank: int, group_key, model=None):
-        self.plan, self.rank, self.key = plan, rank, group_key
+    def __init__(self, plan, rank: int, group_key, model=None, dropout_masks: str = "independent"):
+        self.plan, self.rank, self.key, self.dropout_masks = plan, rank, group_key, dropout_masks
         self.p = plan.world_size
         src = plan.graph_module
         memo = {id(t): t for t in list(src.parameters()) + list(src.buffers())}
@@ -223,10 +228,53 @@ class Rewriter:
                 self._partial_mean(n)
             elif t in SIZE_OPS or (t is getattr and n.args[1] == "shape"):
                 self._global_size(n, t)
+            if t in DROPOUT_OPS or (n.op == "call_module" and type(self.gm.get_submodule(n.target)) is nn.Dropout):
+                self._mode_dropout(n, t, d.output)
+            elif t in SDPA_OPS and node_arg(n, 4, "dropout_p", 0.0):
+                kwargs = {k: v for k, v in n.kwargs.items() if k != "dropout_p"}       # the module sets it
+                self._module_call(n, ParallelAttention(node_arg(n, 4, "dropout_p", 0.0), isinstance(d.output, Shard),
+                                                       t is not F.scaled_dot_product_attention),
+                                  "attention", n.args, kwargs)
             if isinstance(d.output, Shard) and t in VIEW_OPS:
                 self._local_sizes(n, d.output)
             elif t in SPLIT_OPS and d.strategy.startswith("unfuse"):
                 self._local_split(n)
+
+    def _mode_ops(self):
+        """Batch norm (and its num_batches_tracked += 1) as modules that follow train()/eval()."""
+        for n in list(self.graph.nodes):
+            t = _target(n)
+            if t in BATCH_NORM_OPS:
+                w, b, rm, rv, mom, eps = (n.args[i] if i < len(n.args) else None for i in BATCH_NORM_OPS[t])
+                if t is F.batch_norm:
+                    w, b, rm, rv = (node_arg(n, i, k, None) for i, k in ((3, "weight"), (4, "bias"),
+                                                                        (1, "running_mean"), (2, "running_var")))
+                    mom, eps = node_arg(n, 6, "momentum", 0.1), node_arg(n, 7, "eps", 1e-5)
+                self._module_call(n, ModeBatchNorm(mom, eps), "batch_norm", (n.args[0], w, b, rm, rv))
+            elif t is aten.add_.Tensor and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr" \
+                    and n.args[0].target.endswith("num_batches_tracked"):
+                self._module_call(n, TrainOnly(), "train_only", tuple(n.args[:2]))
+
+    def _mode_dropout(self, n, t, placement):
+        if n.op == "call_module":
+            p = self.gm.get_submodule(n.target).p
+        else:
+            p = node_arg(n, 1, "p", 0.5)
+        shard = placement if isinstance(placement, Shard) else None
+        self._module_call(n, ParallelDropout(p, shard, self.p, self.rank, self.dropout_masks), "dropout",
+                          (n.args[0],))
+
+    def _module_call(self, n, module: nn.Module, name: str, args, kwargs=None) -> fx.Node:
+        """Put a call of a new submodule `module` (named autoshard_<name>_<k>) where `n` is."""
+        k = self._modules_added = getattr(self, "_modules_added", 0) + 1
+        target = f"autoshard_{name}_{k}"
+        self.gm.add_submodule(target, module)
+        with self.graph.inserting_before(n):
+            out = self.graph.call_module(target, tuple(args), kwargs or {})
+        out.meta.update(n.meta)
+        n.replace_all_uses_with(out)
+        self.graph.erase_node(n)
+        return out
 
     def _row_with_bias(self, n, t):
         if t in LINEAR_OPS:
@@ -366,6 +414,7 @@ class Rewriter:
         table = self.shard_parameters()
         self.insert_redistributions()
         self.rewrite_ops()
+        self._mode_ops()
         self.graph.lint()
         self.gm.recompile()
         self.gm._autoshard_layouts = table
@@ -443,8 +492,9 @@ def _bind_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
                 mine.update(items)
 
 
-def rewrite(plan, rank: int, group_key=None, model=None) -> fx.GraphModule:
-    """This rank's GraphModule for `plan`, holding `model`'s tensors (default: the planned ones)."""
-    gm = Rewriter(plan, rank, group_key, model).run()
+def rewrite(plan, rank: int, group_key=None, model=None, dropout_masks: str = "independent") -> fx.GraphModule:
+    """This rank's GraphModule for `plan`, holding `model`'s tensors (default: the planned ones);
+    `dropout_masks` is ParallelDropout's `masks`."""
+    gm = Rewriter(plan, rank, group_key, model, dropout_masks).run()
     check_local_graph(gm, plan, rank)
     return gm

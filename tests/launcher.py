@@ -50,10 +50,11 @@ def _free_port() -> int:
 
 def _reset_autoshard() -> None:
     try:
-        from autoshard import groups
+        from autoshard import groups, rng
     except ImportError:
         return
     groups.forget()
+    rng.reset()
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:

@@ -188,11 +188,13 @@ def _equivalence(rank, p, name):
 
 
 def _dropout_honoured(gm, ref, args, p):
-    """Dropout modules follow train()/eval(); with the same seed everywhere, train-mode outputs are
-    the same on every rank and equal the reference's where every dropout runs on a whole tensor."""
+    """Dropout modules follow train()/eval(); with the same seed everywhere (torch's for the
+    reference, autoshard's streams for the module), train-mode outputs are the same on every rank
+    and equal the reference's where every dropout runs on a whole tensor."""
     def run(module, train):
         module.train(train)
         torch.manual_seed(5)
+        autoshard.manual_seed(5)
         with torch.no_grad():
             return module(*args)
     train, evaluated = run(gm, True), run(gm, False)

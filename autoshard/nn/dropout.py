@@ -1,0 +1,107 @@
+"""Mode-following ops of a rewritten module: dropout on autoshard's streams, batch norm.
+
+A captured graph bakes the mode of capture time into its ops (`aten.dropout(x, p, train=True)`,
+`aten.batch_norm(..., training=True, ...)` under torch.export; `F.dropout(x, p, False)` under
+symbolic_trace of a model in eval mode). The rewriter replaces each such op by a call of one
+of these small modules, so `gm.train()` / `gm.eval()` switch them exactly as they switch the
+original model's `nn.Dropout` and `nn.BatchNorm`, whichever mode the model was captured in.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import rng
+from ..placements import Shard, split_along
+
+MASKS = ("independent", "single_process")
+
+
+class ParallelDropout(nn.Module):
+    """Dropout of one activation of a tensor-parallel module.
+
+    Follows `self.training`. A replicated activation draws its mask from the replicated stream
+    (identical on every rank); a sharded one (`shard` = its Shard placement) from the sharded
+    stream (independent per rank), or, with `masks="single_process"`, takes its slice of the
+    full mask drawn from the replicated stream: the mask a single process would draw (torch's
+    dropout is `bernoulli_(1 - p)` of the input's shape, then scaled by 1 / (1 - p))."""
+
+    def __init__(self, p: float, shard: Shard | None = None, world_size: int = 1, rank: int = 0,
+                 masks: str = "independent"):
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+        if masks not in MASKS:
+            raise ValueError(f"masks must be one of {MASKS}, got {masks!r}")
+        self.p, self.shard, self.world_size, self.rank, self.masks = float(p), shard, world_size, rank, masks
+
+    def extra_repr(self) -> str:
+        where = f"sharded {self.shard}" if self.shard is not None else "replicated"
+        return f"p={self.p}, {where}, masks={self.masks}"
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        if self.p == 1.0:
+            return x * 0.0
+        sharded = self.shard is not None and self.world_size > 1
+        if sharded and self.masks == "single_process":
+            full = list(x.shape)
+            full[self.shard.dim] *= self.world_size
+            noise = x.new_empty(full).bernoulli_(1.0 - self.p, generator=rng.generator("replicated", x.device))
+            noise = split_along(noise, self.shard.dim, self.world_size, self.shard.chunks)[self.rank]
+        else:
+            g = rng.generator("sharded" if sharded else "replicated", x.device)
+            noise = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=g)
+        return x * noise.div_(1.0 - self.p)
+
+
+class ParallelAttention(nn.Module):
+    """scaled_dot_product_attention whose dropout follows `self.training` (dropout_p then, 0 in
+    eval) and runs on autoshard's streams: the sharded stream when the heads are split, else the
+    replicated one (attention draws its mask from the default generator, which `rng.fork` swaps)."""
+
+    def __init__(self, dropout_p: float, sharded: bool, aten_op: bool):
+        super().__init__()
+        self.dropout_p, self.sharded, self.aten_op = float(dropout_p), sharded, aten_op
+
+    def extra_repr(self) -> str:
+        return f"dropout_p={self.dropout_p}, {'sharded' if self.sharded else 'replicated'}"
+
+    def forward(self, query, key, value, *args, **kwargs):
+        fn = torch.ops.aten.scaled_dot_product_attention.default if self.aten_op else F.scaled_dot_product_attention
+        p = self.dropout_p if self.training else 0.0
+        args = list(args)
+        if len(args) > 1:
+            args[1] = p
+        else:
+            kwargs["dropout_p"] = p
+        if p == 0.0:
+            return fn(query, key, value, *args, **kwargs)
+        with rng.fork("sharded" if self.sharded else "replicated", query.device):
+            return fn(query, key, value, *args, **kwargs)
+
+
+class ModeBatchNorm(nn.Module):
+    """`F.batch_norm` with training = this module's mode (batch statistics and running-stat
+    updates in train mode, running statistics in eval mode), for a captured batch-norm op."""
+
+    def __init__(self, momentum, eps: float):
+        super().__init__()
+        self.momentum, self.eps = momentum, eps
+
+    def extra_repr(self) -> str:
+        return f"momentum={self.momentum}, eps={self.eps}"
+
+    def forward(self, x, weight=None, bias=None, running_mean=None, running_var=None):
+        training = self.training or running_mean is None
+        return F.batch_norm(x, running_mean, running_var, weight, bias, training,
+                            0.0 if self.momentum is None else self.momentum, self.eps)
+
+
+class TrainOnly(nn.Module):
+    """An in-place update that runs in train mode only (a batch norm's num_batches_tracked += 1)."""
+
+    def forward(self, buffer, value):
+        return buffer.add_(value) if self.training else buffer
