@@ -282,6 +282,39 @@ def test_checked_reads_return_the_exact_bytes_and_refuse_every_block_a_flipped_b
         CheckedItem(None, "f", "'k'", 0, 6, ItemSums(5, 0, 0, (0,)), 8, 8)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_checked_box_reads_copy_exactly_the_box_through_small_blocks(tmp_path, seed):
+    """Random saved tensors (dtypes, transposed views), checksum blocks of 1..300 bytes and reader
+    blocks of 1..200: every random box read through the checks equals narrowing the tensor."""
+    from autoshard.checkpoint.reader import _locate
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(8):
+        shape = tuple(int(n) for n in torch.randint(1, 12, (int(torch.randint(1, 4, (1,), generator=g)),),
+                                                     generator=g))
+        t = torch.randn(shape, generator=g).to([torch.float32, torch.bfloat16, torch.float64][i % 3])
+        tensors[f"t{i}"] = t.transpose(0, -1) if i % 4 == 3 else t
+    path = str(tmp_path / "ckpt")
+    autoshard.checkpoint.save(tensors, path, checksum_block_bytes=int(torch.randint(1, 300, (1,), generator=g)))
+    reader = autoshard.checkpoint.FileSystemReader(path, block_bytes=int(torch.randint(1, 200, (1,), generator=g)))
+    reader.set_up_storage_reader(reader.read_metadata(), False)
+    for index, info in reader.storage_data.items():
+        saved = tensors[index.fqn]
+        with open(os.path.join(path, info.relative_path), "rb", buffering=0) as f:
+            for _ in range(6):
+                item = reader.item(f, info)
+                place = _locate(item)
+                offsets = [int(torch.randint(n, (1,), generator=g)) for n in saved.shape]
+                lengths = [int(torch.randint(1, n - o + 1, (1,), generator=g)) for n, o in zip(saved.shape, offsets)]
+                target = torch.zeros(lengths, dtype=saved.dtype)
+                reader._copy(item, place, tuple(offsets), target)
+                expected = saved
+                for d, (o, n) in enumerate(zip(offsets, lengths)):
+                    expected = expected.narrow(d, o, n)
+                assert torch.equal(target, expected), (index.fqn, offsets, lengths)
+                assert item.blocks_checked > 0
+
+
 def _tensors():
     g = torch.Generator().manual_seed(3)
     return {"w": torch.randn(300, 7, generator=g), "ids": torch.arange(1000), "t": torch.randn(5, 6, generator=g).t(),

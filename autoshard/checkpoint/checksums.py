@@ -176,7 +176,9 @@ class CheckedItem:
         if n == 0:
             return memoryview(b"")
         if self.sums is None:
-            view = _read_exactly(self.f, pos, memoryview(bytearray(n)), self.name)
+            if self._buffer is None or len(self._buffer) < n:
+                self._buffer = bytearray(n)
+            view = _read_exactly(self.f, pos, memoryview(self._buffer)[:n], self.name)
             self._count(n)
             return view
         if rel + n <= self.edge:
@@ -194,6 +196,15 @@ class CheckedItem:
             lo, hi = max(rel, i * self.block_bytes), min(rel + n, (i + 1) * self.block_bytes)
             out[lo - rel:hi - rel] = self._block(i)[lo - i * self.block_bytes:hi - i * self.block_bytes]
         return out
+
+    def run_end(self, pos: int) -> int:
+        """The file position up to which a read from `pos` comes out of one checked block (the
+        end of the block holding pos; the item's end when unchecked): reads that stop there are
+        handed out without being copied together from two blocks."""
+        if self.sums is None:
+            return self.offset + self.length
+        rel = pos - self.offset
+        return self.offset + min(self.length, (rel // self.block_bytes + 1) * self.block_bytes)
 
     def readinto(self, pos: int, b) -> int:
         """Fill b from file position pos with checked bytes (at most to the item's end)."""

@@ -170,6 +170,7 @@ class FileSystemReader(dcp.FileSystemReader):
         self.fallbacks = 0
         self.checksums = None
         self._keys: dict = {}
+        self._handed: list = []                 # items handed to PyTorch's reader, counted after it
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -200,14 +201,15 @@ class FileSystemReader(dcp.FileSystemReader):
         self.blocks_checked += item.blocks_checked
 
     def _slice_file(self, file, sinfo):
-        """PyTorch's reader (bytes, and the tensors this one leaves to it) reads an item through
-        this: the whole item, checked, where the checkpoint has checksums."""
+        """PyTorch's reader (pickled values, and the tensors this one leaves to it) reads an item
+        through this: a file of the item's bytes, each read checked where the checkpoint has
+        checksums (`torch.load` has read, and so checked, every byte it uses before a value
+        comes out)."""
         if self.checksums is None:
             return super()._slice_file(file, sinfo)
         item = self.item(file, sinfo)
-        data = io.BytesIO(item.read(sinfo.offset, sinfo.length))
-        self._counted(item)
-        return data
+        self._handed.append(item)
+        return io.BufferedReader(ItemWindow(item), buffer_size=64 << 10)
 
     def read_data(self, plan: LoadPlan, planner):
         rest, whole, per_file = [], [], {}
@@ -247,7 +249,12 @@ class FileSystemReader(dcp.FileSystemReader):
                           f"PyTorch's reader (compressed or an archive layout this reader does not know): "
                           f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}", stacklevel=2)
         if rest or whole:
-            return super().read_data(LoadPlan(rest + whole, plan.storage_data, plan.planner_data), planner)
+            try:
+                return super().read_data(LoadPlan(rest + whole, plan.storage_data, plan.planner_data), planner)
+            finally:
+                for item in self._handed:
+                    self._counted(item)
+                self._handed.clear()
         fut = torch.futures.Future()
         fut.set_result(None)
         return fut
@@ -277,13 +284,17 @@ class FileSystemReader(dcp.FileSystemReader):
         row = math.prod(size[1:]) * dtype.itemsize                # bytes of one dim-0 slice
         first, count = offsets[0], target.shape[0]
         if len(size) == 1 or row <= limit:
-            rows = max(1, limit // row)
-            for r in range(0, count, rows):
-                k = min(rows, count - r)
-                block = self._read(item, start + (first + r) * row, k * row, dtype).view(k, *size[1:])
+            rows, r = max(1, limit // row), 0
+            while r < count:
+                pos = start + (first + r) * row
+                # stop at the end of a checksum block where a row fits before it: a read that
+                # crosses one is copied together from both blocks (one row at a time, it is small)
+                k = min(rows, count - r, max(1, (item.run_end(pos) - pos) // row))
+                block = self._read(item, pos, k * row, dtype).view(k, *size[1:])
                 for d in range(1, len(size)):
                     block = block.narrow(d, offsets[d], target.shape[d])
                 target[r:r + k].copy_(block)
+                r += k
             return
         for r in range(count):
             self._copy_dims(item, start + (first + r) * row, size[1:], dtype, limit, offsets[1:], target[r])
