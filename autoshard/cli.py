@@ -1,6 +1,8 @@
 """Command line: `python -m autoshard plan MODULE:FACTORY --world-size N ...` prints a sharding plan;
 `python -m autoshard demo ...` runs autoshard.demo; `python -m autoshard convert SRC DST` converts a
-sharded checkpoint (a DCP directory) to one torch.save file of full tensors, or back.
+sharded checkpoint (a DCP directory) to one torch.save file of full tensors, or back;
+`python -m autoshard verify CKPT_DIR` checks a checkpoint directory (every block against its
+checksums, .metadata against the files) and prints what is wrong.
 
     python -m autoshard plan tests.factories:gpt --world-size 4 --input-shape 2,64 --dtype long
     python -m autoshard plan tests.models:GPT --world-size 2 --pin head=None --search exact
@@ -9,6 +11,7 @@ sharded checkpoint (a DCP directory) to one torch.save file of full tensors, or 
     python -m autoshard plan --from-pretrained path/to/hf_checkpoint -n 8
     python -m autoshard convert ckpt/step100 full.pt        # DCP directory -> torch.save file
     python -m autoshard convert full.pt ckpt/step0          # torch.save file -> DCP directory
+    python -m autoshard verify ckpt/step100                 # before resuming, or after a copy
 
 --from-pretrained DIR builds the Hugging Face model of DIR/config.json on the meta device (no
 weight is read) and also prints the per-rank memory of parameters, gradients and Adam state.
@@ -17,7 +20,8 @@ FACTORY is called with no arguments and returns an nn.Module, or (module, exampl
 example_inputs is a tuple of positional arguments or a dict of keyword arguments (the builders
 of tests/hf_models.py return that). With --input-shape (repeat it for several positional inputs)
 the inputs are zeros of those shapes and --dtype(s); with neither, a batch of --tokens positions
-is synthesised. Exit status: 0 on success, 1 when planning fails, 2 on bad arguments.
+is synthesised. Exit status: 0 on success, 1 when planning fails (verify: when the checkpoint has a
+problem), 2 on bad arguments.
 """
 from __future__ import annotations
 
@@ -73,7 +77,7 @@ def _pin(text: str) -> tuple:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m autoshard",
                                  description="autoshard: automatic tensor parallelism by torch.fx graph rewriting")
-    sub = ap.add_subparsers(dest="command", metavar="{plan,demo,convert}")
+    sub = ap.add_subparsers(dest="command", metavar="{plan,demo,convert,verify}")
     sub.required = True
     pp = sub.add_parser("plan", help="plan a model and print the sharding-plan report",
                         description="Build a model with MODULE:FACTORY, plan it and print the report.")
@@ -105,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "degree (SRC a file).")
     cp.add_argument("src", metavar="SRC", help="a DCP checkpoint directory or a torch.save file")
     cp.add_argument("dst", metavar="DST", help="the file or directory to write")
+    vp = sub.add_parser("verify", help="check a sharded checkpoint (DCP directory): every block, the files",
+                        description="Read every saved item of a DCP checkpoint directory once and check it against "
+                                    ".checksums (every block) and .metadata (files missing, items past the end of "
+                                    "a file); print every problem found. Exit status 1 when there is one.")
+    vp.add_argument("checkpoint", metavar="CKPT_DIR", help="a DCP checkpoint directory")
     dp = sub.add_parser("demo", help="run autoshard.demo (arguments are passed on)", add_help=False)
     dp.add_argument("args", nargs=argparse.REMAINDER)
     return ap
@@ -261,6 +270,13 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from .checkpoint import verify
+    report = verify(args.checkpoint)
+    print(report)
+    return 0 if report.ok else 1
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -271,6 +287,11 @@ def main(argv=None) -> int:
             parser.exit(2, f"autoshard: error: {e}\n")
     args = parser.parse_args(argv)
     from .errors import AutoshardError
+    if args.command == "verify":
+        try:
+            return cmd_verify(args)
+        except OSError as e:
+            parser.exit(1, f"autoshard: verify {args.checkpoint} failed: {type(e).__name__}: {e}\n")
     if args.command == "convert":
         try:
             return cmd_convert(args)

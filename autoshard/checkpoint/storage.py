@@ -2,8 +2,9 @@
 
 `save` / `load` wrap `dcp.save` / `dcp.load`: save writes into a hidden sibling directory and
 renames it into place once every rank has written (a failed save leaves no checkpoint that looks
-complete, and keeps the previous one); load refuses a checkpoint of another model (missing or
-extra keys, other global shapes) or a partial directory before any tensor is touched.
+complete, and keeps the previous one), with `.checksums` of every block (writer.py); load refuses
+a checkpoint of another model (missing or extra keys, other global shapes) or a partial
+directory before any tensor is touched, and checks every block it reads (reader.py).
 `LoadPlanner` is the same check for `dcp.load(..., planner=LoadPlanner())`.
 """
 from __future__ import annotations
@@ -19,8 +20,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ..errors import CheckpointError
+from .checksums import BLOCK_BYTES, FILE_NAME
 from .reader import FileSystemReader
 from .state import few, global_shape_of, quiet, quiet_single_process
+from .verify import verify
+from .writer import FileSystemWriter
 
 
 # ----------------------------------------------------------------------------- checks against a checkpoint
@@ -125,10 +129,13 @@ def _publish(tmp: str, path: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save(state_dict, checkpoint_id, *, process_group=None) -> None:
+def save(state_dict, checkpoint_id, *, process_group=None, checksums: bool = True,
+         checksum_block_bytes: int = BLOCK_BYTES) -> None:
     """`dcp.save(state_dict)` into `checkpoint_id` (a directory), atomically: the ranks write into
     a hidden sibling directory, which rank 0 renames into place once every rank has written. A
-    failed save raises on every rank and leaves `checkpoint_id` as it was."""
+    failed save raises on every rank and leaves `checkpoint_id` as it was. With `checksums`
+    (the default) it also writes `.checksums`: the CRC-32 of every `checksum_block_bytes` block
+    of every saved item, which `load` checks on every read."""
     path = os.path.abspath(os.fspath(checkpoint_id))
     tmp = _sibling(path, "partial")
     pg = process_group
@@ -138,7 +145,8 @@ def save(state_dict, checkpoint_id, *, process_group=None) -> None:
     _barrier(pg)
     try:
         with quiet_single_process():
-            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp), process_group=pg,
+            writer = FileSystemWriter(tmp, block_bytes=checksum_block_bytes) if checksums else dcp.FileSystemWriter(tmp)
+            dcp.save(state_dict, storage_writer=writer, process_group=pg,
                      no_dist=not dist.is_initialized())
     except BaseException as e:
         if _is_coordinator(pg):
@@ -160,7 +168,10 @@ def load(state_dict, checkpoint_id, *, process_group=None) -> None:
     """`dcp.load(state_dict)` from `checkpoint_id` in place, after checking that the directory is
     complete and that its keys and global shapes are the state dict's (CheckpointError otherwise,
     raised on every rank before any tensor is touched). Reads with `FileSystemReader`: only this
-    rank's boxes of each saved tensor, a bounded block at a time."""
+    rank's boxes of each saved tensor, a bounded block at a time, each block checked against the
+    checkpoint's `.checksums` before it is copied (a mismatch is a CheckpointError naming the
+    file, key and byte range; what was loaded before it came from blocks that matched). A
+    checkpoint without `.checksums` loads unchecked, with a one-line note."""
     path = os.fspath(checkpoint_id)
     metadata = _read_metadata(path)
     check_checkpoint(state_dict, metadata)
@@ -175,9 +186,16 @@ def load(state_dict, checkpoint_id, *, process_group=None) -> None:
 # ----------------------------------------------------------------------------- conversion
 
 def dcp_to_torch_save(checkpoint_dir, torch_file) -> None:
-    """A DCP checkpoint as one `torch.save` file of full tensors (for the unsharded model); one process."""
+    """A DCP checkpoint as one `torch.save` file of full tensors (for the unsharded model); one
+    process. A checkpoint with `.checksums` is verified first (PyTorch's converter reads it)."""
     from torch.distributed.checkpoint import format_utils
     _read_metadata(checkpoint_dir)
+    if os.path.isfile(os.path.join(os.fspath(checkpoint_dir), FILE_NAME)):
+        report = verify(checkpoint_dir)
+        if not report.ok:
+            raise CheckpointError(f"{os.fspath(checkpoint_dir)} is damaged, not converted:\n  " +
+                                  "\n  ".join(report.problems[:8]) +
+                                  (f"\n  and {len(report.problems) - 8} more" if len(report.problems) > 8 else ""))
     with quiet():
         format_utils.dcp_to_torch_save(checkpoint_dir, torch_file)
 
