@@ -7,8 +7,10 @@ item, computed by reading back what each rank wrote) and without (`checksums=Fal
 DCP writes), alternating, `--repeats` times; then both checkpoints are loaded with
 `autoshard.checkpoint.load` (every block read checked, or, without `.checksums`, nothing
 checked) at degree 4 and at degree 2, alternating the same way. A time is rank 0's wall clock
-from a barrier before the operation to a barrier after it (so the slowest rank's). The files
-stay in the page cache: no disk read, the case where checking costs the most, relatively.
+from a barrier before the operation to a barrier after it (so the slowest rank's); beside it,
+the CPU time all ranks spent in it (process time, summed), which other work on a shared machine
+disturbs less than the wall clock. The files stay in the page cache: no disk read, the case
+where checking costs the most, relatively.
 
     python benchmarks/checkpoint_checksums.py               # ~2 min here
     python benchmarks/checkpoint_checksums.py --quick       # a smaller model
@@ -52,12 +54,16 @@ def build(args, tp):
     return gm, opt
 
 
-def timed(fn) -> float:
+def timed(fn) -> tuple:
+    """(wall seconds from a barrier before fn to a barrier after it, CPU seconds all ranks spent in fn)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
+    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
     dist.barrier()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    dist.all_reduce(cpu)
+    return wall, cpu.item()
 
 
 def state(gm, opt) -> dict:
@@ -158,14 +164,18 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"GPT vocab {args.vocab}, hidden {args.hidden}, {args.blocks} blocks, AdamW; checkpoint {size / 2 ** 20:.1f} MiB "
-          f"(.checksums {sums} bytes); {args.repeats} rounds, seconds: median [quartiles]")
-    print(f"| operation | without checksums (s) | with checksums (s) | ratio of medians | median paired ratio |")
-    print(f"|---|---|---|---|---|")
+          f"(.checksums {sums} bytes); {args.repeats} rounds, seconds: median [quartiles]; ratios with/without")
+    print("| operation | wall, without checksums (s) | wall, with (s) | ratio of medians (paired) "
+          "| CPU, without (s) | CPU, with (s) | ratio of medians (paired) |")
+    print("|---|---|---|---|---|---|---|")
     for op in ("save at 4", "load at 4, saved at 4", "load at 2, saved at 4"):
-        off, on = times[(op, False)], times[(op, True)]
-        paired = statistics.median(b / a for a, b in zip(off, on))
-        print(f"| {op} | {quartiles(off)} | {quartiles(on)} | {statistics.median(on) / statistics.median(off):.3f} "
-              f"| {paired:.3f} |")
+        cells = []
+        for i in (0, 1):
+            off, on = [t[i] for t in times[(op, False)]], [t[i] for t in times[(op, True)]]
+            paired = statistics.median(b / a for a, b in zip(off, on))
+            cells += [quartiles(off), quartiles(on),
+                      f"{statistics.median(on) / statistics.median(off):.3f} ({paired:.3f})"]
+        print(f"| {op} | " + " | ".join(cells) + " |")
     print(f"\none process: zlib.crc32 {speed:.2f} GB/s; reading the {size / 2 ** 20:.1f} MiB back from the page cache "
           f"{read_s:.3f} s, reading and crc32 of every 4 MiB block {read_crc_s:.3f} s")
     return 0

@@ -147,9 +147,9 @@ class CheckedItem:
     its checksums `sums` (None: read as it is, unchecked).
 
     `read(pos, n)` (pos counted in the file) returns the bytes from whole blocks that matched:
-    a range inside the head or the tail from that edge, anything else from the blocks it
-    overlaps, each read whole and checked once (the last one stays cached, so a box read row by
-    row reads each block once). A mismatch raises CheckpointError naming `name` (the file), `key`
+    a range inside the cached block (the last one read) or the item's only block from that
+    block, else a range inside the head or the tail from that edge, anything else from the
+    blocks it overlaps, each read whole and checked (a box read row by row reads each block once). A mismatch raises CheckpointError naming `name` (the file), `key`
     and the block's byte range in the file. `bytes_read` and `largest` count what it read."""
 
     def __init__(self, f, name: str, key: str, offset: int, length: int, sums: ItemSums | None = None,
@@ -181,12 +181,13 @@ class CheckedItem:
             view = _read_exactly(self.f, pos, memoryview(self._buffer)[:n], self.name)
             self._count(n)
             return view
-        if rel + n <= self.edge:
-            return self._edge("head")[rel:rel + n]
-        tail_start = self.length - self.edge
-        if rel >= tail_start:
-            return self._edge("tail")[rel - tail_start:rel - tail_start + n]
         first, last = rel // self.block_bytes, (rel + n - 1) // self.block_bytes
+        if first != last or (self._cached[0] != first and len(self.sums.blocks) > 1):
+            if rel + n <= self.edge:                     # not in the cached block, nor the item's only one
+                return self._edge("head")[rel:rel + n]
+            tail_start = self.length - self.edge
+            if rel >= tail_start:
+                return self._edge("tail")[rel - tail_start:rel - tail_start + n]
         if first == last:
             start = rel - first * self.block_bytes
             return self._block(first)[start:start + n]
