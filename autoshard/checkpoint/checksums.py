@@ -3,7 +3,8 @@
 A `.distcp` file is a run of saved items: a `torch.save` archive per tensor chunk, pickled bytes
 for other values. The archives carry CRC-32s, but a reader that reads a box in place (reader.py)
 never reads a whole member, so nothing would notice a flipped byte. autoshard's writer
-(writer.py) records, for every item, the CRC-32 (zlib) of
+(writer.py) records, for every item, the CRC-32 (zlib's; computed by ISA-L where the `isal`
+package is installed, which gives the same values several times faster) of
 
 - each block of its bytes: [0, B), [B, 2B), ... from the item's first byte, the last one partial
   (B = `block_bytes`, 4 MiB by default, the reader's block), so that a rank reading a box reads
@@ -22,13 +23,19 @@ from __future__ import annotations
 import io
 import json
 import os
-import zlib
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
 
+try:                # ISA-L's CRC-32 is zlib's, bit for bit, and about 3x as fast here (optional)
+    from isal.isal_zlib import crc32
+    CRC32_BY = "isal"
+except ImportError:
+    from zlib import crc32
+    CRC32_BY = "zlib"
+
 __all__ = ["BLOCK_BYTES", "FILE_NAME", "ItemSums", "Checksums", "CheckedItem", "ItemWindow", "item_sums",
-           "read_checksums", "write_checksums", "describe_key"]
+           "read_checksums", "write_checksums", "describe_key", "crc32", "CRC32_BY"]
 
 BLOCK_BYTES = 4 << 20          # bytes of a block (the reader's block)
 EDGE_BYTES = 64 << 10          # bytes of an item's head and tail, at most
@@ -132,13 +139,13 @@ def item_sums(f, offset: int, length: int, block_bytes: int, edge_bytes: int, na
     buf = memoryview(buffer if buffer is not None and len(buffer) >= min(block_bytes, length)
                      else bytearray(min(block_bytes, length)))
     edge = min(edge_bytes, length)
-    blocks, head = [], zlib.crc32(b"")
+    blocks, head = [], crc32(b"")
     for start in range(0, length, block_bytes):
         data = _read_exactly(f, offset + start, buf[:min(block_bytes, length - start)], name)
         if start == 0:
-            head = zlib.crc32(data[:edge])
-        blocks.append(zlib.crc32(data))
-    tail = zlib.crc32(_read_exactly(f, offset + length - edge, buf[:edge], name)) if edge else head
+            head = crc32(data[:edge])
+        blocks.append(crc32(data))
+    tail = crc32(_read_exactly(f, offset + length - edge, buf[:edge], name)) if edge else head
     return ItemSums(length, head, tail, tuple(blocks))
 
 
@@ -243,7 +250,7 @@ class CheckedItem:
 
     def _check(self, data, start: int, expected: int, what: str) -> None:
         self.blocks_checked += 1
-        got = zlib.crc32(data)
+        got = crc32(data)
         if got != expected:
             a = self.offset + start
             raise CheckpointError(
