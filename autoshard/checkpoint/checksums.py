@@ -156,8 +156,9 @@ class CheckedItem:
     `read(pos, n)` (pos counted in the file) returns the bytes from whole blocks that matched:
     a range inside the cached block (the last one read) or the item's only block from that
     block, else a range inside the head or the tail from that edge, anything else from the
-    blocks it overlaps, each read whole and checked (a box read row by row reads each block once). A mismatch raises CheckpointError naming `name` (the file), `key`
-    and the block's byte range in the file. `bytes_read` and `largest` count what it read."""
+    blocks it overlaps, each read whole and checked (a box read row by row reads each block
+    once). A mismatch raises CheckpointError naming `name` (the file), `key` and the block's
+    byte range in the file. `bytes_read`, `largest` and `blocks_checked` count what it did."""
 
     def __init__(self, f, name: str, key: str, offset: int, length: int, sums: ItemSums | None = None,
                  block_bytes: int = BLOCK_BYTES, edge_bytes: int = EDGE_BYTES):
