@@ -35,7 +35,7 @@ except ImportError:
     CRC32_BY = "zlib"
 
 __all__ = ["BLOCK_BYTES", "FILE_NAME", "ItemSums", "Checksums", "CheckedItem", "ItemWindow", "item_sums",
-           "read_checksums", "write_checksums", "describe_key", "crc32", "CRC32_BY"]
+           "read_checksums", "write_checksums", "describe_key", "crc32", "CRC32_BY", "Scratch"]
 
 BLOCK_BYTES = 4 << 20          # bytes of a block (the reader's block)
 EDGE_BYTES = 64 << 10          # bytes of an item's head and tail, at most
@@ -149,6 +149,19 @@ def item_sums(f, offset: int, length: int, block_bytes: int, edge_bytes: int, na
     return ItemSums(length, head, tail, tuple(blocks))
 
 
+class Scratch:
+    """One reusable read buffer, grown when a read needs more: the items a reader reads one after
+    another share it (no fresh pages to fault in for every item)."""
+
+    def __init__(self):
+        self.buf = bytearray(0)
+
+    def get(self, n: int) -> memoryview:
+        if len(self.buf) < n:
+            self.buf = bytearray(n)
+        return memoryview(self.buf)[:n]
+
+
 class CheckedItem:
     """One saved item, bytes [offset, offset + length) of the open binary file `f`, read through
     its checksums `sums` (None: read as it is, unchecked).
@@ -161,7 +174,7 @@ class CheckedItem:
     byte range in the file. `bytes_read`, `largest` and `blocks_checked` count what it did."""
 
     def __init__(self, f, name: str, key: str, offset: int, length: int, sums: ItemSums | None = None,
-                 block_bytes: int = BLOCK_BYTES, edge_bytes: int = EDGE_BYTES):
+                 block_bytes: int = BLOCK_BYTES, edge_bytes: int = EDGE_BYTES, scratch: Scratch | None = None):
         if sums is not None and sums.length != length:
             raise CheckpointError(f"{name}: {key}: bytes [{offset}, {offset + length}): .checksums records "
                                   f"{sums.length} bytes for this item, .metadata {length}")
@@ -170,7 +183,7 @@ class CheckedItem:
         self.bytes_read = self.largest = self.blocks_checked = 0
         self._edges: dict = {}
         self._cached = (None, None)                 # (block index, its bytes)
-        self._buffer = None
+        self.scratch = scratch if scratch is not None else Scratch()
 
     # -------------------------------------------------------------- reading
 
@@ -184,9 +197,7 @@ class CheckedItem:
         if n == 0:
             return memoryview(b"")
         if self.sums is None:
-            if self._buffer is None or len(self._buffer) < n:
-                self._buffer = bytearray(n)
-            view = _read_exactly(self.f, pos, memoryview(self._buffer)[:n], self.name)
+            view = _read_exactly(self.f, pos, self.scratch.get(n), self.name)
             self._count(n)
             return view
         first, last = rel // self.block_bytes, (rel + n - 1) // self.block_bytes
@@ -276,10 +287,8 @@ class CheckedItem:
             return view
         start = i * self.block_bytes
         n = min(self.block_bytes, self.length - start)
-        if self._buffer is None:
-            self._buffer = bytearray(min(self.block_bytes, self.length))
         self._cached = (None, None)
-        view = _read_exactly(self.f, self.offset + start, memoryview(self._buffer)[:n], self.name)
+        view = _read_exactly(self.f, self.offset + start, self.scratch.get(n), self.name)
         self._count(n)
         self._check(view, start, self.sums.blocks[i], f"block {i} of the item, {len(self.sums.blocks)} blocks "
                     f"of {self.block_bytes} bytes")
