@@ -9,8 +9,8 @@ DCP writes), alternating, `--repeats` times; then both checkpoints are loaded wi
 checked) at degree 4 and at degree 2, alternating the same way. A time is rank 0's wall clock
 from a barrier before the operation to a barrier after it (so the slowest rank's); beside it,
 the CPU time all ranks spent in it (process time, summed), which other work on a shared machine
-disturbs less than the wall clock. The files stay in the page cache: no disk read, the case
-where checking costs the most, relatively.
+disturbs less than the wall clock. Each operation starts after a full garbage collection. The
+files stay in the page cache: no disk read, the case where checking costs the most, relatively.
 
     python benchmarks/checkpoint_checksums.py               # ~2 min here
     python benchmarks/checkpoint_checksums.py --quick       # a smaller model
@@ -22,6 +22,7 @@ time to read the checkpoint's files back from the page cache (what the writer ad
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -56,7 +57,11 @@ def build(args, tp):
 
 
 def timed(fn) -> tuple:
-    """(wall seconds from a barrier before fn to a barrier after it, CPU seconds all ranks spent in fn)."""
+    """(wall seconds from a barrier before fn to a barrier after it, CPU seconds all ranks spent in
+    fn). A full garbage collection first: a load allocates enough for Python's collector to run
+    its oldest generation (0.2-0.4 s here) every few loads, which in strictly alternating rounds
+    falls on one variant far more often than on the other."""
+    gc.collect()
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
     fn()
