@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["autoshard", "autoshard.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "networkx>=3.0", "tabulate>=0.9", "numpy"],
+    install_requires=["torch>=2.4", "networkx>=3.0", "tabulate>=0.9", "numpy", "isal>=1.0"],
     extras_require={
         "test": ["pytest>=7", "transformers>=4.40", "safetensors>=0.4", "matplotlib>=3.7"],
         "bench": ["matplotlib>=3.7"],

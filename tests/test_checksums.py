@@ -234,7 +234,8 @@ def test_a_flipped_byte_is_a_named_error_on_the_ranks_that_read_it_and_no_wrong_
 
 def test_checked_reads_return_the_exact_bytes_and_refuse_every_block_a_flipped_byte_is_in(tmp_path):
     """Random items, block sizes and reads: a read returns the file's bytes, having read whole
-    blocks (or the whole first / last E bytes where it lies inside them); with one byte flipped,
+    blocks (or the whole first / last E bytes where it lies inside them and the item has more
+    than one block); with one byte flipped,
     exactly the reads whose blocks hold it raise, naming the block's byte range."""
     g = torch.Generator().manual_seed(0)
     for trial in range(40):
@@ -262,7 +263,9 @@ def test_checked_reads_return_the_exact_bytes_and_refuse_every_block_a_flipped_b
             if n == 0:
                 continue
             at = flip - offset
-            if a + n <= e:
+            if len(sums.blocks) == 1:
+                covers = bad_range = (0, length)
+            elif a + n <= e:
                 covers = bad_range = (0, e)
             elif a >= length - e:
                 covers = bad_range = (length - e, length)

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.storage import _get_dtype_from_pickle_storage_type
 
 from ..errors import CheckpointError
-from .checksums import CheckedItem, ItemWindow, describe_key, read_checksums
+from .checksums import CheckedItem, ItemWindow, Scratch, describe_key, read_checksums
 
 __all__ = ["FileSystemReader"]
 
@@ -171,6 +171,7 @@ class FileSystemReader(dcp.FileSystemReader):
         self.checksums = None
         self._keys: dict = {}
         self._handed: list = []                 # items handed to PyTorch's reader, counted after it
+        self._scratch = Scratch()               # the read buffer every item shares
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -187,13 +188,13 @@ class FileSystemReader(dcp.FileSystemReader):
         name = os.path.join(os.fspath(self.path), info.relative_path)
         key = describe_key(self._keys.get((info.relative_path, info.offset)))
         if self.checksums is None:
-            return CheckedItem(f, name, key, info.offset, info.length)
+            return CheckedItem(f, name, key, info.offset, info.length, scratch=self._scratch)
         sums = self.checksums.items.get((info.relative_path, info.offset))
         if sums is None:
             raise CheckpointError(f"{name}: {key}: bytes [{info.offset}, {info.offset + info.length}) have no "
                                   f"checksum in .checksums, which does not match .metadata")
         return CheckedItem(f, name, key, info.offset, info.length, sums, self.checksums.block_bytes,
-                           self.checksums.edge_bytes)
+                           self.checksums.edge_bytes, self._scratch)
 
     def _counted(self, item: CheckedItem) -> None:
         self.bytes_read += item.bytes_read

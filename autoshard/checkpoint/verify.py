@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ..errors import CheckpointError
-from .checksums import FILE_NAME, CheckedItem, ItemWindow, describe_key, read_checksums
+from .checksums import FILE_NAME, CheckedItem, ItemWindow, Scratch, describe_key, read_checksums
 
 __all__ = ["verify", "Report"]
 
@@ -99,6 +99,7 @@ def _check_file(report: Report, path: str, name: str, entries: list, metadata, c
         return
     size = os.path.getsize(file)
     report.files += 1
+    scratch = Scratch()
     with open(file, "rb", buffering=0) as f:
         for offset, index, info in entries:
             key = describe_key(index)
@@ -118,7 +119,7 @@ def _check_file(report: Report, path: str, name: str, entries: list, metadata, c
                 continue
             try:
                 item = CheckedItem(f, file, key, offset, info.length, sums, checksums.block_bytes,
-                                   checksums.edge_bytes)
+                                   checksums.edge_bytes, scratch)
             except CheckpointError as e:                        # another length
                 report.problems.append(str(e))
                 continue
