@@ -52,7 +52,7 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 _UNITS = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
-_OURS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?|config\.json|generation_config\.json")
+_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")     # replaced, never carried
 
 
 # ----------------------------------------------------------------------------- attach
@@ -261,7 +261,7 @@ def _carry_over(path: str, tmp: str) -> None:
     if not os.path.isdir(path):
         return
     for name in os.listdir(path):
-        if _OURS.fullmatch(name) or os.path.exists(os.path.join(tmp, name)):
+        if _WEIGHTS.fullmatch(name) or os.path.exists(os.path.join(tmp, name)):
             continue
         src, dst = os.path.join(path, name), os.path.join(tmp, name)
         if os.path.isdir(src) and not os.path.islink(src):
@@ -289,8 +289,9 @@ def _write_directory(gm, entries, files, path, tmp, rank, p, pg, dst) -> None:
             if generation is not None:
                 generation.save_pretrained(tmp)
             if len(files) > 1:
+                params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
                 index = {"metadata": {"total_size": sum(math.prod(e[3]) * e[4].itemsize for e in entries),
-                                      "total_parameters": sum(math.prod(e[3]) for e in entries)},
+                                      "total_parameters": sum(math.prod(e[3]) for e in entries if e[0] in params)},
                          "weight_map": {e[0]: name for name, f in zip(names, files) for e in f}}
                 with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as out:
                     out.write(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -179,6 +179,7 @@ def test_save_pretrained_loads_in_one_process(world, dist2, dist4, tmp_path):
         saved = set(index["weight_map"])
         assert ("lm_head.weight" in saved) != tied               # a tied head is left out, as transformers does
         assert not any("inv_freq" in k for k in saved)           # non-persistent buffers are not written
+        assert index["metadata"]["total_size"] == sum(full[k].numel() * full[k].element_size() for k in saved)
         for path in (sharded, single):
             model = _load(path)
             _same(model, full)
