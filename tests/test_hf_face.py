@@ -9,7 +9,8 @@ mismatched key and every tensor equal, bit for bit, to the rank's collected stat
 rank's peak resident memory (VmHWM, reset just before) rises by at most the largest full tensor
 plus the 1 MiB reorder slab plus an allowance, on the writer; by the allowance alone elsewhere.
 Then: data-parallel replicas write once, a failure on the writer raises on every rank and
-leaves the old directory, world 1 without a process group, and the pieces in one process.
+leaves the old directory, world 1 without a process group (and autoshard.from_pretrained's
+module, saved again), and the pieces in one process.
 """
 import ctypes
 import json
@@ -236,10 +237,17 @@ def test_world_one_without_a_process_group(tmp_path, monkeypatch):
     import autoshard.hf as hf
     from autoshard.errors import CheckpointError, ProcessGroupError
     model, kwargs = hf_models.gpt2(vocab_size=256, n_layer=1)
+    model.generation_config.max_new_tokens = 7
     gm = autoshard.parallelize(model, 1, kwargs, tracer="export")
     path = tmp_path / "gpt2"
     gm.save_pretrained(path, max_shard_size="40KB")
-    _same(_load(path), gm.state_dict() | {})
+    _same(_load(path), gm.state_dict())
+    # autoshard.from_pretrained's module has the face too, its generation config read from the directory
+    again = autoshard.from_pretrained(path, 1, kwargs)
+    assert again.config.to_dict() == _load(path).config.to_dict()
+    assert again.generation_config.max_new_tokens == 7
+    again.save_pretrained(tmp_path / "again")
+    _same(_load(tmp_path / "again"), gm.state_dict())
     with pytest.raises(CheckpointError, match="is a file"):
         gm.save_pretrained(path / "config.json")
     before = {f: os.path.getmtime(path / f) for f in os.listdir(path)}
