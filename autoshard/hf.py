@@ -39,7 +39,7 @@ import torch.distributed as dist
 from .errors import CheckpointError, ProcessGroupError
 from .state_dict import group_of, layouts
 
-__all__ = ["attach", "save_pretrained", "parse_size", "WEIGHTS_NAME", "INDEX_NAME"]
+__all__ = ["attach", "save_pretrained", "saved_keys", "parse_size", "WEIGHTS_NAME", "INDEX_NAME"]
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
