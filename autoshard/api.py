@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import groups as D
-from . import loading, rng
+from . import hf, loading, rng
 from .capture import capture, has_meta
 from .cost import CostModel
 from .errors import LoadError, ProcessGroupError, ShardingError
@@ -128,6 +128,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     if load is not None or device is not None or has_meta(model):
         loading.materialize(gm, model, rank, world_size, source=source, chosen=chosen, device=device,
                             progress=progress)
+    hf.attach(gm, model)             # a Hugging Face model's config, generation_config, save_pretrained
     return gm
 
 

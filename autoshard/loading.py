@@ -395,7 +395,8 @@ def _hf_dtype(config, dtype):
 
 def meta_model(path_or_config, dtype=None, model_class=None) -> nn.Module:
     """A Hugging Face model built from its config on the meta device (no weights read or made),
-    in `dtype` (default: the config's, as `from_pretrained(dtype="auto")`), in eval mode."""
+    in `dtype` (default: the config's, as `from_pretrained(dtype="auto")`), in eval mode; from a
+    directory with a generation_config.json, that generation config (as `from_pretrained`)."""
     transformers = _require("transformers")
     config = path_or_config
     if isinstance(path_or_config, (str, os.PathLike)):
@@ -417,6 +418,9 @@ def meta_model(path_or_config, dtype=None, model_class=None) -> nn.Module:
                 model = model_class(config)
     finally:
         torch.set_default_dtype(previous)
+    if isinstance(path_or_config, (str, os.PathLike)) and getattr(model, "generation_config", None) is not None \
+            and os.path.isfile(os.path.join(path_or_config, "generation_config.json")):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path_or_config)   # as from_pretrained
     return model.to(dt).eval()
 
 

@@ -35,7 +35,7 @@ LAYERS = [
     ("rewrite", ["verify", "rewrite"]),
     ("loading and checkpoints", ["loading", "checkpoint", "checkpoint.checksums", "checkpoint.reader", "checkpoint.writer",
                                  "checkpoint.verify", "checkpoint.state",
-                                 "checkpoint.storage"]),
+                                 "checkpoint.storage", "hf"]),
     ("views of a plan", ["report", "graph", "draw"]),
     ("entry points", ["api", "cli", "demo", "__main__", ""]),
 ]

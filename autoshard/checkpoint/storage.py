@@ -113,15 +113,15 @@ def _barrier(pg) -> None:
         dist.barrier(group=pg)
 
 
-def _sibling(path: str, suffix: str) -> str:
+def sibling(path: str, suffix: str) -> str:
     """The hidden sibling `.NAME.suffix` of `path`, where a checkpoint is written before it is published."""
     parent, name = os.path.split(path)
     return os.path.join(parent, f".{name}.{suffix}")
 
 
-def _publish(tmp: str, path: str) -> None:
+def publish(tmp: str, path: str) -> None:
     """Rename the finished `tmp` into `path`; a checkpoint already there goes only after."""
-    old = _sibling(path, "old")
+    old = sibling(path, "old")
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)
         os.rename(path, old)
@@ -137,7 +137,7 @@ def save(state_dict, checkpoint_id, *, process_group=None, checksums: bool = Tru
     (the default) it also writes `.checksums`: the CRC-32 of every `checksum_block_bytes` block
     of every saved item, which `load` checks on every read."""
     path = os.path.abspath(os.fspath(checkpoint_id))
-    tmp = _sibling(path, "partial")
+    tmp = sibling(path, "partial")
     pg = process_group
     if _is_coordinator(pg):
         shutil.rmtree(tmp, ignore_errors=True)
@@ -155,7 +155,7 @@ def save(state_dict, checkpoint_id, *, process_group=None, checksums: bool = Tru
             raise CheckpointError(f"saving {path} failed; it was left as it was. {_failures(e)}") from e
         raise
     if _is_coordinator(pg):
-        _publish(tmp, path)
+        publish(tmp, path)
     _barrier(pg)
 
 
@@ -207,7 +207,7 @@ def torch_save_to_dcp(torch_file, checkpoint_dir) -> None:
     if not os.path.isfile(torch_file):
         raise CheckpointError(f"{torch_file}: no such file")
     path = os.path.abspath(os.fspath(checkpoint_dir))
-    tmp = _sibling(path, "partial")
+    tmp = sibling(path, "partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with quiet():
@@ -215,4 +215,4 @@ def torch_save_to_dcp(torch_file, checkpoint_dir) -> None:
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"converting {torch_file}: {type(e).__name__}: {e}") from e
-    _publish(tmp, path)
+    publish(tmp, path)
