@@ -11,10 +11,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import groups as D
-from . import hf, loading, rng
+from . import hf, loading, rng, signatures
 from .capture import capture, has_meta
 from .cost import CostModel
-from .errors import LoadError, ProcessGroupError, ShardingError
+from .errors import CaptureError, LoadError, ProcessGroupError, ShardingError
 from .nn.dropout import MASKS
 from .plan import Plan
 from .planner import plan_graph
@@ -129,7 +129,31 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
         loading.materialize(gm, model, rank, world_size, source=source, chosen=chosen, device=device,
                             progress=progress)
     hf.attach(gm, model)             # a Hugging Face model's config, generation_config, save_pretrained
+    signatures.install(gm, model, plan.example,
+                       _signature_builder(plan, rank, key, pg if D.is_initialized() else None, dropout_masks))
     return gm
+
+
+def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str):
+    """How a call with another signature gets its graph (autoshard.signatures): captured on the
+    meta copy of the model with the call's inputs, planned with the module's layouts fixed, checked
+    to be the same plan on every rank, rewritten for this rank."""
+    def build(model, call):
+        args, kwargs = call.arrangement().split(call)
+        try:
+            cap = capture(model, args, tracer=plan.tracer, kwargs=kwargs)
+        except CaptureError as e:
+            raise CaptureError(f"a call with ({call.describe()}), not the signature the module was planned for, "
+                               f"could not be captured:\n{e}") from e
+        try:
+            variant = plan_graph(cap.gm, plan.world_size, plan.cost_model, search=plan.search, tracer=cap.tracer,
+                                 notes=cap.notes, example=(cap.args, cap.kwargs), layouts=dict(plan.layouts))
+        except ShardingError as e:
+            raise ShardingError(f"a call with ({call.describe()}) cannot run on this module: {e}") from e
+        if pg is not None:
+            _check_same_plan(variant, pg)
+        return rewrite(variant, rank, key, None, dropout_masks), variant
+    return build
 
 
 def _plan_digest(plan: Plan) -> int:

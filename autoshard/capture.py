@@ -424,13 +424,16 @@ def _in_train_mode(model: nn.Module):
             m.training = mode
 
 
-def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512) -> Captured:
-    """Capture `model` with `tracer` ("symbolic_trace", "export" or "auto": the first that works)."""
+def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512,
+            kwargs: dict | None = None) -> Captured:
+    """Capture `model` with `tracer` ("symbolic_trace", "export" or "auto": the first that works);
+    `kwargs` are keyword inputs beside positional `example_inputs`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"autoshard needs an nn.Module, got {type(model).__name__}")
     if tracer not in ("auto", "symbolic_trace", "export"):
         raise ValueError(f"tracer must be 'auto', 'symbolic_trace' or 'export', got {tracer!r}")
-    args, kwargs = _split_inputs(example_inputs)
+    args, given = _split_inputs(example_inputs)
+    kwargs = {**given, **(kwargs or {})}
     notes = []
     if not args and not kwargs:
         args = synthesize_inputs(model, tokens)

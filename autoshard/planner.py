@@ -42,13 +42,14 @@ def chunk_candidates(gm: fx.GraphModule) -> tuple:
 
 
 def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
-               tracer="fx", notes=(), example=((), {})) -> Plan:
-    """Plan an already captured graph (shapes in node.meta['val'])."""
+               tracer="fx", notes=(), example=((), {}), layouts=None) -> Plan:
+    """Plan an already captured graph (shapes in node.meta['val']); `layouts` (parameter name ->
+    placement) fixes the parameters' layouts, leaving the search only the activations."""
     t0 = time.perf_counter()
-    prob = _search.Problem(gm, world_size, cost, chunk_candidates(gm), pins=pin or {})
+    prob = _search.Problem(gm, world_size, cost, chunk_candidates(gm), pins=pin or {}, layouts=layouts)
     if not prob.param_obj:
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
-    if cost.memory_budget is None:
+    if cost.memory_budget is None or layouts is not None:
         state = _run(prob, search)
     else:
         state, prob = _fit_budget(gm, world_size, cost, pin, search)

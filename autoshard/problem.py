@@ -48,7 +48,7 @@ class Problem:
     """A captured graph as arrays the search can evaluate quickly."""
 
     def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(),
-                 pins: dict | None = None):
+                 pins: dict | None = None, layouts: dict | None = None):
         self.gm, self.p, self.cost = gm, world_size, cost
         self.nodes = list(gm.graph.nodes)
         self.idx = {n: i for i, n in enumerate(self.nodes)}
@@ -111,6 +111,8 @@ class Problem:
         self.tensor_memo: dict = {}
         self._param_memo: dict = {}
         self.groups = self._groups(pins or {})
+        if layouts is not None:
+            self.groups = _fix_layouts(self, layouts)
         self.group_of_param = {k: g for g, grp in enumerate(self.groups) for k in grp.params}
 
     def _needs_grad(self) -> list[bool]:
@@ -274,6 +276,30 @@ class Problem:
         if not out or out[0] != rep:
             out.insert(0, rep)
         return out
+
+
+def _fix_layouts(prob, layouts: dict) -> list:
+    """Keep, in every group, only the choice that gives each parameter its layout in `layouts`
+    (name -> placement: a module already built, planned again for another call signature); a
+    layout no choice offers, or a split parameter the graph gives no choice, is a ShardingError."""
+    def wanted(k):
+        found = {layouts[n] for n in prob.param_names[k] if n in layouts}
+        return found.pop() if len(found) == 1 else (REPLICATE if not found else None)
+    out = []
+    for grp in prob.groups:
+        want = tuple(wanted(k) for k in grp.params)
+        if want not in grp.choices:
+            shown = {n: str(w) for n, w in zip(grp.names, want)}
+            raise ShardingError(f"this call needs other layouts for {shown}: the ops that use them here "
+                                f"({', '.join(prob.nodes[a].name for a in grp.anchors[:4])}) cannot run with "
+                                "the layouts the module's parameters already have")
+        out.append(Group(grp.params, grp.names, (want,), grp.anchors))
+    grouped = {k for grp in prob.groups for k in grp.params}
+    for k, names in prob.param_names.items():
+        if k not in grouped and not isinstance(wanted(k), Replicate):
+            raise ShardingError(f"this call cannot keep parameter {names[0]} {list(prob.param_obj[k].shape)} split as "
+                                f"{wanted(k)}: no op of its graph can use it split")
+    return out
 
 
 def _structure(n: fx.Node, module) -> tuple | None:

@@ -420,12 +420,11 @@ class Rewriter:
         self.gm._autoshard_layouts = table
         self.gm._autoshard_group = self.key
         self.gm._autoshard_plan = self.plan
-        self.gm.register_forward_pre_hook(InputCheck.of(self.plan, self.gm), with_kwargs=True, prepend=True)
         return self.gm
 
 
 class InputCheck:
-    """Forward pre-hook: every tensor input has the number of dims the plan was made for and
+    """Run before a rewritten graph (autoshard.signatures): every tensor input has the number of dims the plan was made for and
     its sizes where the plan fixed them (feature dims, split dims); batch and sequence sizes,
     which capture found free, may be anything. A wrong input gets a ShardingError naming it."""
 

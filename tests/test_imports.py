@@ -33,6 +33,7 @@ LAYERS = [
     ("problem", ["problem"]),
     ("search and planner", ["search", "planner"]),
     ("rewrite", ["verify", "rewrite"]),
+    ("call signatures", ["signatures"]),
     ("loading and checkpoints", ["loading", "checkpoint", "checkpoint.checksums", "checkpoint.reader", "checkpoint.writer",
                                  "checkpoint.verify", "checkpoint.state",
                                  "checkpoint.storage", "hf"]),

@@ -1,0 +1,248 @@
+"""Every call the original forward accepts, served by the one module `parallelize` returns.
+
+The module's own graph serves the call signature of the example it was planned with. A call
+with other arguments (no labels, an attention_mask, keywords for positionals) is captured on a
+meta copy of the model, planned with the layouts the module's parameters already have, and
+rewritten on its first use (`build`, given by the entry point); its code then runs with the
+module itself as `self`, so one set of parameters, buffers and mode modules serves every
+signature, and train()/eval(), .to() and state dicts see no difference. A signature is its
+present arguments: name, and for a tensor its number of dims and dtype, for a constant its value;
+None counts as absent.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.graph import CodeGen
+from torch.utils import _pytree as pytree
+
+from .capture import placeholder_inputs
+from .errors import ShardingError, first_line
+from .rewrite import InputCheck
+
+_CONSTANTS = (bool, int, float, str, torch.dtype, torch.device)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """`model`'s structure with every parameter and buffer on meta (ties kept): nothing is
+    copied but Python objects and small non-tensor state."""
+    memo = {}
+    for named in (model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        for _, t in named:
+            if t is None or id(t) in memo:
+                continue
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _value_key(v):
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.dim(), v.dtype)
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_value_key(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((k, _value_key(x)) for k, x in v.items())))
+    if isinstance(v, _CONSTANTS) or v is None:
+        return ("constant", v)
+    return ("object", type(v).__qualname__)
+
+
+@dataclass(frozen=True)
+class Call:
+    """A call bound to forward's parameters: the present arguments by name (None dropped;
+    `**kwargs` entries by their own names) and those that must go by position."""
+
+    arguments: tuple            # ((name, value), ...) in forward's order
+    positional: tuple           # names of positional-only / *args entries
+
+    @property
+    def key(self) -> tuple:
+        return tuple((name, _value_key(v)) for name, v in self.arguments)
+
+    def arrangement(self) -> "Arrangement":
+        """Positional-only and *args entries by position, the rest by keyword."""
+        return Arrangement(self.positional, tuple(n for n, _ in self.arguments if n not in self.positional))
+
+    def describe(self) -> str:
+        def show(v):
+            if isinstance(v, torch.Tensor):
+                return f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+            return type(v).__name__ if _value_key(v)[0] == "object" else repr(v)
+        return ", ".join(f"{n}={show(v)}" for n, v in self.arguments)
+
+
+def bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> Call:
+    """`args`/`kwargs` as forward's parameters (a TypeError, as Python's, when they do not fit)."""
+    bound = signature.bind(*args, **kwargs)
+    out, positional = [], []
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out.extend((k, v) for k, v in value.items() if v is not None)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            for i, v in enumerate(value):
+                out.append((f"*{i}", v))
+                positional.append(f"*{i}")
+        elif value is not None:
+            out.append((name, value))
+            if kind is inspect.Parameter.POSITIONAL_ONLY:
+                positional.append(name)
+    return Call(tuple(out), tuple(positional))
+
+
+def _positional_names(signature: inspect.Signature, count: int) -> tuple:
+    """The names `bind` gives the first `count` positional arguments."""
+    out = []
+    for q in signature.parameters.values():
+        if len(out) == count:
+            break
+        if q.kind is q.VAR_POSITIONAL:
+            out.extend(f"*{i}" for i in range(count - len(out)))
+        elif q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD):
+            out.append(q.name)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Arrangement:
+    """How a graph takes its inputs: which names by position, which by keyword (the capture's)."""
+
+    positional: tuple
+    keywords: tuple
+
+    def split(self, call: Call) -> tuple[tuple, dict]:
+        given = dict(call.arguments)
+        return tuple(given.get(n) for n in self.positional), {n: given.get(n) for n in self.keywords}
+
+
+class Served:
+    """One signature's graph: its input check and how to run it with the module as `self`."""
+
+    def __init__(self, arrangement: Arrangement, check: InputCheck, holder: fx.GraphModule, fn, out_spec=None):
+        self.arrangement, self.check, self.holder = arrangement, check, holder
+        self.fn, self.out_spec = fn, out_spec        # fn(self, *inputs); out_spec: an export graph's outputs
+
+    def __call__(self, module: nn.Module, call: Call):
+        args, kwargs = self.arrangement.split(call)
+        self.check(self.holder, args, kwargs)
+        if self.out_spec is None:                    # the module's own graph, or a symbolic_trace one
+            return self.fn(module, *args, **kwargs)
+        flat = placeholder_inputs(self.holder, "export", args, kwargs)
+        return pytree.tree_unflatten(list(self.fn(module, *flat)), self.out_spec)
+
+
+class Signatures:
+    """The call dispatcher kept by a parallel module (`module._autoshard_signatures`)."""
+
+    def __init__(self, signature: inspect.Signature, first: Call, served: Served, build, copy_error=None):
+        self.signature, self.build = signature, build
+        self.served = {first.key: served}
+        self.plans = {first.key: None}               # the module's own plan is module._autoshard_plan
+        self.copy_error = copy_error
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        call = bind(self.signature, args, kwargs)
+        served = self.served.get(call.key)
+        if served is None:
+            served = self._add(module, call)
+        return served(module, call)
+
+    def _add(self, module: nn.Module, call: Call) -> Served:
+        if self.copy_error is not None:
+            raise ShardingError(f"this module was planned for another call signature and cannot capture "
+                                f"({call.describe()}): the model could not be copied for capture "
+                                f"({self.copy_error}); plan with an example of this call")
+        holder, plan = self.build(call)
+        served = adopt(module, holder, len(self.served), call.arrangement(), plan)
+        self.served[call.key] = served
+        self.plans[call.key] = plan
+        return served
+
+
+def _resolves(root: nn.Module, target: str):
+    try:
+        obj = root
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+    except AttributeError:
+        return None
+
+
+def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrangement, plan) -> Served:
+    """Make `holder` (a rewritten graph on meta tensors) run against `module`: its parameters and
+    buffers by their names in `module` (shapes checked), everything else the graph refers to
+    (new mode modules, an export graph's helpers and constants) added to `module` under
+    autoshard_call<k>_* names; returns the compiled Served."""
+    graph = holder.graph
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in module.named_buffers(remove_duplicate=False)}
+    renamed = {}
+    for n in graph.nodes:
+        if n.op not in ("get_attr", "call_module"):
+            continue
+        if n.target in names:
+            ours, theirs = _resolves(module, n.target), _resolves(holder, n.target)
+            if isinstance(theirs, torch.Tensor) and tuple(ours.shape) != tuple(theirs.shape):
+                raise ShardingError(f"this call's plan holds {n.target} as {list(theirs.shape)} on this rank, the "
+                                    f"module as {list(ours.shape)}")
+            continue
+        if n.target not in renamed:
+            obj = _resolves(holder, n.target)
+            new = f"autoshard_call{k}_{n.target.replace('.', '_')}"
+            if isinstance(obj, nn.Module):
+                meta = [q for q, t in list(obj.named_parameters()) + list(obj.named_buffers()) if t.is_meta]
+                if meta:
+                    raise ShardingError(f"this call uses module {n.target} ({type(obj).__name__}), which the "
+                                        f"module's own graph does not, and its tensors {meta[:3]} cannot be "
+                                        "filled; plan with an example of this call")
+                obj.train(module.training)
+                module.add_module(new, obj)
+            elif isinstance(obj, torch.Tensor):
+                if obj.is_meta:
+                    raise ShardingError(f"this call's graph holds a constant {n.target} {list(obj.shape)} made on "
+                                        "meta while capturing; plan with an example of this call")
+                module.register_buffer(new, obj, persistent=False)
+            else:
+                setattr(module, new, obj)
+            renamed[n.target] = new
+        n.target = renamed[n.target]
+    out_spec = getattr(holder, "_out_spec", None) if plan.tracer == "export" else None
+    if out_spec is not None:
+        graph.set_codegen(CodeGen())                  # flat inputs and outputs: the specs are applied here
+    code = graph.python_code(root_module="self")
+    scope = dict(code.globals)
+    exec(compile(code.src, f"<autoshard call signature {k}>", "exec"), scope)  # noqa: S102 - fx's own codegen
+    return Served(arrangement, InputCheck.of(plan, holder), holder, scope["forward"], out_spec)
+
+
+def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> None:
+    """Give `module` (a rank's rewrite of `model`) the dispatcher: the example's signature runs
+    the module's graph; another one is built by `build(call) -> (holder, plan)` on first use."""
+    signature = inspect.signature(model.forward)
+    args, kwargs = example
+    first = bind(signature, args, kwargs)
+    arrangement = Arrangement(_positional_names(signature, len(args)), tuple(kwargs))
+    graph_forward = type(module).forward
+    served = Served(arrangement, InputCheck.of(module._autoshard_plan, module), module, graph_forward)
+    try:
+        build_on = meta_copy(model)
+        error = None
+    except Exception as e:  # noqa: BLE001 - reported on the first call that needs it
+        build_on, error = None, f"{type(e).__name__}: {first_line(e, 160)}"
+    module._autoshard_signatures = Signatures(signature, first, served,
+                                              (lambda call: build(build_on, call)) if build_on is not None else None,
+                                              error)
+
+    def forward(self, *args, **kwargs):
+        return self.__dict__["_autoshard_signatures"](self, args, kwargs)
+    forward.__doc__ = f"{type(model).__name__}.forward on this rank's shards (autoshard.signatures)"
+    forward.__signature__ = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                                               *signature.parameters.values()])
+    type(module).forward = forward

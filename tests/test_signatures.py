@@ -1,0 +1,135 @@
+"""The parallel module takes every call its model's forward takes: with and without labels,
+positionally and by keyword, with an attention_mask; each new signature is captured, planned on
+the parameters' existing layouts and rewritten on its first use (autoshard.signatures)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.errors import ShardingError
+from autoshard.placements import Shard
+from hf_models import llama
+from refs import close_to_scale, grads
+
+
+class Tagger(nn.Module):
+    """Logits without labels, the loss with them; an optional mask scales the embeddings."""
+
+    def __init__(self, vocab=64, h=32):
+        super().__init__()
+        self.emb, self.fc1, self.fc2 = nn.Embedding(vocab, h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.head = nn.Linear(h, vocab)
+
+    def forward(self, ids, labels=None, mask=None):
+        x = self.emb(ids)
+        if mask is not None:
+            x = x * mask[..., None]
+        x = x + self.fc2(F.gelu(self.fc1(x)))
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _compare_grads(gm, ref, what):
+    full = autoshard.collect_state_dict(gm, {k: v.grad for k, v in gm.named_parameters() if v.grad is not None})
+    want = grads(ref)
+    assert set(want) <= set(full), (what, sorted(set(want) - set(full)))
+    for name, g in want.items():
+        close_to_scale(full[name], g, f"{what}: grad {name}")
+    gm.zero_grad(), ref.zero_grad()
+
+
+def _plain_case(rank, p, tracer):
+    torch.manual_seed(0)
+    model = Tagger()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
+    mask = torch.rand(2, 8, generator=g)
+    gm = autoshard.parallelize(model, p, (ids, labels), tracer=tracer)
+    keys, layouts = list(gm.state_dict()), dict(autoshard.layouts(gm))
+    calls = {
+        "positional (the example's)": ((ids, labels), {}),
+        "by keyword": ((), dict(ids=ids, labels=labels)),
+        "with a mask": ((ids, labels), dict(mask=mask)),
+        "labels=None": ((ids,), dict(labels=None)),
+        "no labels": ((ids,), {}),
+        "no labels, a mask by keyword": ((), dict(ids=ids, mask=mask)),
+    }
+    for what, (args, kwargs) in calls.items():
+        out, want = gm(*args, **kwargs), ref(*args, **kwargs)
+        close_to_scale(out, want, what)
+        (out.float().pow(2).mean() if out.dim() else out).backward()
+        (want.float().pow(2).mean() if want.dim() else want).backward()
+        _compare_grads(gm, ref, what)
+    sigs = gm._autoshard_signatures
+    assert len(sigs.served) == 4, list(sigs.served)          # (ids, labels), +mask, (ids), (ids, mask)
+    assert sigs.plans[next(iter(sigs.served))] is None        # the module's own graph serves the example
+    assert list(gm.state_dict()) == keys and dict(autoshard.layouts(gm)) == layouts
+    for plan in sigs.plans.values():
+        if plan is not None:
+            assert {k: v for k, v in plan.layouts.items() if isinstance(v, Shard)} == layouts
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        gm(ids, colour=1)
+    close_to_scale(gm(ids[0]), ref(ids[0]), "one sequence, no batch dim")     # a new signature too
+    return len(sigs.served)
+
+
+@pytest.mark.parametrize("tracer", ["symbolic_trace", "export"])
+def test_plain_module_every_signature(dist2, tracer):
+    assert dist2.run(_plain_case, tracer) == [5, 5]
+
+
+def _llama_case(rank, p):
+    model, kw = llama(world_size=p)
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export")
+    ids, labels = kw["input_ids"], kw["labels"]
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0                                # left padding on the first row
+    gm.train(), ref.train()
+
+    def loss_step(what, call):
+        out, want = call(gm), call(ref)
+        close_to_scale(out.loss, want.loss, what)
+        out.loss.backward(), want.loss.backward()
+        _compare_grads(gm, ref, what)
+
+    def logits_step(what, call):
+        out, want = call(gm), call(ref)
+        assert out.loss is None and want.loss is None
+        close_to_scale(out.logits, want.logits, what)
+        out.logits.pow(2).mean().backward(), want.logits.pow(2).mean().backward()
+        _compare_grads(gm, ref, what)
+
+    loss_step("labels by keyword", lambda m: m(input_ids=ids, labels=labels))
+    logits_step("input_ids by keyword", lambda m: m(input_ids=ids))
+    logits_step("input_ids by position", lambda m: m(ids))
+    logits_step("an attention_mask", lambda m: m(ids, attention_mask=mask))
+    loss_step("labels and an attention_mask", lambda m: m(ids, attention_mask=mask, labels=labels))
+    loss_step("labels by position", lambda m: m(ids, mask, labels=labels))
+    gm.eval(), ref.eval()                          # modes reach the graphs added for new signatures
+    with torch.no_grad():
+        close_to_scale(gm(ids).logits, ref(ids).logits, "eval, input_ids only")
+    return len(gm._autoshard_signatures.served)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_llama_with_and_without_labels(request, world):
+    assert request.getfixturevalue(f"dist{world}").run(_llama_case) == [4] * world   # (ids, labels), (ids), (ids, mask), (ids, mask, labels)
+
+
+def test_one_process_signature_error_names_the_call():
+    """A signature the module cannot be copied for says which call and why."""
+    torch.manual_seed(0)
+    model = Tagger()
+    ids = torch.randint(0, 64, (2, 8))
+    gm = autoshard.parallelize(model, 1, (ids,))
+    gm._autoshard_signatures.copy_error = "TypeError: cannot pickle 'lock'"
+    with pytest.raises(ShardingError, match=r"\(ids=int64\[2, 8\], labels=int64\[2, 8\]\).*cannot pickle"):
+        gm(ids, ids)
+    close_to_scale(gm(ids), model(ids), "the example's signature still runs")
