@@ -138,10 +138,10 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str):
     """How a call with another signature gets its graph (autoshard.signatures): captured on the
     meta copy of the model with the call's inputs, planned with the module's layouts fixed, checked
     to be the same plan on every rank, rewritten for this rank."""
-    def build(model, call):
+    def build(capture_on, bind_to, call):
         args, kwargs = call.arrangement().split(call)
         try:
-            cap = capture(model, args, tracer=plan.tracer, kwargs=kwargs)
+            cap = capture(capture_on, args, tracer=plan.tracer, kwargs=kwargs)
         except CaptureError as e:
             raise CaptureError(f"a call with ({call.describe()}), not the signature the module was planned for, "
                                f"could not be captured:\n{e}") from e
@@ -152,7 +152,7 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str):
             raise ShardingError(f"a call with ({call.describe()}) cannot run on this module: {e}") from e
         if pg is not None:
             _check_same_plan(variant, pg)
-        return rewrite(variant, rank, key, None, dropout_masks), variant
+        return rewrite(variant, rank, key, bind_to, dropout_masks), variant
     return build
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -207,7 +208,8 @@ def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrang
             elif isinstance(obj, torch.Tensor):
                 if obj.is_meta:
                     raise ShardingError(f"this call's graph holds a constant {n.target} {list(obj.shape)} made on "
-                                        "meta while capturing; plan with an example of this call")
+                                        "meta: the model was gone, so the call was captured on a meta copy; keep "
+                                        "the model alive, or plan with an example of this call")
                 module.register_buffer(new, obj, persistent=False)
             else:
                 setattr(module, new, obj)
@@ -224,7 +226,9 @@ def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrang
 
 def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> None:
     """Give `module` (a rank's rewrite of `model`) the dispatcher: the example's signature runs
-    the module's graph; another one is built by `build(call) -> (holder, plan)` on first use."""
+    the module's graph; another one is built on first use by `build(capture_on, bind_to, call) ->
+    (holder, plan)`: captured on `model` while the caller keeps it (a weak reference: its real
+    constants are then right), else on its meta copy, and rewritten on the meta copy's tensors."""
     signature = inspect.signature(model.forward)
     args, kwargs = example
     first = bind(signature, args, kwargs)
@@ -232,13 +236,15 @@ def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> 
     graph_forward = type(module).forward
     served = Served(arrangement, InputCheck.of(module._autoshard_plan, module), module, graph_forward)
     try:
-        build_on = meta_copy(model)
-        error = None
+        on_meta, error = meta_copy(model), None
     except Exception as e:  # noqa: BLE001 - reported on the first call that needs it
-        build_on, error = None, f"{type(e).__name__}: {first_line(e, 160)}"
-    module._autoshard_signatures = Signatures(signature, first, served,
-                                              (lambda call: build(build_on, call)) if build_on is not None else None,
-                                              error)
+        on_meta, error = None, f"{type(e).__name__}: {first_line(e, 160)}"
+    alive = weakref.ref(model)
+
+    def build_for(call):
+        model = alive()
+        return build(model if model is not None else on_meta, on_meta, call)
+    module._autoshard_signatures = Signatures(signature, first, served, build_for, error)
 
     def forward(self, *args, **kwargs):
         return self.__dict__["_autoshard_signatures"](self, args, kwargs)

@@ -2,6 +2,7 @@
 positionally and by keyword, with an attention_mask; each new signature is captured, planned on
 the parameters' existing layouts and rewritten on its first use (autoshard.signatures)."""
 import copy
+import gc
 
 import pytest
 import torch
@@ -88,6 +89,8 @@ def _llama_case(rank, p):
     model, kw = llama(world_size=p)
     ref = copy.deepcopy(model)
     gm = autoshard.parallelize(model, p, kw, tracer="export")
+    del model                                      # new signatures are then captured on the meta copy
+    gc.collect()
     ids, labels = kw["input_ids"], kw["labels"]
     mask = torch.ones_like(ids)
     mask[0, :5] = 0                                # left padding on the first row

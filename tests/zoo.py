@@ -351,6 +351,7 @@ def zoo_case(rank, p, name, seed=0):
                grad_err=errs.get(worst, 0.0), worst_grad=worst, missing_grads=missing[:8], extra_grads=extra[:8],
                grad_shape_bad=shape_bad[:8])
     bad = []
+    rec["signature"] = _without_labels(gm, ref, kwargs, bad)
     if loss_err > LOSS_TOL:
         bad.append(f"loss {out.item():.6g} vs {want.item():.6g}")
     if missing or extra or shape_bad:
@@ -358,8 +359,34 @@ def zoo_case(rank, p, name, seed=0):
     if errs and errs[worst] > GRAD_TOL:
         bad.append(f"gradient {worst} off by {errs[worst]:.3g} (relative)")
     if bad:
-        rec.update(status="wrong", stage="run", error="; ".join(bad))
+        rec.update(status="crash" if rec["signature"] == "crash" else "wrong",
+                   stage="signature" if rec["signature"] in ("crash", "wrong") else "run", error="; ".join(bad))
     return rec
+
+
+def _without_labels(gm, ref, kwargs, bad) -> str:
+    """The module called without labels (another call signature, captured on first use): its
+    logits against the model's; "n/a" where the model itself needs them (a seq2seq model with no
+    decoder inputs)."""
+    if "labels" not in kwargs:
+        return "n/a"
+    rest = {k: v for k, v in kwargs.items() if k != "labels"}
+    try:
+        with torch.no_grad():
+            want = ref(**rest).logits
+    except Exception:  # noqa: BLE001 - the model cannot run so either
+        return "n/a"
+    try:
+        with torch.no_grad():
+            got = gm(**rest).logits
+    except Exception as e:  # noqa: BLE001
+        bad.append(f"without labels: {_first_line(e)}")
+        return "crash"
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-2)).item()
+    if err > GRAD_TOL:
+        bad.append(f"logits without labels off by {err:.3g} (relative)")
+        return "wrong"
+    return "ok"
 
 
 def run_zoo(pool, names, timeout=300.0):
