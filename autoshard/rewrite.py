@@ -232,8 +232,10 @@ class Rewriter:
                 self._mode_dropout(n, t, d.output)
             elif t in SDPA_OPS and node_arg(n, 4, "dropout_p", 0.0):
                 kwargs = {k: v for k, v in n.kwargs.items() if k != "dropout_p"}       # the module sets it
-                self._module_call(n, ParallelAttention(node_arg(n, 4, "dropout_p", 0.0), isinstance(d.output, Shard),
-                                                       t is not F.scaled_dot_product_attention),
+                shard = d.output if isinstance(d.output, Shard) else None
+                self._module_call(n, ParallelAttention(node_arg(n, 4, "dropout_p", 0.0), shard,
+                                                       t is not F.scaled_dot_product_attention, self.p, self.rank,
+                                                       self.dropout_masks),
                                   "attention", n.args, kwargs)
             if isinstance(d.output, Shard) and t in VIEW_OPS:
                 self._local_sizes(n, d.output)

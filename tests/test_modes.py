@@ -161,6 +161,36 @@ def test_single_process_masks_at_four(dist4):
     dist4.run(_single_process_case, "export")
 
 
+def _single_process_attention_case(rank, p):
+    """GPT-2 with dropout in the embeddings, the residuals and inside attention (split by heads):
+    with single_process masks, the loss and every gradient equal the model's under one seed."""
+    model, kw = gpt2(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    model.train()
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", dropout_masks="single_process")
+    assert any(isinstance(m, ParallelAttention) and m.shard is not None for m in gm.modules()), \
+        "attention is not split by heads: the case would not test the sliced attention mask"
+    torch.manual_seed(11)
+    want = ref(**kw).loss
+    autoshard.manual_seed(11)
+    loss = gm(**kw).loss
+    close_to_scale(loss, want, "loss")
+    loss.backward(), want.backward()
+    full = autoshard.collect_state_dict(gm, {k: v.grad for k, v in gm.named_parameters()})
+    for name, g in grads(ref).items():
+        close_to_scale(full[name], g, f"grad {name}")
+    autoshard.manual_seed(12)
+    with torch.no_grad():
+        assert gm(**kw).loss.item() != loss.item()          # another seed, other masks: dropout is on
+    return loss.item()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_single_process_masks_inside_attention(request, world):
+    losses = request.getfixturevalue(f"dist{world}").run(_single_process_attention_case)
+    assert len(set(losses)) == 1
+
+
 def _seed_mismatch_case(rank, p):
     autoshard.manual_seed(rank)
     with pytest.raises(autoshard.ProcessGroupError, match=r"different seeds .*\[0, 1\]"):

@@ -59,15 +59,31 @@ class ParallelDropout(nn.Module):
 
 class ParallelAttention(nn.Module):
     """scaled_dot_product_attention whose dropout follows `self.training` (dropout_p then, 0 in
-    eval) and runs on autoshard's streams: the sharded stream when the heads are split, else the
-    replicated one (attention draws its mask from the default generator, which `rng.fork` swaps)."""
+    eval) and runs on autoshard's streams: the sharded stream when the attention probabilities
+    are split (`shard` splits a batch or head dim of the output), else the replicated one
+    (attention draws its mask from the default generator, which `rng.fork` swaps). With
+    `masks="single_process"` and split probabilities, the attention runs as torch's math kernel
+    does, with this rank's slice of the full mask drawn from the replicated stream."""
 
-    def __init__(self, dropout_p: float, sharded: bool, aten_op: bool):
+    def __init__(self, dropout_p: float, shard: Shard | None, aten_op: bool, world_size: int = 1, rank: int = 0,
+                 masks: str = "independent"):
         super().__init__()
-        self.dropout_p, self.sharded, self.aten_op = float(dropout_p), sharded, aten_op
+        if masks not in MASKS:
+            raise ValueError(f"masks must be one of {MASKS}, got {masks!r}")
+        self.dropout_p, self.shard, self.aten_op = float(dropout_p), shard, aten_op
+        self.world_size, self.rank, self.masks = world_size, rank, masks
 
     def extra_repr(self) -> str:
-        return f"dropout_p={self.dropout_p}, {'sharded' if self.sharded else 'replicated'}"
+        where = f"sharded {self.shard}" if self.shard is not None else "replicated"
+        return f"dropout_p={self.dropout_p}, {where}, masks={self.masks}"
+
+    def _split_dim(self, query) -> int | None:
+        """The dim of the probabilities (batch..., heads, L, S) that is split, if any: the output's
+        split dim when it is a batch or head dim (a split feature dim leaves them whole)."""
+        if self.shard is None or self.world_size == 1:
+            return None
+        d = self.shard.dim % query.dim()
+        return d if d < query.dim() - 2 else None
 
     def forward(self, query, key, value, *args, **kwargs):
         fn = torch.ops.aten.scaled_dot_product_attention.default if self.aten_op else F.scaled_dot_product_attention
@@ -79,8 +95,34 @@ class ParallelAttention(nn.Module):
             kwargs["dropout_p"] = p
         if p == 0.0:
             return fn(query, key, value, *args, **kwargs)
-        with rng.fork("sharded" if self.sharded else "replicated", query.device):
+        split = self._split_dim(query)
+        if split is not None and self.masks == "single_process":
+            return self._math(query, key, value, p, split, *args, **kwargs)
+        with rng.fork("replicated" if split is None else "sharded", query.device):
             return fn(query, key, value, *args, **kwargs)
+
+    def _math(self, q, k, v, p, split, attn_mask=None, dropout_p=None, is_causal=False, *, scale=None,
+              enable_gqa=False):
+        """Attention as torch's math kernel computes it (scores, mask, softmax, dropout as
+        `bernoulli_(1 - p) / (1 - p)` over the probabilities' shape), with the full mask drawn on
+        the replicated stream and sliced along `split`: the single-process model's mask."""
+        if enable_gqa and k.size(-3) != q.size(-3):
+            k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+            v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+        scores = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale)
+        if is_causal:
+            keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+                else scores + attn_mask
+        probs = scores.softmax(-1)
+        probs = torch.where(scores.isneginf().all(-1, keepdim=True), 0.0, probs)   # fully masked rows: 0
+        full = list(probs.shape)
+        full[split] *= self.world_size
+        noise = probs.new_empty(full).bernoulli_(1.0 - p, generator=rng.generator("replicated", q.device))
+        noise = split_along(noise, split, self.world_size, self.shard.chunks)[self.rank]
+        return (probs * noise.div_(1.0 - p)) @ v
 
 
 class ModeBatchNorm(nn.Module):
