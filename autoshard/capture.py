@@ -146,11 +146,25 @@ def _quiet_fake_tensor():
         log.setLevel(level)
 
 
+@contextlib.contextmanager
+def keeping_scalars(module: nn.Module):
+    """Restore `module`'s one-element buffers afterwards: FakeTensorMode runs ops on real tensors
+    of one element for real (constant propagation), so a shape propagation through a batch norm
+    in train mode would count its `num_batches_tracked` up on the model itself."""
+    saved = [(b, b.clone()) for b in module.buffers() if b is not None and not b.is_meta and b.numel() <= 1]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
 def propagate(gm: fx.GraphModule, flat: list) -> None:
     """node.meta['val'] = FakeTensor of the example's concrete shapes."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
-    with mode:
+    with keeping_scalars(gm), mode:
         _ShapeProp(gm, mode).propagate(*fake)
 
 

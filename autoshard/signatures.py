@@ -141,8 +141,9 @@ class Served:
 class Signatures:
     """The call dispatcher kept by a parallel module (`module._autoshard_signatures`)."""
 
-    def __init__(self, signature: inspect.Signature, first: Call, served: Served, build, copy_error=None):
-        self.signature, self.build = signature, build
+    def __init__(self, signature: inspect.Signature, first: Call, served: Served, build, modules=frozenset(),
+                 copy_error=None):
+        self.signature, self.build, self.modules = signature, build, modules   # modules: the model's own names
         self.served = {first.key: served}
         self.plans = {first.key: None}               # the module's own plan is module._autoshard_plan
         self.copy_error = copy_error
@@ -160,7 +161,7 @@ class Signatures:
                                 f"({call.describe()}): the model could not be copied for capture "
                                 f"({self.copy_error}); plan with an example of this call")
         holder, plan = self.build(call)
-        served = adopt(module, holder, len(self.served), call.arrangement(), plan)
+        served = adopt(module, holder, len(self.served), call.arrangement(), plan, self.modules)
         self.served[call.key] = served
         self.plans[call.key] = plan
         return served
@@ -176,14 +177,17 @@ def _resolves(root: nn.Module, target: str):
         return None
 
 
-def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrangement, plan) -> Served:
-    """Make `holder` (a rewritten graph on meta tensors) run against `module`: its parameters and
-    buffers by their names in `module` (shapes checked), everything else the graph refers to
-    (new mode modules, an export graph's helpers and constants) added to `module` under
+def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrangement, plan,
+          model_modules=frozenset()) -> Served:
+    """Make `holder` (a rewritten graph on meta tensors) run against `module`: its parameters,
+    buffers and the model's own submodules (`model_modules`: a symbolic_trace leaf such as a batch
+    norm) by their names in `module` (shapes checked), everything else the graph refers to (new
+    mode modules, an export graph's helpers and constants) added to `module` under
     autoshard_call<k>_* names; returns the compiled Served."""
     graph = holder.graph
     names = {n for n, _ in module.named_parameters(remove_duplicate=False)} | \
-        {n for n, _ in module.named_buffers(remove_duplicate=False)}
+        {n for n, _ in module.named_buffers(remove_duplicate=False)} | \
+        {n for n, m in module.named_modules(remove_duplicate=False) if n in model_modules}
     renamed = {}
     for n in graph.nodes:
         if n.op not in ("get_attr", "call_module"):
@@ -244,7 +248,8 @@ def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> 
     def build_for(call):
         model = alive()
         return build(model if model is not None else on_meta, on_meta, call)
-    module._autoshard_signatures = Signatures(signature, first, served, build_for, error)
+    modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False) if n)
+    module._autoshard_signatures = Signatures(signature, first, served, build_for, modules, error)
 
     def forward(self, *args, **kwargs):
         return self.__dict__["_autoshard_signatures"](self, args, kwargs)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import collectives as C
-from .capture import placeholder_inputs, reads_scalar, stand_in_scalar
+from .capture import keeping_scalars, placeholder_inputs, reads_scalar, stand_in_scalar
 from .errors import ShardingError, first_line
 from .nn import functional as PF
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
@@ -89,6 +89,15 @@ class _LocalShapes(fx.Interpreter):
                 return torch.empty(t.shape, dtype=t.dtype, device=self.device)
         return t
 
+    def call_module(self, target, args, kwargs):
+        module = self.fetch_attr(target)
+        meta = {k: t for k, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta}
+        if meta and self.device.type != "meta":     # a leaf module of a meta model: its tensors faked likewise
+            with self.mode:
+                fake = {k: torch.empty(t.shape, dtype=t.dtype, device=self.device) for k, t in meta.items()}
+            return torch.func.functional_call(module, fake, tuple(args), kwargs)
+        return super().call_module(target, args, kwargs)
+
     def run_node(self, n):
         if reads_scalar(n):
             return stand_in_scalar(self.env[n.all_input_nodes[0]])
@@ -118,5 +127,5 @@ def check_local_graph(gm: fx.GraphModule, plan, rank: int) -> None:
     flat = placeholder_inputs(gm, plan.tracer, args, kwargs)
     fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat]
     device = next((a.device for a in flat if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    with torch.no_grad():
+    with torch.no_grad(), keeping_scalars(gm):
         _LocalShapes(gm, plan.world_size, rank, mode, device).run(*fake)

@@ -17,15 +17,17 @@ from refs import close_to_scale, grads
 
 
 class Tagger(nn.Module):
-    """Logits without labels, the loss with them; an optional mask scales the embeddings."""
+    """Logits without labels, the loss with them; an optional mask scales the embeddings; a batch
+    norm (a leaf module of symbolic_trace, holding running statistics) that every call shares."""
 
     def __init__(self, vocab=64, h=32):
         super().__init__()
         self.emb, self.fc1, self.fc2 = nn.Embedding(vocab, h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-        self.head = nn.Linear(h, vocab)
+        self.norm, self.head = nn.BatchNorm1d(h), nn.Linear(h, vocab)
 
     def forward(self, ids, labels=None, mask=None):
         x = self.emb(ids)
+        x = self.norm(x.flatten(0, -2)).view_as(x)
         if mask is not None:
             x = x * mask[..., None]
         x = x + self.fc2(F.gelu(self.fc1(x)))
@@ -77,6 +79,10 @@ def _plain_case(rank, p, tracer):
     with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
         gm(ids, colour=1)
     close_to_scale(gm(ids[0]), ref(ids[0]), "one sequence, no batch dim")     # a new signature too
+    for name, b in ref.named_buffers():          # every call updated the one set of running statistics
+        close_to_scale(dict(gm.named_buffers())[name], b, f"buffer {name}")
+    gm.eval(), ref.eval()
+    close_to_scale(gm(ids, mask=mask), ref(ids, mask=mask), "eval, running statistics")
     return len(sigs.served)
 
 
@@ -123,7 +129,7 @@ def _llama_case(rank, p):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_llama_with_and_without_labels(request, world):
-    assert request.getfixturevalue(f"dist{world}").run(_llama_case) == [4] * world   # (ids, labels), (ids), (ids, mask), (ids, mask, labels)
+    assert request.getfixturevalue(f"dist{world}").run(_llama_case, timeout=300) == [4] * world   # (ids, labels), (ids), (ids, mask), (ids, mask, labels)
 
 
 def test_one_process_signature_error_names_the_call():
@@ -136,3 +142,19 @@ def test_one_process_signature_error_names_the_call():
     with pytest.raises(ShardingError, match=r"\(ids=int64\[2, 8\], labels=int64\[2, 8\]\).*cannot pickle"):
         gm(ids, ids)
     close_to_scale(gm(ids), model(ids), "the example's signature still runs")
+
+
+@pytest.mark.parametrize("tracer", ["symbolic_trace", "export"])
+def test_capture_leaves_the_models_buffers_alone(tracer):
+    """Shape propagation on fake tensors runs one-element ops for real: planning (and capturing a
+    new signature) must not count a batch norm's num_batches_tracked up on the model."""
+    torch.manual_seed(0)
+    model = Tagger().train()
+    ids = torch.randint(0, 64, (2, 8))
+    before = {k: v.clone() for k, v in model.named_buffers()}
+    gm = autoshard.parallelize(model, 1, (ids, ids), tracer=tracer)
+    with torch.no_grad():
+        gm(ids, mask=torch.ones(2, 8))             # a new signature: captured, then run once
+    after = dict(model.named_buffers())
+    assert after["norm.num_batches_tracked"].item() == 1
+    assert not torch.equal(after["norm.running_mean"], before["norm.running_mean"])   # the one real call
