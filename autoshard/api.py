@@ -138,13 +138,13 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str):
     """How a call with another signature gets its graph (autoshard.signatures): captured on the
     meta copy of the model with the call's inputs, planned with the module's layouts fixed, checked
     to be the same plan on every rank, rewritten for this rank."""
-    def build(capture_on, bind_to, call):
+    def build(capture_on, bind_to, call, train):
         args, kwargs = call.arrangement().split(call)
         try:
-            cap = capture(capture_on, args, tracer=plan.tracer, kwargs=kwargs)
+            cap = capture(capture_on, args, tracer=plan.tracer, kwargs=kwargs, train=train)
         except CaptureError as e:
-            raise CaptureError(f"a call with ({call.describe()}), not the signature the module was planned for, "
-                               f"could not be captured:\n{e}") from e
+            raise CaptureError(f"the {'training' if train else 'evaluation'} graph of a call with "
+                               f"({call.describe()}) could not be captured:\n{e}") from e
         try:
             variant = plan_graph(cap.gm, plan.world_size, plan.cost_model, search=plan.search, tracer=cap.tracer,
                                  notes=cap.notes, example=(cap.args, cap.kwargs), layouts=dict(plan.layouts))

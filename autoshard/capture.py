@@ -425,12 +425,14 @@ def _without_kv_cache(model: nn.Module, args: tuple, kwargs: dict, notes: list):
 
 
 @contextlib.contextmanager
-def _in_train_mode(model: nn.Module):
-    """Capture the training graph whatever mode `model` is in: the ops whose mode a tracer bakes in
-    (dropout's train flag, attention's dropout_p, batch norm's training) then carry their training
-    arguments, and the rewriter makes each follow the module's train() / eval() (nn.dropout)."""
+def _in_mode(model: nn.Module, train: bool):
+    """Capture the training graph (or with `train=False` the evaluation graph) whatever mode
+    `model` is in: a tracer bakes the mode into dropout's train flag, attention's dropout_p, batch
+    norm's training and every `if self.training:` branch. The rewriter also makes the first three
+    follow the module's train() / eval() (nn.dropout); the parallel module runs the evaluation
+    graph in eval mode (autoshard.signatures), so the branches are the model's in either mode."""
     modes = {m: m.training for m in model.modules()}
-    model.train()
+    model.train(train)
     try:
         yield
     finally:
@@ -439,9 +441,10 @@ def _in_train_mode(model: nn.Module):
 
 
 def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512,
-            kwargs: dict | None = None) -> Captured:
+            kwargs: dict | None = None, train: bool = True) -> Captured:
     """Capture `model` with `tracer` ("symbolic_trace", "export" or "auto": the first that works);
-    `kwargs` are keyword inputs beside positional `example_inputs`."""
+    `kwargs` are keyword inputs beside positional `example_inputs`; `train`: the training graph
+    (the default, what a plan is made for) or the evaluation graph."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"autoshard needs an nn.Module, got {type(model).__name__}")
     if tracer not in ("auto", "symbolic_trace", "export"):
@@ -455,7 +458,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
     errors = []
     order = ["symbolic_trace", "export"] if tracer == "auto" else [tracer]
     on_meta, run_on = _meta_inputs(model, args, kwargs)
-    with _without_kv_cache(model, args, kwargs, notes), _in_train_mode(model):
+    with _without_kv_cache(model, args, kwargs, notes), _in_mode(model, train):
         for name in order:
             try:
                 fn = _symbolic if name == "symbolic_trace" else _export

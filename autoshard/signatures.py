@@ -144,26 +144,28 @@ class Signatures:
     def __init__(self, signature: inspect.Signature, first: Call, served: Served, build, modules=frozenset(),
                  copy_error=None):
         self.signature, self.build, self.modules = signature, build, modules   # modules: the model's own names
-        self.served = {first.key: served}
-        self.plans = {first.key: None}               # the module's own plan is module._autoshard_plan
+        self.served = {(True, first.key): served}    # (training, call key): the graph that serves it
+        self.plans = {(True, first.key): None}       # the module's own plan is module._autoshard_plan
         self.copy_error = copy_error
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         call = bind(self.signature, args, kwargs)
-        served = self.served.get(call.key)
+        key = (module.training, call.key)
+        served = self.served.get(key)
         if served is None:
-            served = self._add(module, call)
+            served = self._add(module, call, key)
         return served(module, call)
 
-    def _add(self, module: nn.Module, call: Call) -> Served:
+    def _add(self, module: nn.Module, call: Call, key: tuple) -> Served:
+        mode = "training" if module.training else "evaluation"
         if self.copy_error is not None:
-            raise ShardingError(f"this module was planned for another call signature and cannot capture "
-                                f"({call.describe()}): the model could not be copied for capture "
+            raise ShardingError(f"this module cannot capture the {mode} graph of ({call.describe()}), which it "
+                                f"was not planned with: the model could not be copied for capture "
                                 f"({self.copy_error}); plan with an example of this call")
-        holder, plan = self.build(call)
+        holder, plan = self.build(call, module.training)
         served = adopt(module, holder, len(self.served), call.arrangement(), plan, self.modules)
-        self.served[call.key] = served
-        self.plans[call.key] = plan
+        self.served[key] = served
+        self.plans[key] = plan
         return served
 
 
@@ -229,9 +231,9 @@ def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrang
 
 
 def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> None:
-    """Give `module` (a rank's rewrite of `model`) the dispatcher: the example's signature runs
-    the module's graph; another one is built on first use by `build(capture_on, bind_to, call) ->
-    (holder, plan)`: captured on `model` while the caller keeps it (a weak reference: its real
+    """Give `module` (a rank's rewrite of `model`) the dispatcher: the example's signature in
+    training mode runs the module's graph; another one, or any in eval mode, is built on first use
+    by `build(capture_on, bind_to, call, train) -> (holder, plan)`: captured on `model` while the caller keeps it (a weak reference: its real
     constants are then right), else on its meta copy, and rewritten on the meta copy's tensors."""
     signature = inspect.signature(model.forward)
     args, kwargs = example
@@ -245,9 +247,9 @@ def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> 
         on_meta, error = None, f"{type(e).__name__}: {first_line(e, 160)}"
     alive = weakref.ref(model)
 
-    def build_for(call):
+    def build_for(call, train):
         model = alive()
-        return build(model if model is not None else on_meta, on_meta, call)
+        return build(model if model is not None else on_meta, on_meta, call, train)
     modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False) if n)
     module._autoshard_signatures = Signatures(signature, first, served, build_for, modules, error)
 

@@ -82,13 +82,13 @@ def _plain_case(rank, p, tracer):
     for name, b in ref.named_buffers():          # every call updated the one set of running statistics
         close_to_scale(dict(gm.named_buffers())[name], b, f"buffer {name}")
     gm.eval(), ref.eval()
-    close_to_scale(gm(ids, mask=mask), ref(ids, mask=mask), "eval, running statistics")
+    close_to_scale(gm(ids, mask=mask), ref(ids, mask=mask), "eval, running statistics")   # the eval graph
     return len(sigs.served)
 
 
 @pytest.mark.parametrize("tracer", ["symbolic_trace", "export"])
 def test_plain_module_every_signature(dist2, tracer):
-    assert dist2.run(_plain_case, tracer) == [5, 5]
+    assert dist2.run(_plain_case, tracer) == [6, 6]       # 5 training graphs and 1 evaluation graph
 
 
 def _llama_case(rank, p):
@@ -121,7 +121,7 @@ def _llama_case(rank, p):
     logits_step("an attention_mask", lambda m: m(ids, attention_mask=mask))
     loss_step("labels and an attention_mask", lambda m: m(ids, attention_mask=mask, labels=labels))
     loss_step("labels by position", lambda m: m(ids, mask, labels=labels))
-    gm.eval(), ref.eval()                          # modes reach the graphs added for new signatures
+    gm.eval(), ref.eval()                          # eval mode runs the evaluation graph
     with torch.no_grad():
         close_to_scale(gm(ids).logits, ref(ids).logits, "eval, input_ids only")
     return len(gm._autoshard_signatures.served)
@@ -129,7 +129,7 @@ def _llama_case(rank, p):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_llama_with_and_without_labels(request, world):
-    assert request.getfixturevalue(f"dist{world}").run(_llama_case, timeout=300) == [4] * world   # (ids, labels), (ids), (ids, mask), (ids, mask, labels)
+    assert request.getfixturevalue(f"dist{world}").run(_llama_case, timeout=300) == [5] * world   # (ids, labels), (ids), (ids, mask), (ids, mask, labels), eval (ids)
 
 
 def test_one_process_signature_error_names_the_call():
@@ -158,3 +158,42 @@ def test_capture_leaves_the_models_buffers_alone(tracer):
     after = dict(model.named_buffers())
     assert after["norm.num_batches_tracked"].item() == 1
     assert not torch.equal(after["norm.running_mean"], before["norm.running_mean"])   # the one real call
+
+
+class Branchy(nn.Module):
+    """`if self.training:` branches beyond dropout and batch norm, which a tracer bakes in."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(h, 4 * h), nn.Linear(4 * h, h), nn.Linear(h, 8)
+
+    def forward(self, x, y=None):
+        hid = F.gelu(self.fc1(x))
+        if self.training:
+            hid = hid + 0.5 * hid.tanh()            # e.g. a router's jitter, a training-only term
+        x = x + self.fc2(hid)
+        logits = self.head(x * 2.0 if not self.training else x)
+        return logits if y is None else F.cross_entropy(logits, y)
+
+
+def _branch_case(rank, p, tracer, train_at_capture):
+    torch.manual_seed(0)
+    model = Branchy().train(train_at_capture)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+    gm = autoshard.parallelize(model, p, (x, y), tracer=tracer)
+    for mode in (True, False, True):
+        gm.train(mode), ref.train(mode)
+        loss, want = gm(x, y), ref(x, y)
+        close_to_scale(loss, want, f"loss, training={mode}")
+        loss.backward(), want.backward()
+        _compare_grads(gm, ref, f"training={mode}")
+        close_to_scale(gm(x), ref(x), f"logits, training={mode}")
+    return sorted(k[0] for k in gm._autoshard_signatures.served)
+
+
+@pytest.mark.parametrize("tracer", ["symbolic_trace", "export"])
+@pytest.mark.parametrize("train_at_capture", [True, False], ids=["captured_in_train", "captured_in_eval"])
+def test_training_branches_follow_the_mode(dist2, tracer, train_at_capture):
+    assert dist2.run(_branch_case, tracer, train_at_capture) == [[False, False, True, True]] * 2
