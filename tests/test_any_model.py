@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.errors import ShardingError
+from autoshard.errors import CaptureError, ShardingError
 
 
 class NoDivide(nn.Module):
@@ -260,12 +260,12 @@ def test_batch_and_sequence_never_split(name):
     assert all(n.meta["autoshard_dynamic"] for n in placeholders)
 
 
-def test_input_of_another_rank_is_refused_by_name():
+def test_input_of_another_size_is_refused_by_name():
     gm = autoshard.parallelize(NoDivide(), 4, (torch.randn(6, 24),), rank=1)
-    with pytest.raises(ShardingError, match=r"input 'x' has shape \(2, 5, 24\).*\(\*, 24\)"):
-        gm(torch.randn(2, 5, 24))
-    with pytest.raises(ShardingError, match=r"shape \(6, 23\)"):
+    with pytest.raises(ShardingError, match=r"input 'x' has shape \(6, 23\).*\(\*, 24\)"):
         gm(torch.randn(6, 23))
+    with pytest.raises(CaptureError, match=r"call with \(x=float32\[2, 5, 23\]\) could not be captured"):
+        gm(torch.randn(2, 5, 23))          # 3-D: another signature, which the model itself cannot run
 
 
 def test_a_plan_that_cannot_run_fails_inside_parallelize():
