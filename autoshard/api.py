@@ -49,9 +49,22 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     cost = cost_model or CostModel(**cost_options)
     if search not in ("greedy", "exact"):
         raise ValueError(f"search must be 'greedy' or 'exact', got {search!r}")
+    _check_plain(model)
     cap = capture(model, example_inputs, tracer=tracer, tokens=tokens)
     return plan_graph(cap.gm, world_size, cost, pin=pin, search=search, tracer=cap.tracer,
                       notes=cap.notes, example=(cap.args, cap.kwargs))
+
+
+def _check_plain(model: nn.Module) -> None:
+    """A model whose parameters are already DTensors (fully_shard or parallelize_module applied
+    first) cannot be planned: say which, and the order that works."""
+    from torch.distributed.tensor import DTensor
+    name, t = next(((n, t) for n, t in model.named_parameters() if isinstance(t, DTensor)), (None, None))
+    if name is not None:
+        raise ShardingError(f"{type(model).__name__}'s parameter {name} is already a DTensor over {t.device_mesh} "
+                            f"({t.placements}): fully_shard or DTensor parallelism was applied before autoshard; "
+                            "parallelize the plain model first, then fully_shard its blocks and root on the "
+                            "data-parallel mesh")
 
 
 def _fingerprint(model: nn.Module) -> tuple:
@@ -64,7 +77,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     """This rank's tensor-parallel GraphModule of `model` (plans first unless `plan` is given).
 
     With a process group (the current tensor-parallel group of autoshard.distributed, or
-    `group=`) its size must be `world_size`. With no process group, `rank=` builds that rank's
+    `group=`: a ProcessGroup or a 1-D DeviceMesh such as `mesh["tp"]`) its size must be `world_size`. With no process group, `rank=` builds that rank's
     module for inspection; running it needs the group. Replicated parameters are shared with
     `model` (not copied); sharded ones are new tensors holding this rank's shard.
 
@@ -80,6 +93,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     mask one process would draw under the same seed.
     """
     world_size = _check_world_size(world_size)
+    _check_plain(model)
     if dropout_masks not in MASKS:
         raise ValueError(f"dropout_masks must be one of {MASKS}, got {dropout_masks!r}")
     source = loading.open_source(load) if load is not None else None             # opened once, read per rank

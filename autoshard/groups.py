@@ -27,7 +27,7 @@ import torch.distributed.nn  # noqa: F401 - see below
 from .errors import ProcessGroupError
 
 _GROUPS: dict[str, object] = {}          # key -> ProcessGroup
-_STATE = {"tp": None, "dp": None}        # this rank's current tensor- and data-parallel groups
+_STATE = {"tp": None, "dp": None, "mesh": None}   # this rank's tensor- and data-parallel groups, their mesh
 
 
 def _require_initialized(what: str) -> None:
@@ -65,7 +65,7 @@ def init_process_group(group_size: int | None = None, backend: str | None = None
         g = dist.new_group(list(range(offset, world, group_size)))
         if rank % group_size == offset:
             dp = g
-    _STATE["tp"], _STATE["dp"] = tp, dp
+    _STATE["tp"], _STATE["dp"], _STATE["mesh"] = tp, dp, None
     register_group(tp)
     return tp
 
@@ -88,7 +88,7 @@ def forget() -> None:
     """Drop every registered group and the current tensor- and data-parallel groups (the process
     groups themselves stay as they are)."""
     _GROUPS.clear()
-    _STATE["tp"] = _STATE["dp"] = None
+    _STATE["tp"] = _STATE["dp"] = _STATE["mesh"] = None
 
 
 def _release_at_exit() -> None:
@@ -110,13 +110,47 @@ atexit.register(_release_at_exit)
 
 
 def set_group(group) -> None:
-    """Make `group` this rank's current tensor-parallel group."""
+    """Make `group` (a ProcessGroup or a 1-D DeviceMesh) this rank's current tensor-parallel group."""
+    group = get_group(group) if group is not None else None
     _STATE["tp"] = group
+    _STATE["mesh"] = None
     register_group(group)
 
 
+def device_mesh(device_type: str | None = None):
+    """The 2-D DeviceMesh ("dp", "tp") over the groups `init_process_group(group_size)` formed:
+    `mesh["tp"]` is this rank's tensor-parallel group (to `parallelize` on), `mesh["dp"]` its
+    data-parallel group (to `fully_shard` on); made once, on every rank alike."""
+    _require_initialized("device_mesh()")
+    if _STATE["tp"] is None or _STATE["dp"] is None:
+        raise ProcessGroupError("device_mesh() needs the groups of autoshard.distributed.init_process_group("
+                                "tensor_parallel_size); with groups of your own, build the mesh with "
+                                "torch.distributed.device_mesh.init_device_mesh")
+    device_type = device_type or ("cuda" if dist.get_backend(_STATE["tp"]) == "nccl" else "cpu")
+    cached = _STATE.get("mesh")
+    if cached is None or cached.device_type != device_type:
+        from torch.distributed.device_mesh import DeviceMesh
+        world, tp = dist.get_world_size(), dist.get_world_size(_STATE["tp"])
+        layout = torch.arange(world).reshape(world // tp, tp)      # tensor-parallel groups: consecutive ranks
+        cached = _STATE["mesh"] = DeviceMesh.from_group([_STATE["dp"], _STATE["tp"]], device_type, mesh=layout,
+                                                        mesh_dim_names=("dp", "tp"))
+    return cached
+
+
+def _from_mesh(mesh):
+    """The ProcessGroup of a 1-D DeviceMesh (`mesh["tp"]` of a 2-D one)."""
+    if mesh.ndim != 1:
+        raise ProcessGroupError(f"a {mesh.ndim}-D DeviceMesh {mesh.mesh_dim_names or ''} was given as the "
+                                "tensor-parallel group: pass its tensor-parallel dim, e.g. mesh['tp']")
+    return mesh.get_group()
+
+
 def get_group(group=None):
-    """Resolve `group` (a ProcessGroup, a registered key, or None for the current TP group)."""
+    """Resolve `group` (a ProcessGroup, a 1-D DeviceMesh, a registered key, or None for the
+    current TP group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(group, DeviceMesh):
+        return _from_mesh(group)
     if group is not None and not isinstance(group, str):
         return group
     _require_initialized("a tensor-parallel collective")
