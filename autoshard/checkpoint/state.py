@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from ..placements import boxes, fill_boxes
+from ..placements import Replicate, boxes, fill_boxes
 from ..state_dict import group_of, layouts
 
 # DCP reads .size()/.device of the ShardedTensors we hand it and each read warns that ShardedTensor
@@ -48,7 +48,7 @@ class _Layout:
                                   "but no process group is initialised: checkpoints are saved and loaded by all "
                                   "ranks of the tensor-parallel group together")
         self.pg, self.p, self.rank = group_of(gm, None, bool(self.table) and dist.is_initialized())
-        self._mesh = None
+        self._mesh = self._grid = None
 
     def of(self, key):
         """The Shard of `key`, or None where it is replicated (or the group has one rank)."""
@@ -69,7 +69,10 @@ class _Layout:
 
     def wrap(self, key, local: torch.Tensor):
         """`local` as DCP sees it: a plain tensor, a DTensor (contiguous shard) or a ShardedTensor
-        (strided shard: one local shard per box). Shares `local`'s storage."""
+        (strided shard: one local shard per box; a data-parallel part of a shard, under FSDP2).
+        Shares `local`'s storage."""
+        if is_data_parallel_part(local):     # replicated over tensor parallel: FSDP2's DTensor as it is
+            return local if self.of(key) is None else self._sharded_tensor_of(key, local)
         layout = self.of(key)
         if layout is None:
             return local
@@ -100,6 +103,82 @@ class _Layout:
             warnings.simplefilter("ignore")
             return ShardedTensor._init_from_local_shards_and_global_metadata(
                 mine, ShardedTensorMetadata(metas, torch.Size(shape), props), process_group=self.pg)
+
+
+    # ------------------------------------------------------------- FSDP2 over the data-parallel mesh
+    def pieces(self, key, value, tp_rank=None, dp_rank=None) -> list:
+        """[(global offsets, sizes, local index)] of a data-parallel part `value` (a DTensor over
+        the data-parallel mesh whose global tensor is a rank's tensor-parallel shard) held by
+        tensor-parallel rank `tp_rank` and data-parallel rank `dp_rank` (default: this rank): its
+        tensor-parallel boxes cut to the rows FSDP2 gives it (torch.chunk's boundaries)."""
+        tp_rank = self.rank if tp_rank is None else tp_rank
+        mesh = value.device_mesh
+        dp_rank = mesh.get_local_rank() if dp_rank is None else dp_rank
+        (placement,) = value.placements
+        shard_shape = tuple(value.shape)              # this tensor-parallel rank's shard
+        if not placement.is_shard():                  # replicated over the data-parallel ranks
+            d, start, stop = 0, 0, shard_shape[0] if shard_shape else 0
+        else:
+            d = placement.dim % len(shard_shape)
+            step = -(-shard_shape[d] // mesh.size())
+            start, stop = min(dp_rank * step, shard_shape[d]), min((dp_rank + 1) * step, shard_shape[d])
+        layout = self.of(key)
+        glob = self.global_shape(key, shard_shape)
+        out = []
+        for box in boxes(glob, layout if layout is not None else Replicate(), tp_rank, self.p if layout else 1):
+            if not shard_shape:                       # a scalar: one piece
+                return [((), (), ())]
+            lo = box.local_offsets[d]
+            a, b = max(lo, start), min(lo + box.sizes[d], stop)
+            if a >= b:
+                continue
+            offsets, sizes, index = list(box.offsets), list(box.sizes), list(box.local_index())
+            offsets[d] += a - lo
+            sizes[d] = b - a
+            index[d] = slice(a - start, b - start)    # in the data-parallel part's own coordinates
+            out.append((tuple(offsets), tuple(sizes), tuple(index)))
+        return out
+
+    def grid(self, mesh) -> list:
+        """Global ranks by [data-parallel rank][tensor-parallel rank] (one exchange, then kept)."""
+        if self._grid is None:
+            mine = dist.get_process_group_ranks(self.pg) if self.pg is not None and self.p > 1 else [dist.get_rank()]
+            every = [None] * mesh.size()
+            dist.all_gather_object(every, mine, group=mesh.get_group())
+            self._grid = every
+        return self._grid
+
+    def _sharded_tensor_of(self, key, value):
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard as STShard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+        local = value.to_local()
+        dev = local.device.type if local.device.type == "cpu" else f"{local.device.type}:{local.device.index}"
+        grid = self.grid(value.device_mesh)
+        metas, mine = [], []
+        me = (value.device_mesh.get_local_rank(), self.rank)
+        for q, row in enumerate(grid):
+            for r, global_rank in enumerate(row):
+                for offsets, sizes, index in self.pieces(key, value, r, q):
+                    md = ShardMetadata(list(offsets), list(sizes), f"rank:{global_rank}/{dev}")
+                    metas.append(md)
+                    if (q, r) == me:
+                        piece = local[index]
+                        mine.append(STShard(piece if piece.is_contiguous() else piece.contiguous(), md))
+        glob = self.global_shape(key, tuple(value.shape))
+        props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                                 memory_format=torch.contiguous_format, pin_memory=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                mine, ShardedTensorMetadata(metas, torch.Size(glob), props))
+
+
+def is_data_parallel_part(value) -> bool:
+    """Whether a module's tensor `value` is a DTensor (FSDP2 makes its parameters and their
+    optimizer state DTensors over the 1-D data-parallel mesh): a part of a tensor-parallel shard."""
+    from torch.distributed.tensor import DTensor
+    return isinstance(value, DTensor) and value.device_mesh.ndim == 1
 
 
 def _contiguous_stride(shape) -> tuple:
@@ -284,6 +363,8 @@ def _check_groups(optimizer, osd, names) -> list:
 def _copy_into(lay, key, local: torch.Tensor, value) -> None:
     """Copy this rank's part of `value` into `local` (skipped where `value` already aliases it)."""
     from torch.distributed.tensor import DTensor
+    if is_data_parallel_part(local):
+        return _copy_into_part(lay, key, local, value)
     layout = lay.of(key) if lay is not None else None
     if _is_sharded_tensor(value):
         with quiet():
@@ -318,6 +399,38 @@ def _copy_into(lay, key, local: torch.Tensor, value) -> None:
         raise CheckpointError(f"{key!r}: a tensor of shape {tuple(value.shape)} is neither this rank's shard "
                               f"{tuple(local.shape)} nor the global tensor {lay.global_shape(key, local.shape)}")
     fill_boxes(local, value.shape, layout, lay.rank, lay.p, value.__getitem__)     # a full tensor: my boxes
+
+
+def _copy_into_part(lay, key, part, value) -> None:
+    """Copy this rank's pieces of `value` (a ShardedTensor from get_state_dict, or a full tensor)
+    into `part`, a data-parallel part of this rank's shard (FSDP2)."""
+    local = part.to_local()
+    mine = {offsets: (sizes, index) for offsets, sizes, index in lay.pieces(key, part)}
+    if _is_sharded_tensor(value):
+        with quiet():
+            shards = value.local_shards()
+        for shard in shards:
+            offsets = tuple(shard.metadata.shard_offsets)
+            if offsets not in mine or tuple(mine[offsets][0]) != tuple(shard.metadata.shard_sizes):
+                raise CheckpointError(f"{key!r}: local shard at {list(offsets)} of size {shard.metadata.shard_sizes} "
+                                      f"is not one of this rank's pieces {sorted(mine)}")
+            dst = local[mine[offsets][1]]
+            if not _same(shard.tensor, dst):
+                dst.copy_(shard.tensor)
+        return
+    from torch.distributed.tensor import DTensor
+    if isinstance(value, DTensor):
+        if value.device_mesh == part.device_mesh and value.placements == part.placements:
+            if not _same(value.to_local(), local):
+                local.copy_(value.to_local())
+            return
+        value = value.full_tensor()
+    glob = lay.global_shape(key, tuple(part.shape))
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(glob):
+        raise CheckpointError(f"{key!r}: expected the global tensor {tuple(glob)} or this rank's pieces, got "
+                              f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+    for offsets, (sizes, index) in mine.items():
+        local[index].copy_(value[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
 
 
 def _is_sharded_tensor(value) -> bool:
