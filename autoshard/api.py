@@ -86,7 +86,8 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     torch.save file or a mapping of tensors; autoshard.loading) or, without it, by each module's
     own initialisation. `device=` places the filled tensors; `progress` shows a bar while reading.
 
-    Dropout follows `gm.train()` / `gm.eval()` whatever mode `model` was captured in, and draws
+    A model in eval mode also gets the example call's evaluation graph built here, so its first
+    call plans nothing. Dropout follows `gm.train()` / `gm.eval()` whatever mode `model` was captured in, and draws
     from autoshard's streams (autoshard.rng; seeded alike over the group here, or by
     `autoshard.manual_seed`): replicated activations get one mask on every rank, sharded ones
     independent masks per rank, or with `dropout_masks="single_process"` each rank's slice of the

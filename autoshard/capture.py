@@ -440,6 +440,28 @@ def _in_mode(model: nn.Module, train: bool):
             m.training = mode
 
 
+@contextlib.contextmanager
+def apart():
+    """Trace apart from the caller's context: no active dispatch mode (a CommDebugMode, a
+    FakeTensorMode) and no global module hooks (a ModuleTracker's) see the tracer's calls, which
+    they would count, or break on (a symbolic_trace Proxy is not a tensor)."""
+    from torch.nn.modules import module as nn_module
+    from torch.utils._python_dispatch import _disable_current_modes
+    hooks = [getattr(nn_module, n) for n in ("_global_forward_pre_hooks", "_global_forward_hooks",
+                                             "_global_backward_pre_hooks", "_global_backward_hooks",
+                                             "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")]
+    saved = [dict(h) for h in hooks]
+    for h in hooks:
+        h.clear()
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        for h, items in zip(hooks, saved):
+            h.clear()
+            h.update(items)
+
+
 def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512,
             kwargs: dict | None = None, train: bool = True) -> Captured:
     """Capture `model` with `tracer` ("symbolic_trace", "export" or "auto": the first that works);
@@ -458,7 +480,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
     errors = []
     order = ["symbolic_trace", "export"] if tracer == "auto" else [tracer]
     on_meta, run_on = _meta_inputs(model, args, kwargs)
-    with _without_kv_cache(model, args, kwargs, notes), _in_mode(model, train):
+    with apart(), _without_kv_cache(model, args, kwargs, notes), _in_mode(model, train):
         for name in order:
             try:
                 fn = _symbolic if name == "symbolic_trace" else _export

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
-from .capture import placeholder_inputs
+from .capture import apart, placeholder_inputs
 from .errors import ShardingError, first_line
 from .rewrite import InputCheck
 
@@ -146,7 +146,7 @@ class Signatures:
         self.signature, self.build, self.modules = signature, build, modules   # modules: the model's own names
         self.served = {(True, first.key): served}    # (training, call key): the graph that serves it
         self.plans = {(True, first.key): None}       # the module's own plan is module._autoshard_plan
-        self.copy_error = copy_error
+        self.copy_error, self.first = copy_error, first
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         call = bind(self.signature, args, kwargs)
@@ -156,13 +156,21 @@ class Signatures:
             served = self._add(module, call, key)
         return served(module, call)
 
+    def prepare(self, module: nn.Module) -> None:
+        """Build the example call's graph for the module's current mode now (a model parallelized in
+        eval mode runs its evaluation graph from the first call, planned inside parallelize)."""
+        key = (module.training, self.first.key)
+        if key not in self.served:
+            self._add(module, self.first, key)
+
     def _add(self, module: nn.Module, call: Call, key: tuple) -> Served:
         mode = "training" if module.training else "evaluation"
         if self.copy_error is not None:
             raise ShardingError(f"this module cannot capture the {mode} graph of ({call.describe()}), which it "
                                 f"was not planned with: the model could not be copied for capture "
                                 f"({self.copy_error}); plan with an example of this call")
-        holder, plan = self.build(call, module.training)
+        with apart():                                # planned apart from the caller's modes and hooks
+            holder, plan = self.build(call, module.training)
         served = adopt(module, holder, len(self.served), call.arrangement(), plan, self.modules)
         self.served[key] = served
         self.plans[key] = plan
@@ -252,6 +260,7 @@ def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> 
         return build(model if model is not None else on_meta, on_meta, call, train)
     modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False) if n)
     module._autoshard_signatures = Signatures(signature, first, served, build_for, modules, error)
+    module._autoshard_signatures.prepare(module)
 
     def forward(self, *args, **kwargs):
         return self.__dict__["_autoshard_signatures"](self, args, kwargs)
