@@ -10,6 +10,7 @@ from .state_dict import ORDER_TYPE as _ORDER_TYPE, PARALLEL_DIM as _PARALLEL_DIM
 
 __version__ = "0.1.0"
 from .api import from_pretrained, parallelize, plan
+from .blocks import blocks_of
 from .rng import manual_seed
 from .cost import CostModel
 from .plan import Plan

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from . import groups as D
+from . import blocks as B
 from . import hf, loading, rng, signatures
 from .capture import capture, has_meta
 from .cost import CostModel
@@ -73,7 +75,7 @@ def _fingerprint(model: nn.Module) -> tuple:
 
 def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan: Plan | None = None,
                 group=None, rank: int | None = None, load=None, device=None, progress=None,
-                dropout_masks: str = "independent", **plan_options) -> fx.GraphModule:
+                dropout_masks: str = "independent", blocks="auto", **plan_options) -> fx.GraphModule:
     """This rank's tensor-parallel GraphModule of `model` (plans first unless `plan` is given).
 
     With a process group (the current tensor-parallel group of autoshard.distributed, or
@@ -92,9 +94,15 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     `autoshard.manual_seed`): replicated activations get one mask on every rank, sharded ones
     independent masks per rank, or with `dropout_masks="single_process"` each rank's slice of the
     mask one process would draw under the same seed.
+
+    `blocks`: the submodules kept as modules of their own, each a GraphModule the skeleton calls
+    (so fully_shard, checkpoint_wrapper and torch.compile apply per block): "auto" (the children
+    of every ModuleList / Sequential of one class: a transformer's layers), a list of qualified
+    names or module classes, or None for one flat graph (autoshard.blocks).
     """
     world_size = _check_world_size(world_size)
     _check_plain(model)
+    block_names = B.resolve_blocks(model, blocks)
     if dropout_masks not in MASKS:
         raise ValueError(f"dropout_masks must be one of {MASKS}, got {dropout_masks!r}")
     source = loading.open_source(load) if load is not None else None             # opened once, read per rank
@@ -139,10 +147,14 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     else:
         rng.ensure_seeded(rank)
     gm = rewrite(plan, rank, key, model, dropout_masks)
-    gm.train(model.training)             # captured in train mode; the module starts in the model's mode
     if load is not None or device is not None or has_meta(model):
         loading.materialize(gm, model, rank, world_size, source=source, chosen=chosen, device=device,
                             progress=progress)
+    for note in B.keep_blocks(gm, block_names, {n: type(model.get_submodule(n)).__name__ for n in block_names}):
+        warnings.warn(f"autoshard: {note}", stacklevel=2)
+    gm.__dict__["_autoshard_blocks"] = {n: gm.get_submodule(n) for n in block_names
+                                        if isinstance(gm.get_submodule(n), fx.GraphModule)}
+    gm.train(model.training)             # captured in train mode; the module starts in the model's mode
     hf.attach(gm, model)             # a Hugging Face model's config, generation_config, save_pretrained
     signatures.install(gm, model, plan.example,
                        _signature_builder(plan, rank, key, pg if D.is_initialized() else None, dropout_masks))

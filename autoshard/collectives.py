@@ -282,12 +282,18 @@ class _AllToAll(torch.autograd.Function):
 # ----------------------------------------------------------------------------- public wrappers
 
 def _fx_leaf(fn):
-    """Record `fn` as one call_function node when called on FX proxies, however it was imported."""
+    """Record `fn` as one call_function node when called on FX proxies, however it was imported;
+    under torch.compile it runs eagerly between compiled graphs (a graph break: the process
+    group calls and counters are not traced)."""
+    eager = torch.compiler.disable(fn)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         for a in (*args, *kwargs.values()):
             if isinstance(a, torch.fx.Proxy):
                 return a.tracer.create_proxy("call_function", wrapper, args, kwargs)
+        if torch.compiler.is_compiling():
+            return eager(*args, **kwargs)
         return fn(*args, **kwargs)
     return wrapper
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
+from .blocks import add_variant, keep_blocks
 from .capture import apart, placeholder_inputs
 from .errors import ShardingError, first_line
 from .rewrite import InputCheck
@@ -187,29 +188,23 @@ def _resolves(root: nn.Module, target: str):
         return None
 
 
-def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrangement, plan,
-          model_modules=frozenset()) -> Served:
-    """Make `holder` (a rewritten graph on meta tensors) run against `module`: its parameters,
-    buffers and the model's own submodules (`model_modules`: a symbolic_trace leaf such as a batch
-    norm) by their names in `module` (shapes checked), everything else the graph refers to (new
-    mode modules, an export graph's helpers and constants) added to `module` under
-    autoshard_call<k>_* names; returns the compiled Served."""
-    graph = holder.graph
-    names = {n for n, _ in module.named_parameters(remove_duplicate=False)} | \
-        {n for n, _ in module.named_buffers(remove_duplicate=False)} | \
-        {n for n, m in module.named_modules(remove_duplicate=False) if n in model_modules}
+def _bind(owner: nn.Module, source: nn.Module, graph: fx.Graph, k: int, names: set) -> None:
+    """Point the get_attr / call_module targets of `graph` (made in `source`) at `owner`: those in
+    `names` (parameters, buffers, the model's own submodules) by name, shapes checked; anything
+    else (new mode modules, an export graph's helpers and constants) added to `owner` under
+    autoshard_call<k>_* names."""
     renamed = {}
     for n in graph.nodes:
         if n.op not in ("get_attr", "call_module"):
             continue
         if n.target in names:
-            ours, theirs = _resolves(module, n.target), _resolves(holder, n.target)
+            ours, theirs = _resolves(owner, n.target), _resolves(source, n.target)
             if isinstance(theirs, torch.Tensor) and tuple(ours.shape) != tuple(theirs.shape):
                 raise ShardingError(f"this call's plan holds {n.target} as {list(theirs.shape)} on this rank, the "
                                     f"module as {list(ours.shape)}")
             continue
         if n.target not in renamed:
-            obj = _resolves(holder, n.target)
+            obj = _resolves(source, n.target)
             new = f"autoshard_call{k}_{n.target.replace('.', '_')}"
             if isinstance(obj, nn.Module):
                 meta = [q for q, t in list(obj.named_parameters()) + list(obj.named_buffers()) if t.is_meta]
@@ -217,25 +212,58 @@ def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrang
                     raise ShardingError(f"this call uses module {n.target} ({type(obj).__name__}), which the "
                                         f"module's own graph does not, and its tensors {meta[:3]} cannot be "
                                         "filled; plan with an example of this call")
-                obj.train(module.training)
-                module.add_module(new, obj)
+                obj.train(owner.training)
+                owner.add_module(new, obj)
             elif isinstance(obj, torch.Tensor):
                 if obj.is_meta:
                     raise ShardingError(f"this call's graph holds a constant {n.target} {list(obj.shape)} made on "
                                         "meta: the model was gone, so the call was captured on a meta copy; keep "
                                         "the model alive, or plan with an example of this call")
-                module.register_buffer(new, obj, persistent=False)
+                owner.register_buffer(new, obj, persistent=False)
             else:
-                setattr(module, new, obj)
+                setattr(owner, new, obj)
             renamed[n.target] = new
         n.target = renamed[n.target]
+
+
+def _compiled(graph: fx.Graph, what: str):
+    code = graph.python_code(root_module="self")
+    scope = dict(code.globals)
+    exec(compile(code.src, f"<autoshard {what}>", "exec"), scope)  # noqa: S102 - fx's own codegen
+    return scope["forward"]
+
+
+def _own_names(module: nn.Module, model_modules=frozenset(), prefix: str = "") -> set:
+    """What a graph may refer to by name in `module`: its parameters, buffers and the model's own
+    submodules (`model_modules`, qualified from the root; `prefix`: module's path there)."""
+    return {n for n, _ in module.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in module.named_buffers(remove_duplicate=False)} | \
+        {n for n, m in module.named_modules(remove_duplicate=False) if prefix + n in model_modules}
+
+
+def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrangement, plan,
+          model_modules=frozenset()) -> Served:
+    """Make `holder` (a rewritten graph on meta tensors) run against `module`: its parameters,
+    buffers and the model's own submodules (`model_modules`: a symbolic_trace leaf such as a batch
+    norm) by their names in `module` (shapes checked), everything else the graph refers to added
+    to `module` under autoshard_call<k>_* names (`_bind`). Where `module` keeps blocks as modules
+    (autoshard.blocks), the holder's graph is split at the same blocks and each block's graph
+    becomes that block's variant k, so this call, too, runs every block through its module (FSDP2's
+    and checkpointing's hooks included); returns the compiled Served."""
+    blocks = module.__dict__.get("_autoshard_blocks", {})
+    if blocks:
+        keep_blocks(holder, list(blocks), variant=k)
+        for name, mine in blocks.items():
+            theirs = _resolves(holder, name)
+            if isinstance(theirs, fx.GraphModule) and theirs is not holder:
+                _bind(mine, theirs, theirs.graph, k, _own_names(mine, model_modules, name + "."))
+                add_variant(mine, k, _compiled(theirs.graph, f"call signature {k}, block {name}"))
+    graph = holder.graph
+    _bind(module, holder, graph, k, _own_names(module, model_modules))
     out_spec = getattr(holder, "_out_spec", None) if plan.tracer == "export" else None
     if out_spec is not None:
         graph.set_codegen(CodeGen())                  # flat inputs and outputs: the specs are applied here
-    code = graph.python_code(root_module="self")
-    scope = dict(code.globals)
-    exec(compile(code.src, f"<autoshard call signature {k}>", "exec"), scope)  # noqa: S102 - fx's own codegen
-    return Served(arrangement, InputCheck.of(plan, holder), holder, scope["forward"], out_spec)
+    return Served(arrangement, InputCheck.of(plan, holder), holder, _compiled(graph, f"call signature {k}"), out_spec)
 
 
 def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> None:

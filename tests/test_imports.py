@@ -32,7 +32,7 @@ LAYERS = [
     ("cost", ["cost"]),
     ("problem", ["problem"]),
     ("search and planner", ["search", "planner"]),
-    ("rewrite", ["verify", "rewrite"]),
+    ("rewrite", ["verify", "rewrite", "blocks"]),
     ("call signatures", ["signatures"]),
     ("loading and checkpoints", ["loading", "checkpoint", "checkpoint.checksums", "checkpoint.reader", "checkpoint.writer",
                                  "checkpoint.verify", "checkpoint.state",

@@ -15,6 +15,14 @@ Every rank builds the same model from the same seed; `autoshard.parallelize` kee
 rank's shards. Ranks of one tensor-parallel group read the same batch; data-parallel replicas
 read different ones. The sharded parameters are registered for DDP to ignore and averaged over
 the data-parallel group by autoshard; DDP averages the replicated ones over the same group.
+With `--fsdp`, the data-parallel dim shards instead of replicating (tensor parallel inside a
+node, FSDP2 across nodes): every block that autoshard keeps as a module, then the root, is
+wrapped with `fully_shard` over the data-parallel mesh, so each rank holds 1/(tp x dp) of the
+parameters, gradients and AdamW state and gathers one block's shard at a time;
+`--checkpoint` also recomputes each block's activations in backward (dropout 0 only):
+
+    torchrun --nproc_per_node 4 docs/examples/train_gpt.py --tp 2 --fsdp --checkpoint
+
 `--timeout` bounds the rendezvous and every collective: a rank that dies or never arrives ends
 the others with an error instead of a hang.
 """
@@ -98,6 +106,10 @@ def parse(argv=None):
     ap.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl with CUDA, else gloo")
     ap.add_argument("--save", default=None, help="write the full (collected) state dict here from rank 0")
     ap.add_argument("--quiet", action="store_true", help="do not print the plan report")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="shard over the data-parallel ranks with FSDP2, block by block, instead of DDP")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="with --fsdp: recompute each block's activations in backward (needs --dropout 0)")
     return ap.parse_args(argv)
 
 
@@ -147,7 +159,21 @@ def run(args, tp: int, backend: str, device: torch.device) -> int:
     log(f"world {world} = {tp} tensor-parallel x {dp} data-parallel ({backend}); "
         f"planned and sharded in {time.perf_counter() - t0:.1f} s")
     train = gm
-    if dp > 1:
+    if args.fsdp:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from torch.distributed.fsdp import fully_shard
+        if args.checkpoint and args.dropout:
+            sys.exit("--checkpoint recomputes with other dropout masks: use it with --dropout 0")
+        mesh = ad.device_mesh()                          # ("dp", "tp") over autoshard's groups
+        for name, block in autoshard.blocks_of(gm).items():
+            if args.checkpoint:
+                parent, _, last = name.rpartition(".")
+                gm.get_submodule(parent)._modules[last] = block = checkpoint_wrapper(block)
+            fully_shard(block, mesh=mesh["dp"])           # one block's parameters gathered at a time
+        fully_shard(gm, mesh=mesh["dp"])                  # the rest: embeddings, head, final norm
+        log(f"FSDP2 over {dp} data-parallel ranks, {len(autoshard.blocks_of(gm))} blocks wrapped"
+            f"{' and checkpointed' if args.checkpoint else ''}")
+    elif dp > 1:
         autoshard.register_ddp_parameters_to_ignore(gm)
         train = DDP(gm, process_group=dp_group, device_ids=[device.index] if cuda else None)
     opt = torch.optim.AdamW(train.parameters(), lr=args.lr)
@@ -161,14 +187,18 @@ def run(args, tp: int, backend: str, device: torch.device) -> int:
             loss.backward()
         opt.step()
         shown = loss.detach().clone()
-        if dp > 1:
+        if dp > 1:                                        # each replica's loss of its own batch
             dist.all_reduce(shown, group=dp_group)
             shown /= dp
         log(f"step {step:3d}  loss {shown.item():.4f}  tensor-parallel bytes sent {comm.bytes / 1e6:.3f} MB "
             f"(plan {plan.comm_bytes / 1e6:.3f} MB)  {time.perf_counter() - t0:.2f} s")
 
     if args.save:
-        full = autoshard.collect_state_dict(gm, gm.state_dict(), dst=0) if dp_rank == 0 else {}
+        state = gm.state_dict()
+        if args.fsdp:                                     # FSDP2's DTensors -> this rank's tensor-parallel shards
+            state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+            state = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in state.items()}
+        full = autoshard.collect_state_dict(gm, state, dst=0) if dp_rank == 0 else {}
         if rank == 0:
             torch.save(full, args.save)
             log(f"saved the full state dict ({len(full)} tensors) to {args.save}")
