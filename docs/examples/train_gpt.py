@@ -191,7 +191,8 @@ def run(args, tp: int, backend: str, device: torch.device) -> int:
             dist.all_reduce(shown, group=dp_group)
             shown /= dp
         log(f"step {step:3d}  loss {shown.item():.4f}  tensor-parallel bytes sent {comm.bytes / 1e6:.3f} MB "
-            f"(plan {plan.comm_bytes / 1e6:.3f} MB)  {time.perf_counter() - t0:.2f} s")
+            f"(plan {plan.comm_bytes / 1e6:.3f} MB{', + the recomputed forwards' if args.checkpoint else ''})  "
+            f"{time.perf_counter() - t0:.2f} s")
 
     if args.save:
         state = gm.state_dict()
