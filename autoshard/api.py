@@ -35,14 +35,16 @@ def _check_world_size(world_size) -> int:
 
 def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | None = None,
          search: str = "greedy", tracer: str = "auto", tokens: int = 512, cost_model: CostModel | None = None,
-         **cost_options) -> Plan:
+         capture_once: bool = True, **cost_options) -> Plan:
     """Plan tensor parallelism for `model` at degree `world_size`.
 
     `example_inputs`: a tuple of positional arguments or a dict of keyword arguments (shapes
     only matter; with none, a batch of `tokens` positions is synthesised). `pin` fixes the
     TorchShard dim of named modules, e.g. {"head": None}. `search` is "greedy" or "exact".
     Cost knobs (bandwidth, latency, flops, memory_weight, state_factor, memory_budget) may be
-    given as keywords or as a CostModel.
+    given as keywords or as a CostModel. `capture_once`: trace each run of identical layers once
+    and repeat it in the graph (autoshard.repeats; the same graph, in a time flat in depth), or
+    trace every layer.
     """
     world_size = _check_world_size(world_size)
     unknown = set(cost_options) - _COST_KEYS
@@ -52,7 +54,7 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     if search not in ("greedy", "exact"):
         raise ValueError(f"search must be 'greedy' or 'exact', got {search!r}")
     _check_plain(model)
-    cap = capture(model, example_inputs, tracer=tracer, tokens=tokens)
+    cap = capture(model, example_inputs, tracer=tracer, tokens=tokens, once=capture_once)
     return plan_graph(cap.gm, world_size, cost, pin=pin, search=search, tracer=cap.tracer,
                       notes=cap.notes, example=(cap.args, cap.kwargs))
 

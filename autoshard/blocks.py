@@ -27,23 +27,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .errors import ShardingError
+from .repeats import STACK, find_blocks, owner
 
-STACK = "nn_module_stack"
 SKELETON = None
-
-
-def find_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the repeated blocks of `model`: the children of every ModuleList /
-    Sequential of two or more modules of one class, outermost lists first (nested ones skipped)."""
-    found = []
-    for name, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
-            continue
-        kinds = {type(c) for c in m.children()}
-        if len(kinds) != 1 or any(name == b or name.startswith(b + ".") for b in found):
-            continue
-        found.extend(f"{name}.{k}" if name else k for k in m._modules)
-    return found
 
 
 def resolve_blocks(model: nn.Module, blocks) -> list[str]:
@@ -68,35 +54,14 @@ def resolve_blocks(model: nn.Module, blocks) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _stack_paths(node: fx.Node) -> list[str]:
-    stack = node.meta.get(STACK) or {}
-    out = []
-    for key, v in stack.items():
-        path = v[0] if isinstance(v, tuple) and v and isinstance(v[0], str) else key
-        out.append(path)
-    return out
-
-
-def _owner(path: str, names: list[str]) -> str | None:
-    for b in names:
-        if path == b or path.startswith(b + "."):
-            return b
-    return None
-
-
 def membership(graph: fx.Graph, names: list[str]) -> dict:
     """{node: block name or None} for every node of `graph`."""
     by_len = sorted(names, key=len, reverse=True)
     label = {}
     unknown = []
     for n in graph.nodes:
-        if n.op in ("placeholder", "output"):
-            label[n] = SKELETON
-        elif n.op == "get_attr" or (n.op == "call_module" and STACK not in n.meta):
-            label[n] = _owner(n.target, by_len)
-        elif STACK in n.meta:
-            owners = [_owner(p, by_len) for p in _stack_paths(n)]
-            label[n] = next((o for o in owners if o is not None), SKELETON)
+        if n.op in ("placeholder", "output", "get_attr", "call_module") or STACK in n.meta:
+            label[n] = owner(n, by_len)
         else:
             unknown.append(n)
             label[n] = "?"

@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from . import repeats
 from .errors import CaptureError, first_line
 
 
@@ -462,11 +463,36 @@ def apart():
             h.update(items)
 
 
+def _once_per_layer(fn, model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.GraphModule:
+    """`fn`'s capture of `model`, tracing each run of identical layers once (autoshard.repeats):
+    the model cut to the first two layers of each run, the rest written in as copies of the
+    second; the whole model traced instead, with a note, when they are not a pure repetition."""
+    found = repeats.tail_runs(model)
+    if not found:
+        return fn(model, args, kwargs, notes)
+    mine = []
+    try:
+        with repeats.cut(model, found):
+            gm = fn(model, args, kwargs, mine)
+        written = repeats.expand(gm, model, found)
+    except repeats.RepeatError as e:
+        notes.append(f"the repeated layers were traced one by one: {first_line(e, 160)}")
+        return fn(model, args, kwargs, notes)
+    _keep_all_names(gm, model)
+    gm.graph.lint()
+    gm.recompile()
+    notes.extend(mine)
+    notes.append(f"{written + 2 * len(found)} repeated layers traced as {2 * len(found)} "
+                 f"({', '.join(f'{n}.{k[0]}..{k[-1]}' for n, k in found)})")
+    return gm
+
+
 def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512,
-            kwargs: dict | None = None, train: bool = True) -> Captured:
+            kwargs: dict | None = None, train: bool = True, once: bool = True) -> Captured:
     """Capture `model` with `tracer` ("symbolic_trace", "export" or "auto": the first that works);
     `kwargs` are keyword inputs beside positional `example_inputs`; `train`: the training graph
-    (the default, what a plan is made for) or the evaluation graph."""
+    (the default, what a plan is made for) or the evaluation graph; `once`: trace each run of
+    identical layers once (autoshard.repeats) rather than layer by layer."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"autoshard needs an nn.Module, got {type(model).__name__}")
     if tracer not in ("auto", "symbolic_trace", "export"):
@@ -484,7 +510,8 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
         for name in order:
             try:
                 fn = _symbolic if name == "symbolic_trace" else _export
-                gm = fn(model, *on_meta, notes) if on_meta else fn(model, args, kwargs, notes)
+                gm = _once_per_layer(fn, model, *(on_meta or (args, kwargs)), notes) if once else \
+                    fn(model, *(on_meta or (args, kwargs)), notes)
                 if on_meta:
                     _retarget_meta_device(gm, run_on)
                 return Captured(gm, name, args, kwargs, notes)

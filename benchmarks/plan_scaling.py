@@ -3,6 +3,7 @@
 
     python benchmarks/plan_scaling.py            # full: GPT 6..96 blocks, random DAGs to ~20k nodes (< 10 min)
     python benchmarks/plan_scaling.py --quick    # GPT 6 and 48 blocks, DAGs to ~1k nodes (< 2 min)
+    python benchmarks/plan_scaling.py --depth    # end-to-end plan time against depth, degree 8 (~3 min)
 
 What is measured, per graph (one process, one thread, shapes only: models on the meta device):
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import hashlib
 import io
 import json
 import math
@@ -240,7 +242,82 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- depth: end to end
+DEPTH_CASES = {
+    # a Hugging Face LLaMA-3-70B config (hidden 8192, 64 heads, 8 K/V heads, vocab 128256), 2 x 512 tokens
+    "llama": (2, 8, 32, 80),
+    # the plain GPT of the issue (d 256, 8 heads, separate q/k/v, vocab 4000, 64 tokens, loss inside)
+    "gpt": (2, 8, 32, 48, 80),
+}
+
+
+def _depth_model(kind: str, layers: int):
+    if kind == "gpt":
+        with torch.device("meta"):
+            model = GPT(4000, 256, 8, layers, 64, tied=False)
+        return model, (torch.Size([2, 64]),) * 2, {}
+    import transformers
+    cfg = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                                   num_key_value_heads=8, num_hidden_layers=layers, vocab_size=128256,
+                                   max_position_embeddings=8192, rope_theta=500000.0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    return model, {"input_ids": torch.Size([2, 512]), "labels": torch.Size([2, 512])}, {"tracer": "export"}
+
+
+def depth_child(kind: str, layers: int, once: bool, p: int) -> None:
+    """One cold end-to-end plan in this (fresh) process; prints one JSON line."""
+    import autoshard
+    model, example, kw = _depth_model(kind, layers)
+    w, c = time.perf_counter(), time.process_time()
+    plan = autoshard.plan(model, p, example, capture_once=once, **kw)
+    wall, cpu = time.perf_counter() - w, time.process_time() - c
+    digest = sorted((k, str(v)) for k, v in plan.layouts.items())
+    print(json.dumps({"kind": kind, "layers": layers, "once": once, "wall": wall, "cpu": cpu,
+                      "search": plan.search_seconds, "comm_bytes": plan.comm_bytes,
+                      "collectives": {k: v[0] for k, v in plan.comm_by_kind.items()},
+                      "layouts": hashlib.sha256(str(digest).encode()).hexdigest()[:16]}))
+
+
+def depth(p: int, whole_max: int) -> int:
+    """End-to-end plan time against depth, each in a fresh process (as a user's first call),
+    tracing repeated layers once (the default) and, up to `whole_max` layers, layer by layer."""
+    rows = []
+    for kind, depths in DEPTH_CASES.items():
+        for layers in depths:
+            for once in (True, False):
+                if not once and layers > whole_max:
+                    continue
+                out = subprocess.run([sys.executable, __file__, "--depth-child", kind, str(layers), str(int(once)),
+                                      str(p)], capture_output=True, text=True, check=True)
+                row = json.loads(out.stdout.strip().splitlines()[-1])
+                rows.append(row)
+                print(f"{kind:6s} {layers:3d} layers  {'once ' if once else 'whole'}  {row['wall']:6.2f} s wall  "
+                      f"{row['cpu']:6.2f} s cpu  search {row['search']:.2f} s  comm {row['comm_bytes'] / 1e6:10.1f} MB  "
+                      f"{row['collectives']}", flush=True)
+    print("\n| model | layers | traced once: plan s (wall) | layer by layer | same plan |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if not r["once"]:
+            continue
+        w = next((x for x in rows if x["kind"] == r["kind"] and x["layers"] == r["layers"] and not x["once"]), None)
+        same = "-" if w is None else ("yes" if (w["comm_bytes"], w["collectives"], w["layouts"]) ==
+                                      (r["comm_bytes"], r["collectives"], r["layouts"]) else "NO")
+        whole = "-" if w is None else f"{w['wall']:.2f}"
+        print(f"| {r['kind']} | {r['layers']} | {r['wall']:.2f} | {whole} | {same} |")
+    for kind in DEPTH_CASES:
+        mine = {r["layers"]: r["wall"] for r in rows if r["kind"] == kind and r["once"]}
+        lo, hi = min(mine), max(mine)
+        print(f"{kind}: {hi} layers / {lo} layers = {mine[hi] / mine[lo]:.2f}x")
+    (RESULTS).mkdir(parents=True, exist_ok=True)
+    (RESULTS / "plan_depth.json").write_text(json.dumps({"env": env(), "world_size": p, "rows": rows}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--depth-child":
+        depth_child(sys.argv[2], int(sys.argv[3]), bool(int(sys.argv[4])), int(sys.argv[5]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, < 2 minutes")
     ap.add_argument("--world-size", type=int, default=4)
@@ -249,9 +326,16 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-max-nodes", type=int, default=None,
                     help="largest random DAG measured with tracemalloc (default 600 quick, 2000 full)")
     ap.add_argument("--profile", action="store_true", help="always print cProfile's top of the 48-block plan")
+    ap.add_argument("--depth", action="store_true",
+                    help="end-to-end plan time against depth (LLaMA-3-70B config, GPT; degree 8), fresh process each")
+    ap.add_argument("--whole-max", type=int, default=32,
+                    help="with --depth: also trace layer by layer up to this many layers")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     p = args.world_size
+    if args.depth:
+        return depth(8 if args.world_size == 4 and "--world-size" not in (argv or sys.argv) else args.world_size,
+                     args.whole_max)
     args.repeats = args.repeats or (2 if args.quick else 3)
     blocks = (6, 48) if args.quick else (6, 12, 24, 48, 96)
     export_for = (48,) if args.quick else blocks

@@ -1,0 +1,127 @@
+"""Repeated layers are traced once (autoshard.repeats): the graph, and so the plan, equal what a
+layer-by-layer capture gives; layers that differ (shapes, dtypes, attributes, per-layer config)
+start runs of their own; a loop that does not repeat is traced whole, with a note."""
+import torch
+import torch.nn as nn
+import transformers
+
+from autoshard import repeats
+from autoshard.capture import capture
+from autoshard.cost import CostModel
+from autoshard.planner import plan_graph
+from models import GPT, Block
+
+
+def _plan(model, example, world=4, **kw):
+    cap = capture(model, example, **kw)
+    plan = plan_graph(cap.gm, world, CostModel(), tracer=cap.tracer, notes=cap.notes, example=(cap.args, cap.kwargs))
+    return cap, plan
+
+
+def _digest(plan):
+    """What must not change: every layout and TorchShard dim, the redistributions, the bytes."""
+    return (sorted((k, str(v)) for k, v in plan.layouts.items()), sorted(plan.dims.items(), key=str),
+            sorted((str(r.src), str(r.dst), r.forward, r.backward, r.nbytes, len(r.consumers))    # node names
+                   for r in plan.redistributions),                                               # may differ
+            plan.comm_bytes, dict(plan.comm_by_kind), plan.params_per_rank)
+
+
+def _ops(gm):
+    """The graph as ops on targets, in order (node names may differ)."""
+    return [(n.op, str(n.target)) for n in gm.graph.nodes]
+
+
+def _same_as_whole(model, example, world=4, layers=None, **kw):
+    once, p1 = _plan(model, example, world, **kw)
+    whole, p2 = _plan(model, example, world, once=False, **kw)
+    assert _digest(p1) == _digest(p2)
+    assert sorted(_ops(once.gm)) == sorted(_ops(whole.gm))
+    assert sorted(once.gm.state_dict()) == sorted(whole.gm.state_dict())
+    if layers is not None:
+        assert any(f"{layers} repeated layers traced as" in n for n in once.notes), once.notes
+    return once, p1
+
+
+def test_gpt_traced_once_plans_as_whole():
+    torch.manual_seed(0)
+    model = GPT(vocab=256, h=64, heads=4, blocks=6, seq=32, tied=False, dropout=0.1)
+    idx = torch.randint(0, 256, (2, 32))
+    _same_as_whole(model, (idx, idx), world=4, layers=6, tracer="symbolic_trace")
+
+
+def test_llama_traced_once_plans_as_whole_at_two_degrees():
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=5, vocab_size=256)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 256, (2, 16))
+    for world in (2, 4):
+        _same_as_whole(model, {"input_ids": ids, "labels": ids}, world=world, layers=5, tracer="export")
+
+
+class _Mixed(nn.Module):
+    """Blocks of two widths: [64, 64, 64, wide, 64, 64, 64]: two runs around the odd one."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(128, 64)
+        self.blocks = nn.ModuleList([Block(64, 4) for _ in range(7)])
+        self.blocks[3].mlp.fc1 = nn.Linear(64, 384)
+        self.blocks[3].mlp.fc2 = nn.Linear(384, 64)
+        self.head = nn.Linear(64, 128)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_layer_that_differs_splits_the_run():
+    torch.manual_seed(0)
+    model = _Mixed()
+    assert repeats.runs(model) == [("blocks", ["0", "1", "2"]), ("blocks", ["4", "5", "6"])]
+    assert repeats.tail_runs(model) == [("blocks", ["4", "5", "6"])]         # the one that ends the list is cut
+    _same_as_whole(model, (torch.randint(0, 128, (2, 16)),), layers=3, tracer="symbolic_trace")
+
+
+def test_dtypes_attributes_and_per_layer_config_split_runs():
+    model = GPT(vocab=64, h=32, heads=4, blocks=6, seq=8)
+    assert repeats.runs(model) == [("blocks", [str(i) for i in range(6)])]
+    model.blocks[2].ln1.weight.data = model.blocks[2].ln1.weight.data.double()      # a dtype that differs
+    assert repeats.runs(model) == [("blocks", ["3", "4", "5"])]
+    model = GPT(vocab=64, h=32, heads=4, blocks=6, seq=8)
+    model.blocks[4].attn.heads = 2                                                   # a plain attribute
+    assert repeats.runs(model) == [("blocks", ["0", "1", "2", "3"])]
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=6,
+                                   vocab_size=64)
+    llama = transformers.LlamaForCausalLM(cfg)
+    assert repeats.runs(llama) == [("model.layers", [str(i) for i in range(6)])]
+    llama.config.layer_types = ["full_attention"] * 3 + ["sliding_attention"] * 3   # a per-layer config list
+    assert repeats.runs(llama) == [("model.layers", ["0", "1", "2"]), ("model.layers", ["3", "4", "5"])]
+
+
+class _Alternating(nn.Module):
+    """The loop treats even and odd layers differently: not a pure repeat of one layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(128, 64)
+        self.blocks = nn.ModuleList([Block(64, 4) for _ in range(5)])
+        self.head = nn.Linear(64, 128)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for i, b in enumerate(self.blocks):
+            x = b(x if i % 2 == 0 else x * 0.5)
+        return self.head(x)
+
+
+def test_a_loop_that_does_not_repeat_is_traced_whole():
+    torch.manual_seed(0)
+    model = _Alternating()
+    idx = torch.randint(0, 128, (2, 16))
+    cap, plan = _same_as_whole(model, (idx,), tracer="symbolic_trace")
+    assert any("traced one by one" in n for n in cap.notes), cap.notes
+    assert sum(1 for n in cap.gm.graph.nodes if n.target is torch.mul or str(n.target) == "<built-in function mul>") == 2
+    want = model(idx)
+    torch.testing.assert_close(cap.gm(idx), want)
