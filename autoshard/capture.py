@@ -9,7 +9,9 @@ Shapes come from FakeTensor propagation of the example inputs: no real compute. 
 propagation (torch.export's own symbolic one, with every input dim `Dim.AUTO`; for
 symbolic_trace a FakeTensorProp of inputs with other batch / sequence sizes) finds the dims whose size follows the inputs' batch and
 sequence lengths: `node.meta["autoshard_dynamic"]` lists them, the planner never shards them,
-and the rewritten module accepts any size there.
+and the rewritten module accepts any size there. A dim of size 1 in the example (a batch of one)
+is captured or probed at size 2, since torch.export specialises sizes 0 and 1; it stays 1, with
+a note, where the model does not run so (a broadcast dim, a dim the model needs at 1).
 """
 from __future__ import annotations
 
@@ -169,38 +171,52 @@ def propagate(gm: fx.GraphModule, flat: list) -> None:
         _ShapeProp(gm, mode).propagate(*fake)
 
 
+def _resized(t: torch.Tensor, sizes: dict) -> torch.Tensor:
+    """`t` with size `sizes[d]` at each dim d, made of its own values repeated (or cut) along d,
+    so that token ids stay valid ids: an input at other sizes for a capture or a probe."""
+    with torch.no_grad():
+        out = t
+        for d, n in sizes.items():
+            out = out.index_select(d, torch.arange(n, device=t.device) % t.shape[d])
+    return out.requires_grad_(t.requires_grad) if out is not t and t.requires_grad else out
+
+
+def _probe_size(n: int) -> int:
+    """Another size for a free dim of size `n`: 1 (which torch.export specialises, and a batch of one
+    is the example users give) becomes 2, 2 becomes 3, a longer one loses one; 0 stays."""
+    return n if n == 0 else 2 if n == 1 else 3 if n == 2 else n - 1
+
+
 def _probe(a, dims=None):
-    """An input like `a` whose free dims (`dims`, default _input_dynamic_dims) have other sizes
-    (size 1 stays: export specialises it too)."""
+    """An input like `a` whose free dims (`dims`, default _input_dynamic_dims) have other sizes."""
     if not isinstance(a, torch.Tensor):
         return a
-    shape = list(a.shape)
-    for d in _input_dynamic_dims(a) if dims is None else dims:
-        if shape[d] > 1:
-            shape[d] = shape[d] - 1 if shape[d] > 2 else 3
-    return torch.zeros(shape, dtype=a.dtype, device=a.device) if shape != list(a.shape) else a
+    sizes = {d: _probe_size(a.shape[d]) for d in (_input_dynamic_dims(a) if dims is None else dims)}
+    sizes = {d: n for d, n in sizes.items() if n != a.shape[d]}
+    return _resized(a, sizes) if sizes else a
 
 
 def _probe_each_dim(gm: fx.GraphModule, flat: list):
     """When the joint probe fails (an image (N, C, H, W) whose channels meet a convolution's
-    weight): probe every dim of every input alone (the last one too: an image's width), then all
-    that ran together; the node shapes of that run, or None when no dim may change."""
+    weight, a mask whose size-1 dim broadcasts): probe every dim of every input alone (the last one
+    too: an image's width), then all that ran together; (the node shapes of that run, or None when
+    no dim may change; the free dims of each input)."""
     free = [[] for _ in flat]
     for i, a in enumerate(flat):
         for d in range(a.dim()) if isinstance(a, torch.Tensor) else ():
-            if a.shape[d] > 1:
+            if a.shape[d] > 0:
                 try:
                     propagate(gm, [_probe(b, [d]) if j == i else b for j, b in enumerate(flat)])
                     free[i].append(d)
                 except Exception:  # noqa: BLE001 - this dim is fixed by the model
                     pass
     if not any(free):
-        return None
+        return None, free
     try:
         propagate(gm, [_probe(a, dims) for a, dims in zip(flat, free)])
     except Exception:  # noqa: BLE001 - free one at a time, not together: keep the example's sizes
-        return None
-    return _shapes_of(gm)
+        return None, [[] for _ in flat]
+    return _shapes_of(gm), free
 
 
 def _shapes_of(gm: fx.GraphModule) -> dict:
@@ -316,10 +332,17 @@ def _symbolic(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.Gr
             probe_shapes = _shapes_of(gm)
         except Exception as e:  # noqa: BLE001 - find the dims that may change one at a time; else say so
             error = e
-            probe_shapes = _probe_each_dim(gm, flat)
+            probe_shapes, free = _probe_each_dim(gm, flat)
     if probe_shapes is None:
         notes.append(f"the model did not run at other input sizes ({type(error).__name__}: {first_line(error, 120)}); "
                      "it is planned for the example's sizes")
+    elif error is not None:
+        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        kept = [f"{name} dim {d}" for name, a, dims in zip(names, flat, free) if isinstance(a, torch.Tensor)
+                for d in _input_dynamic_dims(a) if a.shape[d] == 1 and d not in dims]
+        if kept:
+            notes.append(f"the model did not run with size 2 at {', '.join(kept)} (size 1 in the example): "
+                         "the module takes only size 1 there")
     propagate(gm, flat)
     if probe_shapes is not None:            # else no dim is dynamic (a fresh trace carries no marks)
         _mark_changed(gm, probe_shapes)
@@ -337,16 +360,99 @@ def _auto_shapes(model: nn.Module, args: tuple, kwargs: dict):
             for k, v in bound.arguments.items()}
 
 
+def _reachable(args: tuple, kwargs: dict):
+    """The input tensors `_enlarged` can replace: an argument, or an item of a plain tuple or dict argument."""
+    for v in [*args, *kwargs.values()]:
+        items = v if type(v) is tuple else v.values() if type(v) is dict else (v,)
+        yield from (x for x in items if isinstance(x, torch.Tensor))
+
+
+def _enlarged(args: tuple, kwargs: dict, grown: dict) -> tuple[tuple, dict]:
+    """`args`, `kwargs` with every tensor `_reachable` finds replaced by `grown[id(tensor)]`, where given."""
+    def swap(x):
+        return grown.get(id(x), x) if isinstance(x, torch.Tensor) else x
+
+    def arg(v):
+        if type(v) is tuple:
+            return tuple(swap(x) for x in v)
+        return {k: swap(x) for k, x in v.items()} if type(v) is dict else swap(v)
+    return tuple(arg(a) for a in args), {k: arg(v) for k, v in kwargs.items()}
+
+
+def _size_one_dims(model: nn.Module, args: tuple, kwargs: dict) -> list:
+    """(input name, tensor, dim) of every size-1 dim that `_auto_shapes` makes Dim.AUTO and
+    `_enlarged` can grow. torch.export specialises size 1, so an example with a batch (or
+    sequence) of one would fix it: `_export` captures these dims at size 2. Dims of float inputs
+    come first, and an input's last dims before its first: the likelier broadcast dims (a mask's
+    (1, 1, T, T)), which `_export` gives up first."""
+    params = inspect.signature(model.forward).parameters
+    names = {}
+    for name, v in inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments.items():
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, tuple) else [(None, v)]
+        for k, x in items:
+            if isinstance(x, torch.Tensor) and x.dim():
+                keyword = params[name].kind is inspect.Parameter.VAR_KEYWORD
+                names.setdefault(id(x), name if k is None else k if keyword else f"{name}[{k!r}]")
+    units, seen = [], set()
+    for t in _reachable(args, kwargs):
+        if id(t) in names and id(t) not in seen:
+            seen.add(id(t))
+            units += [(names[id(t)], t, d) for d in range(t.dim()) if t.shape[d] == 1]
+    return sorted(units, key=lambda u: (not (u[1].is_floating_point() or u[1].is_complex()), -u[2]))
+
+
 def _export(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.GraphModule:
-    try:
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=_auto_shapes(model, args, kwargs), strict=False)
+    """torch.export with every dim of every top-level tensor input Dim.AUTO, captured where the
+    example has size 1 at size 2 (its own values repeated: `_size_one_dims`), then propagated at
+    the example's own sizes, which the plan sees. When the model does not capture so (a size-1 dim
+    that broadcasts, or that the model needs): none grown (the example's own sizes, where export
+    fixes them at 1; a failure there is not the sizes'), then every size-1 dim but one grown, in
+    turn, the first that captures kept, else none, with a note naming the dims kept at 1; a model
+    that cannot export dynamically at all is captured at the example's static shapes, with a note."""
+    units = _size_one_dims(model, args, kwargs)
+
+    def dynamic(grow):
+        sizes = {}
+        for i in grow:
+            _, t, d = units[i]
+            sizes.setdefault(id(t), (t, {}))[1][d] = 2
+        big_args, big_kwargs = _enlarged(args, kwargs, {k: _resized(t, s) for k, (t, s) in sizes.items()})
+        ep = torch.export.export(model, big_args, big_kwargs, dynamic_shapes=_auto_shapes(model, big_args, big_kwargs),
+                                 strict=False)
         gm = ep.module()
         _mark_dynamic(gm)
-        propagate(gm, placeholder_inputs(gm, "export", args, kwargs))
-    except Exception as e:  # noqa: BLE001 - fall back to the example's static shapes, and say so
-        notes.append(f"capture with dynamic batch/sequence sizes failed ({type(e).__name__}: {first_line(e, 160)}); "
+        propagate(gm, placeholder_inputs(gm, "export", args, kwargs))   # the example's sizes: what rules see
+        return gm
+
+    def attempt(grow):
+        try:
+            return dynamic(grow), None
+        except Exception as e:  # noqa: BLE001 - fewer grown dims are tried next; failures are noted below
+            return None, e
+
+    every = grow = list(range(len(units)))
+    with _quiet_fake_tensor():
+        gm, error = attempt(every)
+        if gm is None and units:
+            fixed, static_error = attempt([])        # the example's sizes: its size-1 dims stay 1
+            if fixed is None:
+                error = static_error                  # not the sizes: the model does not export dynamically
+            else:
+                for left in every if len(every) > 1 else ():
+                    grow = [i for i in every if i != left]
+                    gm, _ = attempt(grow)
+                    if gm is not None:
+                        break
+                if gm is None:
+                    gm, grow = fixed, []
+    if gm is None:
+        notes.append(f"capture with dynamic batch/sequence sizes failed ({type(error).__name__}: {first_line(error, 160)}); "
                      "the module accepts only the example's shapes")
         gm = torch.export.export(model, args, kwargs, strict=False).module()
+    elif len(grow) < len(units):
+        kept = ", ".join(f"{name} dim {d}" for i, (name, _, d) in enumerate(units) if i not in grow)
+        notes.append(f"the model did not capture with size 2 at {kept} (size 1 in the example; "
+                     f"{type(error).__name__}: {first_line(error, 120)}): the module takes only size 1 there")
     _keep_all_names(gm, model)
     return gm
 
