@@ -126,6 +126,8 @@ def _build(layout, seed):
     elif layout == "2x2":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         module = autoshard.parallelize(model, 2, (idx, idx), group=mesh["tp"])
+        for block in autoshard.blocks_of(module).values():      # the recipe: block by block, then the root
+            fully_shard(block, mesh=mesh["dp"])
         fully_shard(module, mesh=mesh["dp"])
     else:
         module = model
