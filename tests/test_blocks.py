@@ -89,26 +89,41 @@ def _full(module, of) -> dict:
     return autoshard.collect_state_dict(module, local)
 
 
-def _per_block_case(rank, world, kind, layout, checkpointed):
+def _mesh(rank, tp, dp, via):
+    """(2-D ("dp", "tp") mesh, the group to parallelize on), built by torch or from autoshard's groups."""
+    if via == "init_device_mesh":
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        return mesh, mesh["tp"]
+    autoshard.distributed.init_process_group(tp)
+    mesh = autoshard.distributed.device_mesh()
+    first = rank // tp * tp
+    assert dist.get_process_group_ranks(mesh["tp"].get_group()) == list(range(first, first + tp)) == \
+        dist.get_process_group_ranks(autoshard.distributed.get_group())
+    assert dist.get_process_group_ranks(mesh["dp"].get_group()) == list(range(rank % tp, dp * tp, tp))
+    assert autoshard.distributed.device_mesh() is mesh
+    return mesh, None                          # parallelize on the current tensor-parallel group
+
+
+def _per_block_case(rank, world, kind, layout, wrap, via):
     tp, dp = layout
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh, group = _mesh(rank, tp, dp, via)
     model = (_gpt() if kind == "gpt" else _llama()).train()       # trained in train mode, evaluated below
     ref = copy.deepcopy(model)
     batches = [_ids(s, vocab=128 if kind == "gpt" else model.config.vocab_size) for s in range(3)]
     per = 4 // dp
     call = (lambda m, x: m(x, x)) if kind == "gpt" else (lambda m, x: m(input_ids=x, labels=x).loss)
     example = (batches[0][:per],) * 2 if kind == "gpt" else {"input_ids": batches[0][:per], "labels": batches[0][:per]}
-    gm = autoshard.parallelize(model, tp, example, group=mesh["tp"],
+    gm = autoshard.parallelize(model, tp, example, group=group,
                                tracer="symbolic_trace" if kind == "gpt" else "export")
     blocks = autoshard.blocks_of(gm)
     assert len(blocks) >= 2
-    for name, block in blocks.items():
-        if checkpointed:
+    for name, block in blocks.items() if wrap != "root" else ():
+        if wrap == "checkpointed":
             parent, _, last = name.rpartition(".")
             gm.get_submodule(parent)._modules[last] = block = checkpoint_wrapper(block)
         fully_shard(block, mesh=mesh["dp"])
-    fully_shard(gm, mesh=mesh["dp"])
-    assert all(isinstance(gm.get_submodule(n), FSDPModule) for n in blocks)
+    fully_shard(gm, mesh=mesh["dp"])           # root only: the whole tensor-parallel shard gathered at once
+    assert all(isinstance(gm.get_submodule(n), FSDPModule) == (wrap != "root") for n in blocks)
     opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     d = mesh["dp"].get_local_rank()
@@ -138,10 +153,14 @@ def _per_block_case(rank, world, kind, layout, checkpointed):
     return True
 
 
-@pytest.mark.parametrize("kind, layout, checkpointed", [
-    ("gpt", (2, 2), False), ("gpt", (2, 2), True), ("gpt", (4, 1), False), ("llama", (2, 2), True)])
-def test_fsdp2_per_block_trains_exactly(dist4, kind, layout, checkpointed):
-    assert all(dist4.run(_per_block_case, kind, layout, checkpointed, timeout=300))
+@pytest.mark.parametrize("kind, layout, wrap, via", [
+    ("gpt", (2, 2), "blocks", "init_device_mesh"), ("gpt", (2, 2), "checkpointed", "autoshard"),
+    ("gpt", (2, 2), "root", "autoshard"), ("gpt", (4, 1), "blocks", "init_device_mesh"),
+    ("llama", (2, 2), "checkpointed", "init_device_mesh")])
+def test_fsdp2_trains_exactly(dist4, kind, layout, wrap, via):
+    """Tensor parallel x FSDP2 (per block, per block with activation checkpointing, root only;
+    the mesh from torch or from autoshard's groups) equals one process over 3 AdamW steps."""
+    assert all(dist4.run(_per_block_case, kind, layout, wrap, via, timeout=300))
 
 
 def _compile_case(rank, world):
