@@ -55,8 +55,33 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
         raise ValueError(f"search must be 'greedy' or 'exact', got {search!r}")
     _check_plain(model)
     cap = capture(model, example_inputs, tracer=tracer, tokens=tokens, once=capture_once)
-    return plan_graph(cap.gm, world_size, cost, pin=pin, search=search, tracer=cap.tracer,
-                      notes=cap.notes, example=(cap.args, cap.kwargs))
+    result = plan_graph(cap.gm, world_size, cost, pin=pin, search=search, tracer=cap.tracer,
+                        notes=cap.notes, example=(cap.args, cap.kwargs))
+    _without_weights(cap.gm, model)
+    return result
+
+
+def _without_weights(gm: fx.GraphModule, model: nn.Module) -> None:
+    """A Plan keeps its captured graph (for its views and for rewriting other ranks), not the
+    model's weights: the graph's references to the model's parameters and buffers become meta
+    tensors of the same shapes (ties kept), so neither a plan nor a parallel module keeps a full
+    model alive once the model is dropped. Submodules shared with the model (symbolic_trace's
+    leaf modules) are the model's own and stay as they are; lifted constants are kept."""
+    owned = {id(m) for m in model.modules()}
+    weights = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    memo = {}
+    for mod in gm.modules():
+        if id(mod) in owned:
+            continue
+        for store in (mod._parameters, mod._buffers):
+            for k, t in store.items():
+                if t is None or t.is_meta or id(t) not in weights:
+                    continue
+                if id(t) not in memo:
+                    meta = torch.empty_like(t, device="meta")
+                    memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                        else meta
+                store[k] = memo[id(t)]
 
 
 def _check_plain(model: nn.Module) -> None:

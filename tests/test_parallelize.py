@@ -482,3 +482,25 @@ def test_a_rank_that_dies_ends_the_others_with_an_error():
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def test_the_module_keeps_no_full_weights_alive():
+    """Once the model is dropped, its full tensors are freed: the module holds its shards and the
+    replicated tensors, the plan only shapes (issue: a rank kept a full copy beside its shards)."""
+    import gc
+    import weakref
+
+    from models import GPT
+    torch.manual_seed(0)
+    model = GPT(vocab=128, h=64, heads=4, blocks=3, seq=16, tied=False)
+    idx = torch.randint(0, 128, (2, 16))
+    gm = autoshard.parallelize(model, 2, (idx, idx), rank=0)
+    sharded = [n for n, pl in autoshard.layouts(gm).items() if not isinstance(pl, autoshard.Replicate)]
+    assert "head.weight" in sharded and len(sharded) > 10
+    refs = {n: weakref.ref(model.get_parameter(n)) for n in sharded}
+    plan = gm._autoshard_plan
+    assert all(t.is_meta for n, t in plan.graph_module.named_parameters() if n in sharded)
+    del model
+    gc.collect()
+    alive = [n for n, r in refs.items() if r() is not None]
+    assert not alive, f"full tensors kept alive: {alive[:5]}"
