@@ -39,10 +39,8 @@ Per rank it reports:
 Before anything is measured, the three modules' first losses on the same batches are checked to
 agree (each data-parallel replica reads its own batch; the printed loss is their mean).
 
-The graph `parallelize` captured (`gm._autoshard_plan.graph_module`) holds the model's own
-full-size parameters, so each configuration would keep a full copy of the model alive on every
-rank; the script reports those bytes and then swaps them for meta tensors (`--keep-captured`
-leaves them), which the state and peak figures do not include either way.
+The script also checks that a module keeps no full-size tensor alive beside its shards once the
+model is dropped (the plan keeps only shapes; this benchmark found the full copy it used to keep).
 
     python benchmarks/fsdp_memory.py            # 110M-parameter GPT, 4 x 64 tokens per replica (~9 min on 2 busy cores)
     python benchmarks/fsdp_memory.py --quick    # vocab 8192, hidden 256, 4 blocks (1-2 min)
@@ -130,29 +128,18 @@ class ParamPeak:
         self.peak, self.at_peak, self.where = 0, {}, None
 
 
-def _captured_copy(gm, release: bool) -> int:
-    """Bytes of full-size tensors the module keeps alive beside its shards: the graph `parallelize`
-    captured (`gm._autoshard_plan.graph_module`) holds the model's own parameters, so deleting the
-    model frees none of them. With `release`, those the module does not share (every one that
-    tensor parallel splits) are swapped for meta tensors of the same shape (the plan's report and
-    drawing read only shapes), so the three configurations fit in this machine's memory."""
+def _captured_copy(gm) -> int:
+    """Bytes of full-size tensors the module keeps alive beside its own (the plan's captured graph
+    must hold only meta tensors of the model's weights: 0 expected)."""
     captured = gm._autoshard_plan.graph_module
     own = {t.untyped_storage().data_ptr() for t in [*gm.parameters(), *gm.buffers()]}
-    kept, seen, swapped = 0, set(), {}                   # swapped: one meta tensor per tensor (ties stay)
-    for mod in captured.modules():
-        for table in (mod._parameters, mod._buffers):
-            for key, t in table.items():
-                if t is None or t.is_meta or t.untyped_storage().data_ptr() in own:
-                    continue
-                if t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    kept += t.untyped_storage().nbytes()
-                if release:
-                    if id(t) not in swapped:
-                        meta = torch.empty_like(t, device="meta")
-                        swapped[id(t)] = (torch.nn.Parameter(meta, t.requires_grad)
-                                          if isinstance(t, torch.nn.Parameter) else meta)
-                    table[key] = swapped[id(t)]
+    kept, seen = 0, set()
+    for t in [*captured.parameters(), *captured.buffers()]:
+        ptr = t.untyped_storage().data_ptr() if not t.is_meta else None
+        if ptr is None or ptr in own or ptr in seen:
+            continue
+        seen.add(ptr)
+        kept += t.untyped_storage().nbytes()
     return kept
 
 
@@ -172,7 +159,7 @@ def _build(config: str, args, mesh, example):
     full = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     gm = autoshard.parallelize(model, TP, example, group=mesh["tp"])
     del model
-    kept = _captured_copy(gm, release=not args.keep_captured)
+    kept = _captured_copy(gm)
     blocks = autoshard.blocks_of(gm)
     # a parameter tensor parallel leaves whole (LayerNorms, biases of row-parallel layers)
     local = {n: p.numel() * p.element_size() for n, p in gm.named_parameters()}
@@ -273,9 +260,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4, help="sequences per data-parallel replica")
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds at most (at least 5)")
-    ap.add_argument("--keep-captured", action="store_true",
-                    help="leave the full-size parameters the captured graph keeps alive (about the model's size per "
-                         "configuration per rank) instead of swapping them for meta tensors after measuring them")
     ap.add_argument("--budget", type=float, default=120.0, help="seconds of timed rounds, after which they stop (>= 5 rounds)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -293,9 +277,8 @@ def main(argv=None) -> int:
           f"tp {TP} x dp {DP}, gloo, 1 thread per rank; {args.batch} x {args.seq} tokens per replica")
 
     kept = max(r[c]["kept"] for r in rows for c in CONFIGS)
-    print(f"full-size tensors the module keeps alive beside its shards (gm._autoshard_plan.graph_module holds the "
-          f"model's parameters): {_mb(kept):.1f} MB per configuration per rank, not counted below; "
-          + ("left in place (--keep-captured)" if args.keep_captured else "swapped for meta tensors once measured"))
+    print(f"full-size tensors a module keeps alive beside its shards once the model is dropped: {_mb(kept):.1f} MB "
+          "per configuration per rank (0 expected)")
 
     # the correctness guard
     l1 = {c: r0[c]["loss1_mean"] for c in CONFIGS}
