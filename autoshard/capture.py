@@ -588,8 +588,9 @@ def _once_per_layer(fn, model: nn.Module, args: tuple, kwargs: dict, notes: list
     gm.graph.lint()
     gm.recompile()
     notes.extend(mine)
-    notes.append(f"{written + 2 * len(found)} repeated layers traced as {2 * len(found)} "
-                 f"({', '.join(f'{n}.{k[0]}..{k[-1]}' for n, k in found)})")
+    traced = sum(2 * k for _, _, k in found)
+    notes.append(f"{written + traced} repeated layers traced as {traced} "
+                 f"({', '.join(f'{n}.{keys[0]}..{keys[-1]}' + (f' every {k}' if k > 1 else '') for n, keys, k in found)})")
     return gm
 
 

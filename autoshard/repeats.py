@@ -95,13 +95,17 @@ def _per_layer_config(model: nn.Module, n: int) -> list[tuple]:
     return [tuple((k, v[i]) for k, v in lists) for i in range(n)]
 
 
+def _prints(model: nn.Module, lst: nn.Module) -> list:
+    keys = list(lst._modules)
+    extra = _per_layer_config(model, len(keys))
+    return [_fingerprint(lst._modules[k], extra[i]) for i, k in enumerate(keys)]
+
+
 def runs(model: nn.Module, shortest: int = 3) -> list[tuple[str, list[str]]]:
     """(list name, keys) of every run of at least `shortest` identical consecutive layers."""
     out = []
     for name, lst in block_lists(model):
-        keys = list(lst._modules)
-        extra = _per_layer_config(model, len(keys))
-        prints = [_fingerprint(lst._modules[k], extra[i]) for i, k in enumerate(keys)]
+        keys, prints = list(lst._modules), _prints(model, lst)
         start = 0
         for i in range(1, len(keys) + 1):
             if i == len(keys) or prints[i] != prints[start]:
@@ -111,22 +115,38 @@ def runs(model: nn.Module, shortest: int = 3) -> list[tuple[str, list[str]]]:
     return out
 
 
-def tail_runs(model: nn.Module) -> list[tuple[str, list[str]]]:
-    """The runs that `cut` can shorten: those that end their list (a list keeps its keys
-    0..n-1 when its last layers go; a model indexes and slices its layers by position)."""
-    return [(name, keys) for name, keys in runs(model)
-            if keys[-1] == list(model.get_submodule(name)._modules)[-1]]
+def tail_runs(model: nn.Module, longest_period: int = 4) -> list[tuple[str, list[str], int]]:
+    """(list name, keys, period) of the layers `cut` can shorten in each list: the longest tail
+    that repeats a pattern of `period` layers (1: identical layers; 2: alternating kinds, such as
+    sliding and global attention or dense and MoE layers) at least three times over, in whole
+    periods. Only a tail: a list keeps its keys 0..n-1 when its last layers go, and models index
+    and slice their layers by position."""
+    out = []
+    for name, lst in block_lists(model):
+        keys, prints = list(lst._modules), _prints(model, lst)
+        n, best = len(keys), None
+        for k in range(1, longest_period + 1):
+            i = n - 1
+            while i - k >= 0 and prints[i] == prints[i - k]:
+                i -= 1
+            start = i + 1 - k                      # layers start.. repeat with period k
+            start += (n - start) % k               # whole periods only
+            if (n - start) // k >= 3 and (best is None or n - start - 2 * k > best[0]):
+                best = (n - start - 2 * k, start, k)
+        if best is not None:
+            out.append((name, keys[best[1]:], best[2]))
+    return out
 
 
 @contextlib.contextmanager
 def cut(model: nn.Module, found: list):
-    """The model with each run cut to its first two layers (keys kept), for the capture only."""
+    """The model with each tail cut to its first two periods (keys kept), for the capture only."""
     saved = []
     try:
-        for name, keys in found:
+        for name, keys, k in found:
             lst = model.get_submodule(name)
             saved.append((lst, dict(lst._modules)))
-            drop = set(keys[2:])
+            drop = set(keys[2 * k:])
             kept = {k: m for k, m in lst._modules.items() if k not in drop}
             lst._modules.clear()
             lst._modules.update(kept)
@@ -178,12 +198,15 @@ def _renamed_stack(stack: dict, old: str, new: str) -> dict:
 
 
 class _Match:
-    """Node-for-node correspondence of the run's first layer (L0) and second (L1)."""
+    """Node-for-node correspondence of the tail's first period (L0: layers b0) and second (L1:
+    layers b1); `r0` / `r1` give each node's position in its period."""
 
-    def __init__(self, l0: list, l1: list, b0: str, b1: str, root: nn.Module):
+    def __init__(self, l0: list, l1: list, b0: tuple, b1: tuple, root: nn.Module):
         if len(l0) != len(l1):
-            raise RepeatError(f"{b1} has {len(l1)} graph nodes, {b0} {len(l0)}")
+            raise RepeatError(f"{', '.join(b1)} have {len(l1)} graph nodes, {', '.join(b0)} {len(l0)}")
         self.l0, self.l1, self.b0, self.b1, self.root = l0, l1, b0, b1, root
+        self.r0 = {n: b0.index(owner(n, b0)) for n in l0}
+        self.r1 = {n: b1.index(owner(n, b1)) for n in l1}
         self.i0 = {n: i for i, n in enumerate(l0)}
         self.i1 = {n: i for i, n in enumerate(l1)}
         self.carried = {}                    # index j of L0's output read by L1 -> what L0 read there
@@ -231,18 +254,21 @@ class _Match:
         for n0, n1 in zip(self.l0, self.l1):
             t0, t1 = n0.target, n1.target
             if n1.op in ("get_attr", "call_module"):
-                t0, t1 = _rename(t0, self.b0, "@"), _rename(t1, self.b1, "@")
-            if n0.op != n1.op or t0 != t1 or not (self.same(n0.args, n1.args) and self.same(n0.kwargs, n1.kwargs)):
-                raise RepeatError(f"{self.b1}'s node {n1.format_node()} does not repeat {self.b0}'s {n0.format_node()}")
+                t0 = _rename(t0, self.b0[self.r0[n0]], f"@{self.r0[n0]}")
+                t1 = _rename(t1, self.b1[self.r1[n1]], f"@{self.r1[n1]}")
+            if n0.op != n1.op or t0 != t1 or self.r0[n0] != self.r1[n1] or \
+                    not (self.same(n0.args, n1.args) and self.same(n0.kwargs, n1.kwargs)):
+                raise RepeatError(f"{owner(n1, self.b1)}'s node {n1.format_node()} does not repeat "
+                                  f"{owner(n0, self.b0)}'s {n0.format_node()}")
         for j in self.carried:
             v0, v1 = self.l0[j].meta.get("val"), self.l1[j].meta.get("val")
             if not (isinstance(v0, torch.Tensor) and isinstance(v1, torch.Tensor)) or \
                     v0.shape != v1.shape or v0.dtype != v1.dtype:
-                raise RepeatError(f"{self.b1} does not give its successor what {self.b0} gave it "
+                raise RepeatError(f"{self.b1[-1]} does not give its successor what {self.b0[-1]} gave it "
                                   f"({self.l1[j].name} against {self.l0[j].name})")
         for n in self.l0:
             if any(u not in self.i0 and u not in self.i1 for u in n.users):
-                raise RepeatError(f"{self.b0}'s {n.name} is read after the run's second layer")
+                raise RepeatError(f"{owner(n, self.b0)}'s {n.name} is read after the tail's second period")
 
 
 def expand(gm: fx.GraphModule, model: nn.Module, found: list) -> int:
@@ -251,46 +277,48 @@ def expand(gm: fx.GraphModule, model: nn.Module, found: list) -> int:
     registers the new layers' tensors on `gm` and recompiles it."""
     written = 0
     graph = gm.graph
-    for name, keys in found:
-        b0, b1 = f"{name}.{keys[0]}" if name else keys[0], f"{name}.{keys[1]}" if name else keys[1]
-        l0 = [n for n in graph.nodes if owner(n, (b0,)) == b0]
-        l1 = [n for n in graph.nodes if owner(n, (b1,)) == b1]
+    for name, keys, k in found:
+        qualified = [f"{name}.{key}" if name else key for key in keys]
+        b0, b1 = tuple(qualified[:k]), tuple(qualified[k:2 * k])
+        l0 = [n for n in graph.nodes if owner(n, b0) is not None]
+        l1 = [n for n in graph.nodes if owner(n, b1) is not None]
         if not l0 or not l1:
-            raise RepeatError(f"no graph nodes of {b0 if not l0 else b1}")
+            raise RepeatError(f"no graph nodes of {', '.join(b0 if not l0 else b1)}")
         match = _Match(l0, l1, b0, b1, gm)
         match.check()
         in1 = set(l1)
         post = [u for n in l1 for u in n.users if u not in in1]
         if not post:
-            raise RepeatError(f"nothing reads {b1}")
+            raise RepeatError(f"nothing reads {', '.join(b1)}")
         order = {n: i for i, n in enumerate(graph.nodes)}
         at = min(post, key=order.__getitem__)
         prev = l1
-        for key in keys[2:]:
-            bk = f"{name}.{key}" if name else key
+        for m in range(2, len(keys) // k):
+            bm = qualified[m * k:(m + 1) * k]
             env = {}
 
             def arg(a, prev=prev, env=env):
                 if a in env:
                     return env[a]
-                if a in match.i0:                   # the previous layer's matching output
+                if a in match.i0:                   # the previous period's matching output
                     return prev[match.i0[a]]
                 return a
             with graph.inserting_before(at):
                 new = []
                 for n in l1:
+                    old_name, new_name = b1[match.r1[n]], bm[match.r1[n]]
                     c = graph.node_copy(n, arg)
                     if n.op in ("get_attr", "call_module"):
-                        c.target = _rename(n.target, b1, bk)
+                        c.target = _rename(n.target, old_name, new_name)
                         if n.op == "call_module":
                             gm.add_submodule(c.target, model.get_submodule(c.target))
                     c.meta = copy.copy(n.meta)
                     if STACK in n.meta:
-                        c.meta[STACK] = _renamed_stack(n.meta[STACK], b1, bk)
+                        c.meta[STACK] = _renamed_stack(n.meta[STACK], old_name, new_name)
                     env[n] = c
                     new.append(c)
             prev = new
-            written += 1
+            written += k
         last = {n: prev[i] for i, n in enumerate(l1)}
         for n in l1:
             for u in [u for u in n.users if u not in in1 and u in order]:

@@ -80,7 +80,7 @@ def test_a_layer_that_differs_splits_the_run():
     torch.manual_seed(0)
     model = _Mixed()
     assert repeats.runs(model) == [("blocks", ["0", "1", "2"]), ("blocks", ["4", "5", "6"])]
-    assert repeats.tail_runs(model) == [("blocks", ["4", "5", "6"])]         # the one that ends the list is cut
+    assert repeats.tail_runs(model) == [("blocks", ["4", "5", "6"], 1)]      # the one that ends the list is cut
     _same_as_whole(model, (torch.randint(0, 128, (2, 16)),), layers=3, tracer="symbolic_trace")
 
 
@@ -125,3 +125,36 @@ def test_a_loop_that_does_not_repeat_is_traced_whole():
     assert sum(1 for n in cap.gm.graph.nodes if n.target is torch.mul or str(n.target) == "<built-in function mul>") == 2
     want = model(idx)
     torch.testing.assert_close(cap.gm(idx), want)
+
+
+class _TwoKinds(nn.Module):
+    """Plain and SwiGLU blocks taking turns (as dense and MoE, or sliding and global layers do)."""
+
+    def __init__(self, layers=7):
+        super().__init__()
+        self.emb = nn.Embedding(128, 64)
+        self.blocks = nn.ModuleList([Block(64, 4, swiglu=i % 2 == 1) for i in range(layers)])
+        self.head = nn.Linear(64, 128)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_alternating_layers_traced_once_per_kind():
+    torch.manual_seed(0)
+    model = _TwoKinds(7)                       # A B A B A B A: the tail B A B A B A repeats every 2
+    assert repeats.runs(model) == []
+    assert repeats.tail_runs(model) == [("blocks", ["1", "2", "3", "4", "5", "6"], 2)]
+    _same_as_whole(model, (torch.randint(0, 128, (2, 16)),), layers=6, tracer="symbolic_trace")
+
+
+def test_gemma2_sliding_and_global_layers():
+    cfg = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=16, num_hidden_layers=6, vocab_size=256, sliding_window=8)
+    model = transformers.Gemma2ForCausalLM(cfg)
+    assert [k for _, _, k in repeats.tail_runs(model)] == [2]           # layer_types alternate
+    ids = torch.randint(0, 256, (2, 16))
+    _same_as_whole(model, {"input_ids": ids, "labels": ids}, world=2, layers=6, tracer="export")
