@@ -569,10 +569,12 @@ def apart():
             h.update(items)
 
 
-def _once_per_layer(fn, model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.GraphModule:
+def _once_per_layer(fn, model: nn.Module, args: tuple, kwargs: dict, notes: list, run_on=None) -> fx.GraphModule:
     """`fn`'s capture of `model`, tracing each run of identical layers once (autoshard.repeats):
     the model cut to the first two layers of each run, the rest written in as copies of the
-    second; the whole model traced instead, with a note, when they are not a pure repetition."""
+    second; the whole model traced instead, with a note, when they are not a pure repetition.
+    `run_on`: the device a meta capture's tensors are made on at run time (retargeted before the
+    copies are made, so that they inherit it)."""
     found = repeats.tail_runs(model)
     if not found:
         return fn(model, args, kwargs, notes)
@@ -580,13 +582,15 @@ def _once_per_layer(fn, model: nn.Module, args: tuple, kwargs: dict, notes: list
     try:
         with repeats.cut(model, found):
             gm = fn(model, args, kwargs, mine)
+        if run_on is not None:
+            _retarget_meta_device(gm, run_on)
         written = repeats.expand(gm, model, found)
     except repeats.RepeatError as e:
         notes.append(f"the repeated layers were traced one by one: {first_line(e, 160)}")
         return fn(model, args, kwargs, notes)
     _keep_all_names(gm, model)
     gm.graph.lint()
-    gm.recompile()
+    gm.meta["autoshard_stale_code"] = True       # recompiled once, by capture, after its last change
     notes.extend(mine)
     traced = sum(2 * k for _, _, k in found)
     notes.append(f"{written + traced} repeated layers traced as {traced} "
@@ -617,9 +621,11 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
         for name in order:
             try:
                 fn = _symbolic if name == "symbolic_trace" else _export
-                gm = _once_per_layer(fn, model, *(on_meta or (args, kwargs)), notes) if once else \
+                gm = _once_per_layer(fn, model, *(on_meta or (args, kwargs)), notes, run_on) if once else \
                     fn(model, *(on_meta or (args, kwargs)), notes)
-                if on_meta:
+                if gm.meta.pop("autoshard_stale_code", False):      # expanded: retargeted before
+                    gm.recompile()
+                elif on_meta:
                     _retarget_meta_device(gm, run_on)
                 return Captured(gm, name, args, kwargs, notes)
             except Exception as e:  # noqa: BLE001 - every tracer failure is reported below
