@@ -144,6 +144,10 @@ def keep_blocks(gm: fx.GraphModule, names: list[str], classes: dict | None = Non
             notes.append(f"block {name}: its ops are not one piece of the graph (a path leaves and re-enters it); "
                          "it stays inline")
             continue
+        shared = [m.target for m in members_list if m.op == "get_attr" and any(u not in members for u in m.users)]
+        if shared:              # a tied weight: FSDP2 would free it after the block while others read it
+            notes.append(f"block {name}: its tensor {shared[0]} is also read outside it (tied); it stays inline")
+            continue
         inputs = []
         for m in members_list:
             for i in m.all_input_nodes:

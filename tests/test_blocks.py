@@ -46,6 +46,13 @@ def test_blocks_are_graph_modules_with_the_models_names():
     assert autoshard.blocks_of(flat) == {} and "blocks_0_attn_q_weight" in flat.code
     one = autoshard.parallelize(_gpt(), 2, (idx, idx), rank=0, blocks=["blocks.1"])
     assert list(autoshard.blocks_of(one)) == ["blocks.1"]
+    head = autoshard.parallelize(_gpt(), 2, (idx, idx), rank=0, blocks=["head", "wte"])      # untied: both
+    assert list(autoshard.blocks_of(head)) == ["head", "wte"]
+    torch.manual_seed(0)
+    tied = GPT(vocab=128, h=64, heads=4, blocks=2, seq=16, tied=True)
+    with pytest.warns(UserWarning, match=r"block wte: its tensor wte.weight is also read outside it \(tied\)"):
+        kept = autoshard.parallelize(tied, 2, (idx, idx), rank=0, blocks=["wte", "blocks.0"])
+    assert list(autoshard.blocks_of(kept)) == ["blocks.0"]
 
 
 def test_blocks_found_and_named():
