@@ -18,7 +18,7 @@ from .capture import capture, has_meta
 from .cost import CostModel
 from .errors import CaptureError, LoadError, ProcessGroupError, ShardingError
 from .nn.dropout import MASKS
-from .plan import Plan
+from .plan import Plan, check_outputs
 from .planner import plan_graph
 from .rewrite import rewrite
 
@@ -35,18 +35,21 @@ def _check_world_size(world_size) -> int:
 
 def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | None = None,
          search: str = "greedy", tracer: str = "auto", tokens: int = 512, cost_model: CostModel | None = None,
-         capture_once: bool = True, **cost_options) -> Plan:
+         capture_once: bool = True, outputs: str = "full", **cost_options) -> Plan:
     """Plan tensor parallelism for `model` at degree `world_size`.
 
     `example_inputs`: a tuple of positional arguments or a dict of keyword arguments (shapes
     only matter; with none, a batch of `tokens` positions is synthesised). `pin` fixes the
     TorchShard dim of named modules, e.g. {"head": None}. `search` is "greedy" or "exact".
+    `outputs="full"` returns every output whole, as the model does; `outputs="sharded"` leaves
+    an output the plan splits split (a DTensor at run time: no collective is spent on it).
     Cost knobs (bandwidth, latency, flops, memory_weight, state_factor, memory_budget) may be
     given as keywords or as a CostModel. `capture_once`: trace each run of identical layers once
     and repeat it in the graph (autoshard.repeats; the same graph, in a time flat in depth), or
     trace every layer.
     """
     world_size = _check_world_size(world_size)
+    check_outputs(outputs)
     unknown = set(cost_options) - _COST_KEYS
     if unknown:
         raise TypeError(f"plan() got unknown options {sorted(unknown)}; cost knobs are {sorted(_COST_KEYS)}")
@@ -56,7 +59,7 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     _check_plain(model)
     cap = capture(model, example_inputs, tracer=tracer, tokens=tokens, once=capture_once)
     result = plan_graph(cap.gm, world_size, cost, pin=pin, search=search, tracer=cap.tracer,
-                        notes=cap.notes, example=(cap.args, cap.kwargs))
+                        notes=cap.notes, example=(cap.args, cap.kwargs), outputs=outputs)
     _without_weights(cap.gm, model)
     return result
 
@@ -102,7 +105,8 @@ def _fingerprint(model: nn.Module) -> tuple:
 
 def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan: Plan | None = None,
                 group=None, rank: int | None = None, load=None, device=None, progress=None,
-                dropout_masks: str = "independent", blocks="auto", **plan_options) -> fx.GraphModule:
+                dropout_masks: str = "independent", blocks="auto", outputs: str | None = None,
+                **plan_options) -> fx.GraphModule:
     """This rank's tensor-parallel GraphModule of `model` (plans first unless `plan` is given).
 
     With a process group (the current tensor-parallel group of autoshard.distributed, or
@@ -126,12 +130,21 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     (so fully_shard, checkpoint_wrapper and torch.compile apply per block): "auto" (the children
     of every ModuleList / Sequential of one class: a transformer's layers), a list of qualified
     names or module classes, or None for one flat graph (autoshard.blocks).
+
+    `outputs` (default "full", or the given plan's): "full" returns every output whole, as the
+    model does; "sharded" returns each output the plan leaves split as a
+    `torch.distributed.tensor.DTensor` over the tensor-parallel group (`Shard(d)`: no collective;
+    `.full_tensor()` gathers it), whole ones (the loss) as plain tensors. Every call signature
+    of the module follows it. A module built with `rank=` and no process group can be
+    inspected but not run: its DTensors need the group.
     """
     world_size = _check_world_size(world_size)
     _check_plain(model)
     block_names = B.resolve_blocks(model, blocks)
     if dropout_masks not in MASKS:
         raise ValueError(f"dropout_masks must be one of {MASKS}, got {dropout_masks!r}")
+    if outputs is not None:
+        check_outputs(outputs)
     source = loading.open_source(load) if load is not None else None             # opened once, read per rank
     chosen = loading.check_source(model, source) if source is not None else None  # before any allocation
     if load is None and has_meta(model):
@@ -145,6 +158,9 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
                                     f"tensor-parallel group has {size} ranks")
         if group is not None:
             key = D.register_group(pg)
+            from torch.distributed.device_mesh import DeviceMesh
+            if isinstance(group, DeviceMesh):
+                D.register_mesh(group)        # the DTensors of outputs="sharded" are over the caller's mesh
         grank = torch.distributed.get_rank(pg)
         if rank is not None and rank != grank:
             raise ProcessGroupError(f"rank={rank} but this process is rank {grank} of its tensor-parallel group")
@@ -158,10 +174,13 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     elif not 0 <= rank < world_size:
         raise ShardingError(f"rank {rank} is outside 0..{world_size - 1}")
     if plan is None:
-        plan = globals()["plan"](model, world_size, example_inputs, **plan_options)
+        plan = globals()["plan"](model, world_size, example_inputs, outputs=outputs or "full", **plan_options)
     else:
         if plan_options:
             raise TypeError(f"plan options {sorted(plan_options)} given together with plan=")
+        if outputs is not None and outputs != plan.outputs:
+            raise ShardingError(f"outputs={outputs!r} but the plan was made with outputs={plan.outputs!r}; "
+                                f"plan with autoshard.plan(..., outputs={outputs!r})")
         if plan.world_size != world_size:
             raise ShardingError(f"the plan was made for world_size {plan.world_size}, not {world_size}")
         if plan.fingerprint != tuple(sorted(_fingerprint(model))) and not set(plan.fingerprint) <= set(_fingerprint(model)):
@@ -201,7 +220,8 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str):
                                f"({call.describe()}) could not be captured:\n{e}") from e
         try:
             variant = plan_graph(cap.gm, plan.world_size, plan.cost_model, search=plan.search, tracer=cap.tracer,
-                                 notes=cap.notes, example=(cap.args, cap.kwargs), layouts=dict(plan.layouts))
+                                 notes=cap.notes, example=(cap.args, cap.kwargs), layouts=dict(plan.layouts),
+                                 outputs=plan.outputs)
         except ShardingError as e:
             raise ShardingError(f"a call with ({call.describe()}) cannot run on this module: {e}") from e
         if pg is not None:
@@ -213,7 +233,8 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str):
 def _plan_digest(plan: Plan) -> int:
     """A number that differs when two plans would shard or communicate differently."""
     text = repr((sorted((k, str(v)) for k, v in plan.layouts.items()),
-                 [(r.node, str(r.src), str(r.dst), str(r.grad), r.consumers) for r in plan.redistributions]))
+                 [(r.node, str(r.src), str(r.dst), str(r.grad), r.consumers, r.via) for r in plan.redistributions],
+                 plan.outputs, sorted((k, str(v)) for k, v in plan.output_placements.items())))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--search", choices=("greedy", "exact"), default="greedy")
     pp.add_argument("--tracer", choices=("auto", "symbolic_trace", "export"), default="auto")
     pp.add_argument("--tokens", type=int, default=512, help="positions of a synthesised input (no --input-shape)")
+    pp.add_argument("--outputs", choices=("full", "sharded"), default="full",
+                    help="return outputs whole (default) or leave split ones split (DTensors at run time)")
     pp.add_argument("--bandwidth", type=float, help="bytes/s a rank sends (cost model)")
     pp.add_argument("--latency", type=float, help="seconds per ring step (cost model)")
     pp.add_argument("--memory-weight", type=float, help="seconds per byte of training state (cost model)")
@@ -194,6 +196,7 @@ def summary(plan) -> dict:
         "comm_time": plan.comm_time, "compute_time": plan.compute_time, "step_time": plan.step_time,
         "params_total": plan.params_total, "params_per_rank": plan.params_per_rank,
         "unsupported": list(plan.unsupported), "notes": list(plan.notes), "search_seconds": plan.search_seconds,
+        "outputs": plan.outputs, "output_placements": {k: str(v) for k, v in plan.output_placements.items()},
     }
 
 
@@ -226,7 +229,7 @@ def cmd_plan(args) -> int:
              if getattr(args, k) is not None}
     pins = dict(args.pin)
     plan = autoshard.plan(model, args.world_size, example, pin=pins or None, search=args.search,
-                          tracer=args.tracer, tokens=args.tokens, **knobs)
+                          tracer=args.tracer, tokens=args.tokens, outputs=args.outputs, **knobs)
     memory = None
     if args.from_pretrained is not None:
         from .loading import memory_per_rank

@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from .groups import get_group
+from .errors import ProcessGroupError
+from .groups import get_group, is_initialized, tensor_parallel_mesh
 from .placements import cat_along, checked_dim, split_along
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter", "all_gather",
-           "all_to_all", "ring_bytes", "count_comm", "CommCounter"]
+           "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -355,7 +356,37 @@ def all_to_all(x, src_dim, dst_dim, group=None):
     return x if p == 1 else _AllToAll.apply(x, src_dim, dst_dim, pg)
 
 
+def global_shape_stride(x, dim: int, p: int) -> tuple:
+    """(size, stride) of the global tensor whose dim `dim` is `x`'s split evenly over p ranks, as
+    DTensor computes them for an even Shard(dim): the dim times p, and the strides of dims laid
+    out outside it scaled to match."""
+    shape, stride = list(x.shape), list(x.stride())
+    local = shape[dim]
+    shape[dim] = local * p
+    for i in range(len(stride)):
+        if i != dim and stride[i] >= stride[dim] and local:
+            stride[i] = stride[i] // local * shape[dim]
+    return torch.Size(shape), tuple(stride)
+
+
+@_fx_leaf
+def to_dtensor(x, dim, group=None):
+    """`x`, this rank's block of a tensor split evenly on `dim` over the tensor-parallel group,
+    as a `torch.distributed.tensor.DTensor` with placement `Shard(dim)` over that group's 1-D
+    mesh (`groups.tensor_parallel_mesh`). No communication; differentiable (the gradient of
+    the DTensor, brought to `Shard(dim)`, is the gradient of `x`). Made for every group size."""
+    from torch.distributed.tensor import DTensor, Shard as DShard
+    if not is_initialized():
+        raise ProcessGroupError("outputs='sharded' returns split outputs as DTensors over the tensor-parallel "
+                                "group, which needs the process group: a module built with rank= and no group "
+                                "is for inspection only")
+    mesh = tensor_parallel_mesh(group, x.device.type)
+    dim = dim % x.dim()
+    shape, stride = global_shape_stride(x, dim, mesh.size())
+    return DTensor.from_local(x, mesh, (DShard(dim),), run_check=False, shape=shape, stride=stride)
+
+
 for _name in ("copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter",
-              "all_gather", "all_to_all"):
+              "all_gather", "all_to_all", "to_dtensor"):
     torch.fx.wrap(_name)
 del _name

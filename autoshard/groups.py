@@ -27,6 +27,7 @@ import torch.distributed.nn  # noqa: F401 - see below
 from .errors import ProcessGroupError
 
 _GROUPS: dict[str, object] = {}          # key -> ProcessGroup
+_MESHES: dict[tuple, object] = {}        # (key, device type) -> 1-D DeviceMesh over that group
 _STATE = {"tp": None, "dp": None, "mesh": None}   # this rank's tensor- and data-parallel groups, their mesh
 
 
@@ -88,6 +89,7 @@ def forget() -> None:
     """Drop every registered group and the current tensor- and data-parallel groups (the process
     groups themselves stay as they are)."""
     _GROUPS.clear()
+    _MESHES.clear()
     _STATE["tp"] = _STATE["dp"] = _STATE["mesh"] = None
 
 
@@ -135,6 +137,33 @@ def device_mesh(device_type: str | None = None):
         cached = _STATE["mesh"] = DeviceMesh.from_group([_STATE["dp"], _STATE["tp"]], device_type, mesh=layout,
                                                         mesh_dim_names=("dp", "tp"))
     return cached
+
+
+def register_mesh(mesh) -> str:
+    """Register the group of a 1-D DeviceMesh (`register_group`) and remember the mesh itself, so
+    that DTensors made over that group (`tensor_parallel_mesh`) are over the caller's mesh."""
+    key = register_group(_from_mesh(mesh))
+    _MESHES[(key, mesh.device_type)] = mesh
+    return key
+
+
+def tensor_parallel_mesh(group=None, device_type: str = "cpu"):
+    """The 1-D DeviceMesh of the tensor-parallel group `group` (as `get_group` resolves it) for
+    `device_type`: the one registered with `register_mesh` (a `parallelize(group=mesh["tp"])`),
+    else `device_mesh()["tp"]` when that is the group, else one made by `DeviceMesh.from_group`
+    once and kept until `forget`."""
+    pg = get_group(group)
+    key = register_group(pg)
+    mesh = _MESHES.get((key, device_type))
+    if mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+        both = _STATE.get("mesh")
+        if both is not None and both.device_type == device_type and pg is _STATE["tp"]:
+            mesh = both["tp"]
+        else:
+            mesh = DeviceMesh.from_group(pg, device_type)
+        _MESHES[(key, device_type)] = mesh
+    return mesh
 
 
 def _from_mesh(mesh):

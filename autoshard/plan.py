@@ -5,7 +5,7 @@ and the views (`report`, `graph`, `draw`, to which `Plan.report/to_networkx/draw
 
 For every node: the strategy it runs and the placement it produces; for every tensor that
 changes placement: one redistribution per distinct target, with its forward and backward
-collectives; for every parameter name (tied aliases included): its layout; TorchShard dims per
+collectives (a view of a tensor gathered anyway reuses that gather: `via`); for every parameter name (tied aliases included): its layout; TorchShard dims per
 module; predicted bytes and times.
 """
 from __future__ import annotations
@@ -17,6 +17,16 @@ import torch.fx as fx
 
 from .collectives import ring_bytes
 from .placements import Placement
+
+OUTPUTS = ("full", "sharded")      # how a plan returns the graph's outputs (Plan.outputs)
+
+
+def check_outputs(outputs) -> str:
+    """`outputs` if it is one of OUTPUTS, else a ValueError naming them."""
+    if not isinstance(outputs, str) or outputs not in OUTPUTS:
+        raise ValueError(f"outputs must be one of {', '.join(repr(o) for o in OUTPUTS)}, got {outputs!r}: "
+                         "'full' returns every output whole, 'sharded' returns split outputs as DTensors")
+    return outputs
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,11 @@ class NodeDecision:
 class Redistribution:
     """Tensor `node` goes from `src` to `dst` for `consumers`, which send back gradients placed
     as `grad`; `backward` includes the all-reduce of Partial gradients (Megatron's copy). Two
-    entries for one (node, dst) share the forward collectives, listed on the first only."""
+    entries for one (node, dst) share the forward collectives, listed on the first only.
+
+    `via` names another node when `node` is a view of it (reshapes, `contiguous`, a `to` of the
+    same dtype) that is made whole anyway: `node` whole is then those view ops applied to `via`
+    whole, and this entry has no forward collective of its own (one tensor is gathered once)."""
 
     node: str
     src: Placement
@@ -48,6 +62,7 @@ class Redistribution:
     backward: tuple
     nbytes: int
     consumers: tuple
+    via: str | None = None
 
     def ring_bytes(self, p: int) -> float:
         return sum(ring_bytes(k, self.nbytes, p) for k in self.forward + self.backward)
@@ -78,6 +93,8 @@ class Plan:
     objective: float
     graph_module: fx.GraphModule = field(compare=False, repr=False)
     example: tuple = field(compare=False, repr=False)
+    outputs: str = "full"                     # "full": outputs returned whole; "sharded": split ones as DTensors
+    output_placements: Mapping[str, Placement] = field(default_factory=dict)   # node the output reads -> as returned
 
     @property
     def step_time(self) -> float:

@@ -17,7 +17,7 @@ from . import search as _search
 from .cost import CostModel, flops, ring_bytes
 from .errors import ShardingError
 from .placements import Replicate, Shard
-from .plan import NodeDecision, Plan, Redistribution
+from .plan import NodeDecision, Plan, Redistribution, check_outputs
 from .problem import module_of
 from .rules.registry import PARALLEL_LAYERS, family_of
 
@@ -42,17 +42,20 @@ def chunk_candidates(gm: fx.GraphModule) -> tuple:
 
 
 def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
-               tracer="fx", notes=(), example=((), {}), layouts=None) -> Plan:
+               tracer="fx", notes=(), example=((), {}), layouts=None, outputs="full") -> Plan:
     """Plan an already captured graph (shapes in node.meta['val']); `layouts` (parameter name ->
-    placement) fixes the parameters' layouts, leaving the search only the activations."""
+    placement) fixes the parameters' layouts, leaving the search only the activations;
+    `outputs` ("full" or "sharded") is what the graph's output needs of the tensors it returns."""
+    check_outputs(outputs)
     t0 = time.perf_counter()
-    prob = _search.Problem(gm, world_size, cost, chunk_candidates(gm), pins=pin or {}, layouts=layouts)
+    prob = _search.Problem(gm, world_size, cost, chunk_candidates(gm), pins=pin or {}, layouts=layouts,
+                           outputs=outputs)
     if not prob.param_obj:
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
     if cost.memory_budget is None or layouts is not None:
         state = _run(prob, search)
     else:
-        state, prob = _fit_budget(gm, world_size, cost, pin, search)
+        state, prob = _fit_budget(gm, world_size, cost, pin, search, outputs)
         if _state_bytes(prob, state) > cost.memory_budget:
             notes = list(notes) + [f"no plan fits memory_budget={cost.memory_budget:.0f} bytes; the most "
                                    f"sharded one needs {_state_bytes(prob, state):.0f}"]
@@ -71,11 +74,12 @@ def _state_bytes(prob, state) -> float:
                (prob.p if isinstance(state.placement_of_param(k), Shard) else 1) for k, t in prob.param_obj.items())
 
 
-def _fit_budget(gm, p, cost, pin, search):
+def _fit_budget(gm, p, cost, pin, search, outputs):
     """With a memory budget: the plan of the smallest memory weight (x4 steps from ~0) that fits."""
     weight = 1e-15
     while True:
-        prob = _search.Problem(gm, p, replace(cost, memory_weight=weight), chunk_candidates(gm), pins=pin or {})
+        prob = _search.Problem(gm, p, replace(cost, memory_weight=weight), chunk_candidates(gm), pins=pin or {},
+                               outputs=outputs)
         state = _run(prob, search)
         if _state_bytes(prob, state) <= cost.memory_budget or weight > 1e-3:
             return state, prob
@@ -133,13 +137,20 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
     for j, n in enumerate(prob.nodes):
         if not prob.nbytes[j]:
             continue
-        for req, grad, fwd, bwd, consumers in prob.tensor_comms(j, state.place[j], state.sidx):
+        for req, grad, fwd, bwd, consumers, via in prob.comms_of(j, state.place, state.sidx):
             if fwd or bwd or req != state.place[j]:       # a local split moves no bytes but must happen
                 names = tuple(prob.nodes[c].name for c in consumers)
-                r = Redistribution(n.name, state.place[j], req, grad, fwd, bwd, prob.nbytes[j], names)
+                r = Redistribution(n.name, state.place[j], req, grad, fwd, bwd, prob.nbytes[j], names,
+                                   None if via is None else prob.nodes[via].name)
                 redists.append(r)
                 for kind in fwd + bwd:
                     count(kind, r.nbytes)
+    returned = {}                                   # how the graph's output returns each tensor it reads
+    for i, n in enumerate(prob.nodes):
+        if prob.kind[i] == "output":
+            for j in prob.ins[i]:
+                if isinstance(prob.val[j], torch.Tensor):
+                    returned[prob.nodes[j].name] = prob.returned(state.place[j])
     layouts, total, per_rank, seen = {}, 0, 0, set()
     for key, obj in prob.param_obj.items():
         pl = state.placement_of_param(key)
@@ -181,4 +192,5 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         comm_by_kind=MappingProxyType({k: (v[0], v[1]) for k, v in comm_kind.items()}),
         comm_time=comm_time, compute_time=compute, params_total=total, params_per_rank=per_rank,
         unsupported=unsupported, notes=tuple(notes), fingerprint=fingerprint, cost_model=prob.cost,
-        search=search, search_seconds=seconds, objective=state.total, graph_module=prob.gm, example=example)
+        search=search, search_seconds=seconds, objective=state.total, graph_module=prob.gm, example=example,
+        outputs=prob.outputs, output_placements=MappingProxyType(returned))

@@ -5,6 +5,13 @@ strategies, consumer edges and tensors (one redistribution per required placemen
 backward dual, one all-reduce of Partial gradients), which tensors carry a gradient, and the
 decision groups: parameters that must take one layout together (a linear's weight and bias, a
 weight tied between an embedding and a head), with pins applied.
+
+A tensor and its views (reshapes, `contiguous`, a `to` of the same dtype: `view_parent`) are
+one tensor for communication: made whole for several consumers, it is made whole once (the
+topmost one that needs it; the others re-apply their view ops to it), and their costs are
+counted together, on the class's root. What the graph's output needs of a tensor follows
+`outputs`: whole ("full"), or as it is when it is an ordinary shard ("sharded": returned as a
+DTensor, no collective).
 """
 from __future__ import annotations
 
@@ -24,6 +31,35 @@ from .placements import REPLICATE, Partial, Replicate, Shard
 from .rules.registry import NodeInfo, OpStrategy
 
 INF = math.inf
+aten = torch.ops.aten
+
+# ops whose output is their one tensor input with the same elements in the same (row-major)
+# order, dtype and device: a view of it for communication (applied to the input made whole,
+# they give the output whole)
+VIEW_LIKE = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.flatten, torch.Tensor.flatten,
+             torch.Tensor.unflatten, torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze, torch.squeeze,
+             torch.Tensor.contiguous, torch.Tensor.clone, torch.clone, torch.Tensor.to, torch.Tensor.float,
+             aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+             aten.squeeze.dim, aten.squeeze.dims, aten.flatten.using_ints, aten.unflatten.int,
+             aten.contiguous.default, aten.clone.default, aten.alias.default, aten.to.dtype,
+             aten.to.dtype_layout, aten._to_copy.default}
+
+
+def view_parent(n: fx.Node) -> fx.Node | None:
+    """The tensor `n` is a view of (VIEW_LIKE, one tensor input, same number of elements, dtype
+    and device), or None."""
+    if n.op not in ("call_function", "call_method"):
+        return None
+    target = getattr(torch.Tensor, n.target, None) if n.op == "call_method" else n.target
+    if target not in VIEW_LIKE:
+        return None
+    tensors = [a for a in n.all_input_nodes if _tensor(a.meta.get("val"))]
+    if len(tensors) != 1 or not n.args or n.args[0] is not tensors[0]:
+        return None
+    v, src = n.meta.get("val"), tensors[0].meta.get("val")
+    if not _tensor(v) or v.numel() != src.numel() or v.dtype != src.dtype or v.device != src.device:
+        return None
+    return tensors[0]
 
 
 def _tensor(v) -> bool:
@@ -48,8 +84,8 @@ class Problem:
     """A captured graph as arrays the search can evaluate quickly."""
 
     def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(),
-                 pins: dict | None = None, layouts: dict | None = None):
-        self.gm, self.p, self.cost = gm, world_size, cost
+                 pins: dict | None = None, layouts: dict | None = None, outputs: str = "full"):
+        self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
         self.nodes = list(gm.graph.nodes)
         self.idx = {n: i for i, n in enumerate(self.nodes)}
         modules = dict(gm.named_modules())
@@ -60,6 +96,16 @@ class Problem:
                 self.users[j].append(i)
         self.val = [n.meta.get("val") for n in self.nodes]
         self.nbytes = [_nbytes(v) for v in self.val]
+        # views: parent index, the class root (the first tensor of the chain), members per root
+        self.view_parent = [None] * len(self.nodes)
+        self.root = list(range(len(self.nodes)))
+        self.members: dict[int, list] = {}            # root -> its class in topological order (2+ only)
+        for i, n in enumerate(self.nodes):
+            parent = view_parent(n)
+            if parent is not None:
+                j = self.view_parent[i] = self.idx[parent]
+                self.root[i] = self.root[j]
+                self.members.setdefault(self.root[j], [self.root[j]]).append(i)
         self.kind, self.strats, self.unsupported = [], [], []
         self.param_key: dict[int, int] = {}          # node index -> param key
         self.param_obj: dict[int, nn.Parameter] = {}
@@ -105,6 +151,22 @@ class Problem:
         for i, key in self.param_key.items():
             self.param_nodes.setdefault(key, []).append(i)
         self.needs_grad = self._needs_grad()
+        # per node: itself and its view ancestors that the graph's output reads (their placements
+        # decide whether the output makes the tensor whole anyway: `whole_anyway`)
+        returned = {j for i, k in enumerate(self.kind) if k == "output" for j in self.ins[i]}
+        self.returned_above = []
+        for j in range(len(self.nodes)):
+            chain, a = [], j
+            while a is not None:
+                if a in returned:
+                    chain.append(a)
+                a = self.view_parent[a]
+            self.returned_above.append(tuple(chain))
+        self.reread: dict[int, set] = {}       # returned node -> readers of its views, to re-decide when it changes
+        for j, chain in enumerate(self.returned_above):
+            for a in chain:
+                if a != j:
+                    self.reread.setdefault(a, set()).update(self.users[j])
         self.node_cost = [[self._node_cost(i, s) for s in ss] for i, ss in enumerate(self.strats)]
         self._edge_cache: dict = {}
         self.best_memo: dict = {}
@@ -141,19 +203,32 @@ class Problem:
             c += self.cost.comm_time(kind, nb, self.p)
         return c
 
-    def edge_cost(self, j: int, src, req, grad) -> float:
-        """Cost of one consumer edge from tensor j (before de-duplication across consumers)."""
+    def whole_anyway(self, j: int, place) -> bool:
+        """Whether the graph's output makes tensor j, or a view ancestor of it, whole with a
+        collective anyway (outputs="full", or a strided / Partial output): another consumer
+        that needs j whole then shares that collective (class_comms)."""
+        for a in self.returned_above[j]:
+            src = place[a]
+            if isinstance(self.returned(src), Replicate) and isinstance(src, (Shard, Partial)):
+                return True
+        return False
+
+    def edge_cost(self, j: int, src, req, grad, shared: bool = False) -> float:
+        """Cost of one consumer edge from tensor j (before de-duplication across consumers);
+        `shared`: j is made whole anyway (`whole_anyway`), so an edge needing it whole pays no
+        forward collective."""
         if self.kind[j] == "param" and isinstance(src, Shard) and src != req:
             return INF       # a sharded parameter is used as stored (no ZeRO-style gathers)
-        key = (src, req, grad, self.nbytes[j], self.needs_grad[j])
+        shared = shared and isinstance(req, Replicate)
+        key = (src, req, grad, self.nbytes[j], self.needs_grad[j], shared)
         c = self._edge_cache.get(key)
         if c is None:
             r = redistribute(src, req)
             if r is None:
                 c = INF
             else:
-                kinds = r[0] + (r[1] + grad_fix(grad, grad_of(req)) if self.needs_grad[j] else ())
-                if r[0] == ("reduce_scatter",):
+                kinds = (() if shared else r[0]) + (r[1] + grad_fix(grad, grad_of(req)) if self.needs_grad[j] else ())
+                if r[0] == ("reduce_scatter",) and not shared:
                     # a reduce-scatter only looks cheaper than an all-reduce until the shard is
                     # gathered again; a following node cannot see that, so charge the gather here
                     kinds += ("all_gather",)
@@ -163,20 +238,72 @@ class Problem:
 
     def tensor_cost(self, j: int, place, sidx) -> float:
         """Communication for tensor j: one redistribution per distinct required placement, and
-        one backward fix per distinct (placement, gradient) pair, however many consumers."""
-        if not self.nbytes[j]:
+        one backward fix per distinct (placement, gradient) pair, however many consumers. A
+        tensor with views counts for the whole class on its root (its views count 0)."""
+        if not self.nbytes[j] or self.root[j] != j:
             return 0.0
-        key = (j, place[j], *[sidx[c] for c in self.users[j]])
+        members = self.members.get(j)
+        if members is None:
+            key = (j, place[j], *[sidx[c] for c in self.users[j]])
+        else:
+            key = (j, *[place[m] for m in members], *[sidx[c] for m in members for c in self.users[m]])
         hit = self.tensor_memo.get(key)
         if hit is None:
-            hit = self.tensor_memo[key] = self._tensor_cost(j, place[j], sidx)
+            hit = self.tensor_memo[key] = self._tensor_cost(j, place, sidx)
         return hit
 
-    def _tensor_cost(self, j: int, src, sidx) -> float:
-        comms = self.tensor_comms(j, src, sidx)
+    def _tensor_cost(self, j: int, place, sidx) -> float:
+        if j not in self.members:
+            comms = self.tensor_comms(j, place[j], sidx)
+            if comms is None:
+                return INF
+            return sum(self.cost.comm_time(k, self.nbytes[j], self.p) for _, _, f, b, _ in comms for k in f + b)
+        comms = self.class_comms(j, place, sidx)
         if comms is None:
             return INF
-        return sum(self.cost.comm_time(k, self.nbytes[j], self.p) for _, _, f, b, _ in comms for k in f + b)
+        return sum(self.cost.comm_time(k, self.nbytes[m], self.p) for m, _, _, f, b, _, _ in comms for k in f + b)
+
+    def returned(self, src):
+        """The placement the graph's output takes of a tensor held as `src`: whole, or with
+        outputs="sharded" an ordinary shard as it is (a strided shard, which a DTensor's Shard
+        cannot describe, is gathered; a Partial one all-reduced)."""
+        if self.outputs == "sharded" and isinstance(src, Shard) and src.chunks == 1:
+            return src
+        return REPLICATE
+
+    def class_comms(self, r: int, place, sidx):
+        """tensor_comms of every member of root r's class as (member, required, gradient,
+        forward, backward, consumers, via): a member that needs to be made whole while a view
+        parent above it is made whole too takes that one's (`via`, the topmost such member)
+        and runs no forward collective of its own. None if a consumer cannot be served."""
+        out, whole_from = [], {}
+        for m in self.members[r]:
+            comms = self.tensor_comms(m, place[m], sidx)
+            if comms is None:
+                return None
+            parent = self.view_parent[m]
+            above = whole_from.get(parent) if parent is not None else None
+            gathers = redistribute(place[m], REPLICATE)
+            collective = bool(gathers and gathers[0])
+            mine = None
+            for req, g, fwd, bwd, consumers in comms:
+                via = None
+                if collective and isinstance(req, Replicate):
+                    if above is not None:
+                        via, fwd = above, ()
+                    else:
+                        mine = m
+                out.append((m, req, g, fwd, bwd, consumers, via))
+            whole_from[m] = above if above is not None else mine
+        return out
+
+    def comms_of(self, j: int, place, sidx):
+        """(required, gradient, forward, backward, consumers, via) of tensor j under a labelling
+        (via: the node index whose made-whole tensor j reuses, or None)."""
+        r = self.root[j]
+        if r not in self.members:
+            return [(*c, None) for c in (self.tensor_comms(j, place[j], sidx) or ())]
+        return [c[1:] for c in (self.class_comms(r, place, sidx) or ()) if c[0] == j]
 
     def tensor_comms(self, j: int, src, sidx):
         """[(required placement, gradient placement, forward kinds, backward kinds, consumers)]
@@ -193,7 +320,10 @@ class Problem:
             s = self.strats[c][sidx[c]]
             for slot, k in enumerate(self.ins[c]):
                 if k == j and s.inputs[slot] is not None:
-                    consumers = by_req.setdefault(s.inputs[slot], {}).setdefault(s.grad(slot), [])
+                    req, grad = s.inputs[slot], s.grad(slot)
+                    if self.kind[c] == "output":         # its gradient comes back as it is returned
+                        req = grad = self.returned(src)
+                    consumers = by_req.setdefault(req, {}).setdefault(grad, [])
                     if c not in consumers:
                         consumers.append(c)
         out = []

@@ -6,7 +6,7 @@ import math
 from tabulate import tabulate
 
 from .cost import ring_bytes
-from .placements import local_shape
+from .placements import Replicate, local_shape
 from .problem import fetch_attr
 
 
@@ -34,7 +34,7 @@ def format_plan(plan) -> str:
     comm_of: dict[str, list] = {}
     for r in plan.redistributions:
         for c in r.consumers[:1]:
-            kinds = "+".join(r.forward) or "-"
+            kinds = "+".join(r.forward) or (f"none, {r.via}'s reused" if r.via else "-")
             back = "+".join(r.backward) or "-"
             comm_of.setdefault(c, []).append(f"{r.node} {r.src}->{r.dst}: fwd {kinds}, bwd {back} ({fmt_bytes(r.ring_bytes(p))})")
     rows = []
@@ -69,6 +69,10 @@ def format_plan(plan) -> str:
         ["estimated step time", f"{plan.step_time * 1e3:.3f} ms (comm {plan.comm_time * 1e3:.3f} ms, "
                                 f"compute {plan.compute_time * 1e3:.3f} ms)"],
     ]
+    if plan.outputs == "sharded":
+        split = [f"{k} {v}" for k, v in plan.output_placements.items() if not isinstance(v, Replicate)]
+        totals.append(["outputs", "sharded: " + (", ".join(split) + " returned as DTensors" if split else
+                                                 "every output is whole")])
     out = [f"autoshard plan ({len(rows)} sharded or communicating nodes)", table, "", tabulate(totals, tablefmt="plain")]
     if plan.unsupported:
         out.append("ops with no sharding rule (kept replicated, inputs gathered): " + ", ".join(plan.unsupported))

@@ -184,16 +184,26 @@ class Rewriter:
 
     def insert_redistributions(self):
         """One forward redistribution per (tensor, placement), before its first consumer; a
-        copy_to after it for the consumers that send back Partial gradients."""
+        copy_to after it for the consumers that send back Partial gradients. A view made whole
+        `via` another tensor made whole is that tensor's collective's result with the view ops
+        between them applied again (with their global sizes), so the pair moves its bytes once."""
         nodes = {n.name: n for n in self.graph.nodes}
         groups: dict = {}
         for r in self.plan.redistributions:
             groups.setdefault((r.node, r.dst), []).append(r)
+        served: dict = {}                      # (via, dst) -> consumers of the views it serves
         for (name, dst), entries in groups.items():
+            if entries[0].via is not None:
+                served.setdefault((entries[0].via, dst), []).extend(c for r in entries for c in r.consumers)
+        moved_of = {}
+        for (name, dst), entries in sorted(groups.items(), key=lambda kv: kv[1][0].via is not None):
             x = nodes[name]
-            first = min((nodes[c] for r in entries for c in r.consumers), key=lambda n: self._order[n])
+            via = entries[0].via
+            readers = [nodes[c] for r in entries for c in r.consumers] + [nodes[c] for c in served.get((name, dst), ())]
+            first = min(readers, key=lambda n: self._order[n])
             with self.graph.inserting_before(first):
-                moved = self.forward(x, entries[0].src, dst)
+                moved = self.forward(x, entries[0].src, dst) if via is None else self._view_of(moved_of[(via, dst)], via, name, nodes)
+                moved_of[(name, dst)] = moved
                 for r in entries:
                     y = moved
                     if isinstance(r.grad, Partial) and "all_reduce" in r.backward:
@@ -204,6 +214,34 @@ class Rewriter:
                         nodes[c].replace_input_with(x, y)
             if moved.target is C.reduce_from and len(x.users) == 1 and _target(x) in FRESH_OUTPUT_OPS:
                 moved.update_kwarg("inplace", True)
+
+    def _view_of(self, whole: fx.Node, top: str, name: str, nodes: dict) -> fx.Node:
+        """Tensor `name` whole, from `whole` (its view ancestor `top` whole): the view ops from
+        `top` down to it (as captured) copied onto `whole`, with their captured (global) sizes."""
+        chain, n = [], self.old[name]
+        while n.name != top:
+            chain.append(nodes[n.name])
+            n = n.args[0]
+        out = whole
+        for n in reversed(chain):
+            out_node = self.graph.node_copy(n, lambda a: a)
+            out_node.args = (out, *n.args[1:])
+            out = out_node
+        return out
+
+    def wrap_outputs(self):
+        """outputs="sharded": each tensor the output returns split (an ordinary Shard, which the
+        plan left as it is) becomes a DTensor over the group (`to_dtensor`: no collective)."""
+        if self.plan.outputs != "sharded":
+            return
+        out = next(n for n in self.graph.nodes if n.op == "output")
+        nodes = {n.name: n for n in self.graph.nodes}
+        for name, pl in self.plan.output_placements.items():
+            x = nodes.get(name)
+            if isinstance(pl, Shard) and x is not None and x in out.all_input_nodes:
+                with self.graph.inserting_before(out):
+                    dt = self.call(C.to_dtensor, (x, pl.dim), {"group": self.key}, name=f"{name}_dtensor")
+                out.replace_input_with(x, dt)
 
     # ------------------------------------------------------------------ ops
     def rewrite_ops(self):
@@ -415,6 +453,7 @@ class Rewriter:
         self._order = {n: i for i, n in enumerate(self.graph.nodes)}
         table = self.shard_parameters()
         self.insert_redistributions()
+        self.wrap_outputs()
         self.rewrite_ops()
         self._mode_ops()
         self.graph.lint()

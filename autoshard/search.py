@@ -55,7 +55,7 @@ class State:
     def _best(self, i, place) -> int:
         """The locally cheapest strategy of node i given its inputs' placements (memoised)."""
         prob = self.prob
-        key = (i, *[place[j] for j in prob.ins[i]])
+        key = (i, *[place[j] for j in prob.ins[i]], *[place[a] for j in prob.ins[i] for a in prob.returned_above[j]])
         hit = prob.best_memo.get(key)
         if hit is None:
             hit = prob.best_memo[key] = self._best_uncached(i, place)
@@ -70,7 +70,7 @@ class State:
                 req = s.inputs[slot]
                 if req is None:
                     continue
-                c += prob.edge_cost(j, place[j], req, s.grad(slot))
+                c += prob.edge_cost(j, place[j], req, s.grad(slot), prob.whole_anyway(j, place))
                 if c >= best_c:
                     break
             if c < best_c:
@@ -154,10 +154,13 @@ class State:
                     place[i] = out
                     for u in users[i]:
                         heapq.heappush(heap, u)
+                    for u in prob.reread.get(i, ()):     # their whole_anyway may change with it
+                        heapq.heappush(heap, u)
             changed = set(old_sidx) | set(old_place)
             tensors = set(changed)
             for i in changed:
                 tensors.update(prob.ins[i])
+            tensors = {prob.root[j] for j in tensors}          # a view's cost is its class root's
             delta = 0.0
             for i in changed:
                 if prob.strats[i]:
