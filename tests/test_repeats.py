@@ -58,15 +58,13 @@ def test_llama_traced_once_plans_as_whole_at_two_degrees():
         _same_as_whole(model, {"input_ids": ids, "labels": ids}, world=world, layers=5, tracer="export")
 
 
-class _Mixed(nn.Module):
-    """Blocks of two widths: [64, 64, 64, wide, 64, 64, 64]: two runs around the odd one."""
+class _Stack(nn.Module):
+    """An embedding, `blocks` in a ModuleList, a head."""
 
-    def __init__(self):
+    def __init__(self, blocks):
         super().__init__()
         self.emb = nn.Embedding(128, 64)
-        self.blocks = nn.ModuleList([Block(64, 4) for _ in range(7)])
-        self.blocks[3].mlp.fc1 = nn.Linear(64, 384)
-        self.blocks[3].mlp.fc2 = nn.Linear(384, 64)
+        self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(64, 128)
 
     def forward(self, idx):
@@ -76,9 +74,16 @@ class _Mixed(nn.Module):
         return self.head(x)
 
 
+def _mixed():
+    """Blocks of two widths: [64, 64, 64, wide, 64, 64, 64]: two runs around the odd one."""
+    blocks = [Block(64, 4) for _ in range(7)]
+    blocks[3].mlp.fc1, blocks[3].mlp.fc2 = nn.Linear(64, 384), nn.Linear(384, 64)
+    return _Stack(blocks)
+
+
 def test_a_layer_that_differs_splits_the_run():
     torch.manual_seed(0)
-    model = _Mixed()
+    model = _mixed()
     assert repeats.runs(model) == [("blocks", ["0", "1", "2"]), ("blocks", ["4", "5", "6"])]
     assert repeats.tail_runs(model) == [("blocks", ["4", "5", "6"], 1)]      # the one that ends the list is cut
     _same_as_whole(model, (torch.randint(0, 128, (2, 16)),), layers=3, tracer="symbolic_trace")
@@ -127,25 +132,10 @@ def test_a_loop_that_does_not_repeat_is_traced_whole():
     torch.testing.assert_close(cap.gm(idx), want)
 
 
-class _TwoKinds(nn.Module):
-    """Plain and SwiGLU blocks taking turns (as dense and MoE, or sliding and global layers do)."""
-
-    def __init__(self, layers=7):
-        super().__init__()
-        self.emb = nn.Embedding(128, 64)
-        self.blocks = nn.ModuleList([Block(64, 4, swiglu=i % 2 == 1) for i in range(layers)])
-        self.head = nn.Linear(64, 128)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
 def test_alternating_layers_traced_once_per_kind():
     torch.manual_seed(0)
-    model = _TwoKinds(7)                       # A B A B A B A: the tail B A B A B A repeats every 2
+    model = _Stack([Block(64, 4, swiglu=i % 2 == 1) for i in range(7)])   # plain and SwiGLU take turns:
+    #                                                    A B A B A B A, the tail B A B A B A repeats every 2
     assert repeats.runs(model) == []
     assert repeats.tail_runs(model) == [("blocks", ["1", "2", "3", "4", "5", "6"], 2)]
     _same_as_whole(model, (torch.randint(0, 128, (2, 16)),), layers=6, tracer="symbolic_trace")
