@@ -213,6 +213,8 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str):
     to be the same plan on every rank, rewritten for this rank."""
     def build(capture_on, bind_to, call, train):
         args, kwargs = call.arrangement().split(call)
+        if pg is not None:
+            capture_on = _same_source(capture_on, bind_to, pg)
         try:
             cap = capture(capture_on, args, tracer=plan.tracer, kwargs=kwargs, train=train)
         except CaptureError as e:
@@ -228,6 +230,16 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str):
             _check_same_plan(variant, pg)
         return rewrite(variant, rank, key, bind_to, dropout_masks), variant
     return build
+
+
+def _same_source(model: nn.Module, on_meta: nn.Module, pg) -> nn.Module:
+    """What every rank captures a new call on: the model itself only where every rank still has
+    it, else the meta copy everywhere (a model that one rank's garbage collector has freed and
+    another's not yet would make the ranks capture, and plan, different graphs)."""
+    dev = "cuda" if torch.distributed.get_backend(pg) == "nccl" else "cpu"
+    alive = torch.tensor([int(model is not on_meta)], dtype=torch.int64, device=dev)
+    torch.distributed.all_reduce(alive, op=torch.distributed.ReduceOp.MIN, group=pg)
+    return model if alive.item() else on_meta
 
 
 def _plan_digest(plan: Plan) -> int:

@@ -134,6 +134,25 @@ def test_llama_with_and_without_labels(request, world):
     assert request.getfixturevalue(f"dist{world}").run(_llama_case, timeout=300) == [5] * world   # (ids, labels), (ids), (ids, mask), (ids, mask, labels), eval (ids)
 
 
+def _dropped_on_one_rank_case(rank, p):
+    model, kw = llama(world_size=p)
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export")
+    if rank == 1:                                  # one rank's collector frees the model, the other's not yet
+        del model
+        gc.collect()
+    ids = kw["input_ids"]
+    with torch.no_grad():
+        close_to_scale(gm(input_ids=ids).logits, ref(input_ids=ids).logits, "no labels, the model on one rank only")
+    return True
+
+
+def test_a_model_dropped_on_one_rank_only(dist2):
+    """Every rank captures a new call on the same source (the model only where every rank has it),
+    so the ranks plan the same graph (before, the ranks' plan digests differed)."""
+    assert all(dist2.run(_dropped_on_one_rank_case, timeout=300))
+
+
 def test_one_process_signature_error_names_the_call():
     """A signature the module cannot be copied for says which call and why."""
     torch.manual_seed(0)
