@@ -22,7 +22,7 @@ import torch.fx
 
 from .errors import ProcessGroupError
 from .groups import get_group, is_initialized, tensor_parallel_mesh
-from .placements import cat_along, checked_dim, split_along
+from .placements import cat_along, checked_dim, chunk_sizes, split_along
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter", "all_gather",
            "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]
@@ -159,22 +159,46 @@ def _stacked_gather(x, group):
     return out
 
 
-def _gather(x, dim, chunks, group, op="gather_from", direction="forward"):
-    """Full tensor from every rank's Shard(dim, chunks) piece."""
-    stacked = _stacked_gather(x, group)
+def _pad(x, dim, size):
+    """`x` grown with zeros along `dim` to `size`."""
+    if x.size(dim) == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size - x.size(dim)
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forward"):
+    """Full tensor from every rank's Shard(dim, chunks) piece; `size`, the full size of `dim`
+    where shards differ (torch.chunk's boundaries): each is padded to the largest and cropped."""
+    p = dist.get_world_size(group)
+    dim = checked_dim(dim, x.dim())
+    sizes = None if size is None or size % p == 0 else chunk_sizes(size, p)
+    stacked = _stacked_gather(x if sizes is None else _pad(x, dim, sizes[0]), group)
     _record(op, "all_gather", direction, stacked.nbytes, stacked.size(0))
-    return cat_along(stacked.unbind(0), dim, chunks)
+    pieces = stacked.unbind(0)
+    if sizes is not None:
+        pieces = [piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)]
+    return cat_along(pieces, dim, chunks)
 
 
 def _scatter(x, dim, chunks, group):
-    """This rank's Shard(dim, chunks) piece of the full `x` (no communication)."""
-    pieces = split_along(x, dim, dist.get_world_size(group), chunks)
+    """This rank's Shard(dim, chunks) piece of the full `x` (no communication; torch.chunk's
+    boundaries where the size does not divide)."""
+    pieces = split_along(x, dim, dist.get_world_size(group), chunks, uneven=True)
     return pieces[dist.get_rank(group)].contiguous()
 
 
 def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forward"):
-    """This rank's Shard(dim, chunks) piece of the sum of `x` over the group."""
+    """This rank's Shard(dim, chunks) piece of the sum of `x` over the group (an uneven split
+    reduces equal pieces padded to the largest and crops its own)."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
+    dim = checked_dim(dim, x.dim())
+    size = x.size(dim)
+    if chunks == 1 and size % p:
+        sizes = chunk_sizes(size, p)
+        own = _reduce_scatter(_pad(x, dim, sizes[0] * p), dim, 1, group, op, direction)
+        return own.narrow(dim, 0, sizes[rank]).contiguous()
     pieces = split_along(x, dim, p, chunks)
     stacked = torch.stack(pieces)
     out = pieces[0].new_empty(pieces[0].shape)
@@ -227,8 +251,9 @@ class _ReduceFrom(torch.autograd.Function):
 class _ScatterTo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, chunks, group):
-        ctx.args = (dim, chunks, group)
-        return _scatter(x, dim, chunks, group)
+        out = _scatter(x, dim, chunks, group)               # checks dim first
+        ctx.args = (dim, chunks, group, x.size(dim))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -237,20 +262,21 @@ class _ScatterTo(torch.autograd.Function):
 
 class _GatherFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group):
+    def forward(ctx, x, dim, chunks, group, size):
         ctx.args = (dim, chunks, group)
-        return _gather(x, dim, chunks, group, op="gather_from")
+        return _gather(x, dim, chunks, group, size, op="gather_from")
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter(grad, *ctx.args), None, None, None
+        return _scatter(grad, *ctx.args), None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, chunks, group):
-        ctx.args = (dim, chunks, group)
-        return _reduce_scatter(x, dim, chunks, group, op="reduce_scatter")
+        out = _reduce_scatter(x, dim, chunks, group, op="reduce_scatter")
+        ctx.args = (dim, chunks, group, x.size(dim))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -259,13 +285,13 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group):
+    def forward(ctx, x, dim, chunks, group, size):
         ctx.args = (dim, chunks, group)
-        return _gather(x, dim, chunks, group, op="all_gather")
+        return _gather(x, dim, chunks, group, size, op="all_gather")
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, *ctx.args, op="all_gather", direction="backward"), None, None, None
+        return _reduce_scatter(grad, *ctx.args, op="all_gather", direction="backward"), None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -323,16 +349,18 @@ def reduce_from(x, group=None, inplace=False):
 
 @_fx_leaf
 def scatter_to(x, dim, chunks=1, group=None):
-    """fwd: keep this rank's Shard(dim, chunks) piece; bwd: all-gather the gradient."""
+    """fwd: keep this rank's Shard(dim, chunks) piece (torch.chunk's boundaries where the size
+    does not divide); bwd: all-gather the gradient."""
     pg, p = _resolve(group)
     return x if p == 1 else _ScatterTo.apply(x, dim, chunks, pg)
 
 
 @_fx_leaf
-def gather_from(x, dim, chunks=1, group=None):
-    """fwd: all-gather Shard(dim, chunks) pieces; bwd: keep this rank's piece of the gradient."""
+def gather_from(x, dim, chunks=1, group=None, size=None):
+    """fwd: all-gather Shard(dim, chunks) pieces; bwd: keep this rank's piece of the gradient.
+    `size`: the full size of `dim` when the pieces differ in size (torch.chunk's boundaries)."""
     pg, p = _resolve(group)
-    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg)
+    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg, size)
 
 
 @_fx_leaf
@@ -343,10 +371,11 @@ def reduce_scatter(x, dim, chunks=1, group=None):
 
 
 @_fx_leaf
-def all_gather(x, dim, chunks=1, group=None):
-    """fwd: all-gather Shard(dim, chunks) pieces; bwd: reduce-scatter the (Partial) gradient."""
+def all_gather(x, dim, chunks=1, group=None, size=None):
+    """fwd: all-gather Shard(dim, chunks) pieces (`size` as in gather_from); bwd: reduce-scatter
+    the (Partial) gradient."""
     pg, p = _resolve(group)
-    return x if p == 1 else _AllGather.apply(x, dim, chunks, pg)
+    return x if p == 1 else _AllGather.apply(x, dim, chunks, pg, size)
 
 
 @_fx_leaf
@@ -356,13 +385,13 @@ def all_to_all(x, src_dim, dst_dim, group=None):
     return x if p == 1 else _AllToAll.apply(x, src_dim, dst_dim, pg)
 
 
-def global_shape_stride(x, dim: int, p: int) -> tuple:
-    """(size, stride) of the global tensor whose dim `dim` is `x`'s split evenly over p ranks, as
-    DTensor computes them for an even Shard(dim): the dim times p, and the strides of dims laid
-    out outside it scaled to match."""
+def global_shape_stride(x, dim: int, p: int, size=None) -> tuple:
+    """(size, stride) of the global tensor whose dim `dim` is `x`'s split over p ranks, as
+    DTensor computes them for a Shard(dim): the dim times p (or `size`, the full size where
+    shards differ), and the strides of dims laid out outside it scaled to match."""
     shape, stride = list(x.shape), list(x.stride())
     local = shape[dim]
-    shape[dim] = local * p
+    shape[dim] = local * p if size is None else size
     for i in range(len(stride)):
         if i != dim and stride[i] >= stride[dim] and local:
             stride[i] = stride[i] // local * shape[dim]
@@ -370,8 +399,9 @@ def global_shape_stride(x, dim: int, p: int) -> tuple:
 
 
 @_fx_leaf
-def to_dtensor(x, dim, group=None):
-    """`x`, this rank's block of a tensor split evenly on `dim` over the tensor-parallel group,
+def to_dtensor(x, dim, group=None, size=None):
+    """`x`, this rank's block of a tensor split on `dim` over the tensor-parallel group (`size`:
+    the full size of `dim` where blocks differ, at torch.chunk's boundaries as DTensor's),
     as a `torch.distributed.tensor.DTensor` with placement `Shard(dim)` over that group's 1-D
     mesh (`groups.tensor_parallel_mesh`). No communication; differentiable (the gradient of
     the DTensor, brought to `Shard(dim)`, is the gradient of `x`). Made for every group size."""
@@ -382,7 +412,7 @@ def to_dtensor(x, dim, group=None):
                                 "is for inspection only")
     mesh = tensor_parallel_mesh(group, x.device.type)
     dim = dim % x.dim()
-    shape, stride = global_shape_stride(x, dim, mesh.size())
+    shape, stride = global_shape_stride(x, dim, mesh.size(), size)
     return DTensor.from_local(x, mesh, (DShard(dim),), run_check=False, shape=shape, stride=stride)
 
 

@@ -191,8 +191,8 @@ def check_source(model: nn.Module, source) -> dict:
 
 # ----------------------------------------------------------------------------- filling
 
-def _empty_local(shape, placement, p: int, dtype, device) -> torch.Tensor:
-    return torch.empty(local_shape(shape, placement, p), dtype=dtype, device=device)
+def _empty_local(shape, placement, p: int, rank: int, dtype, device) -> torch.Tensor:
+    return torch.empty(local_shape(shape, placement, p, rank), dtype=dtype, device=device)
 
 
 def _init_fn(model: nn.Module, qualname: str, module: nn.Module):
@@ -268,7 +268,7 @@ def _initialise(model, wanted: set, rank: int, p: int, placement_of, dtype_of, d
                 if value.is_floating_point() and torch.isnan(value).any():
                     raise LoadError(f"module {label}: its initialisation left {k} {list(t.shape)} unset")
                 pl, full = placement_of[id(t)], value.detach()
-                done[id(t)] = fill_boxes(_empty_local(t.shape, pl, p, dtype_of[id(t)], device), t.shape, pl, rank, p,
+                done[id(t)] = fill_boxes(_empty_local(t.shape, pl, p, rank, dtype_of[id(t)], device), t.shape, pl, rank, p,
                                          full.__getitem__)
         finally:
             for d, k, t in own:                            # the model stays as it was (meta, ties intact)
@@ -312,7 +312,7 @@ def materialize(gm, model: nn.Module, rank: int, p: int, *, source=None, chosen=
         bar = _progress(sum(t.numel() * t.element_size() for _, t in todo), progress if rank == 0 else False)
         for names, t in todo:
             pl, key = placement_of[id(t)], chosen[id(t)]
-            local = _empty_local(t.shape, pl, p, dtype_of[id(t)], local_device)
+            local = _empty_local(t.shape, pl, p, rank, dtype_of[id(t)], local_device)
             filled[id(t)] = fill_boxes(local, t.shape, pl, rank, p, lambda index: src.read(key, index))
             if bar is not None:
                 bar.update(t.numel() * t.element_size())

@@ -4,6 +4,12 @@
 the ranks; a rank holds the concatenation of its piece of every block.  `chunks=1` is the
 ordinary contiguous split; `chunks=3` is a fused q/k/v weight where each rank holds whole heads
 of q, k and v.  Dims are always stored non-negative.
+
+A contiguous shard (`chunks=1`) of a dim that does not divide by the degree follows
+`torch.chunk`'s boundaries, as DTensor does: every rank holds ceil(n/p) but the last ones, which
+hold what is left (50257 on 4 ranks: 12565, 12565, 12565, 12562). Splits that would leave a rank
+empty are refused (`splits`). A layout table (a module's `_autoshard_layouts`) records such a
+shard with its global size (`Shard(d, size=n)`), since a rank's shard alone no longer tells it.
 """
 from __future__ import annotations
 
@@ -28,15 +34,22 @@ class Shard:
 
     dim: int
     chunks: int = 1
+    size: int | None = None      # the global size of `dim` where it does not divide (layout tables)
 
     def __post_init__(self):
         if self.dim < 0:
             raise ValueError(f"Shard dim must be normalised to >= 0, got {self.dim}")
         if self.chunks < 1:
             raise ValueError(f"Shard chunks must be >= 1, got {self.chunks}")
+        if self.size is not None and self.chunks != 1:
+            raise ValueError(f"an uneven Shard (size={self.size}) must be contiguous (chunks=1), got {self.chunks}")
 
     def __str__(self) -> str:
         return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim})x{self.chunks}"
+
+    def __repr__(self) -> str:
+        size = "" if self.size is None else f", size={self.size}"
+        return f"Shard(dim={self.dim}, chunks={self.chunks}{size})"
 
 
 @dataclass(frozen=True)
@@ -52,23 +65,63 @@ REPLICATE = Replicate()
 PARTIAL = Partial()
 
 
-def local_shape(shape, placement: Placement, world_size: int) -> tuple[int, ...]:
-    """The shape one rank holds of a tensor of `shape` with `placement`."""
+def chunk_sizes(n: int, world_size: int) -> list[int]:
+    """Every rank's size of a dim of `n` split over `world_size` ranks at torch.chunk's
+    boundaries: ceil(n/p) each, the last ranks what is left (equal shares when p divides n)."""
+    c = -(-int(n) // world_size)
+    return [max(0, min(c, int(n) - r * c)) for r in range(world_size)]
+
+
+def chunk_start(n: int, rank: int, world_size: int) -> int:
+    """Where rank `rank`'s block of a dim of `n` starts (torch.chunk's boundaries)."""
+    return min(rank * -(-int(n) // world_size), int(n))
+
+
+def splits(shape, placement: Placement, world_size: int) -> bool:
+    """Whether `placement` can hold a tensor of `shape`, shards allowed to differ in size
+    (`chunks=1`, torch.chunk's boundaries, no rank left empty); `divides` asks for equal ones."""
+    if not isinstance(placement, Shard):
+        return True
+    if placement.dim >= len(shape):
+        return False
+    n = int(shape[placement.dim])
+    if placement.chunks > 1:
+        return n % (world_size * placement.chunks) == 0
+    return min(chunk_sizes(n, world_size)) > 0
+
+
+def is_even(shape, placement: Placement, world_size: int) -> bool:
+    """Whether every rank holds an equal shard (always true of Replicate and Partial)."""
+    return not isinstance(placement, Shard) or int(shape[placement.dim]) % (world_size * placement.chunks) == 0
+
+
+def local_shape(shape, placement: Placement, world_size: int, rank: int | None = None) -> tuple[int, ...]:
+    """The shape rank `rank` holds of a tensor of `shape` with `placement` (rank None: the
+    largest shard, what a plan prices)."""
     shape = tuple(int(s) for s in shape)
     if not isinstance(placement, Shard):
         return shape
     d = placement.dim
-    if shape[d] % (world_size * placement.chunks):
+    if not splits(shape, placement, world_size):
         raise ValueError(
             f"size {shape[d]} of dim {d} does not divide into {placement.chunks} chunk(s) x {world_size} ranks"
-        )
-    return shape[:d] + (shape[d] // world_size,) + shape[d + 1:]
+            + ("" if placement.chunks > 1 else " without leaving a rank empty"))
+    sizes = chunk_sizes(shape[d], world_size)
+    return shape[:d] + (sizes[0 if rank is None else rank],) + shape[d + 1:]
 
 
-def maybe_local_shape(shape, placement: Placement, world_size: int) -> tuple[int, ...] | None:
+def local_numel(shape, placement: Placement, world_size: int) -> int:
+    """Elements of the largest shard a rank holds of a tensor of `shape` with `placement`."""
+    n = 1
+    for s in local_shape(shape, placement, world_size):
+        n *= s
+    return n
+
+
+def maybe_local_shape(shape, placement: Placement, world_size: int, rank: int | None = None) -> tuple[int, ...] | None:
     """`local_shape`, or None where `placement` cannot hold `shape` (a view of a plan may ask)."""
     try:
-        return local_shape(shape, placement, world_size)
+        return local_shape(shape, placement, world_size, rank)
     except ValueError:
         return None
 
@@ -78,6 +131,30 @@ def divides(shape, placement: Placement, world_size: int) -> bool:
     if not isinstance(placement, Shard):
         return True
     return placement.dim < len(shape) and shape[placement.dim] % (world_size * placement.chunks) == 0
+
+
+def padded(nbytes: float, shape, placement: Placement, world_size: int) -> float:
+    """The bytes a collective moves for a tensor of `nbytes` held with `placement`: an uneven
+    shard is padded to the largest rank's size (ceil(n/p) x p instead of n)."""
+    if not isinstance(placement, Shard) or placement.dim >= len(shape) or is_even(shape, placement, world_size):
+        return nbytes
+    n = int(shape[placement.dim])
+    return nbytes * chunk_sizes(n, world_size)[0] * world_size / n
+
+
+def layout_of(shape, placement: Placement, world_size: int):
+    """`placement` as a layout table records it: with the global size where shards differ."""
+    if isinstance(placement, Shard) and not is_even(shape, placement, world_size):
+        return Shard(placement.dim, 1, int(shape[placement.dim]))
+    return placement
+
+
+def global_shape(local, layout: Placement, world_size: int) -> tuple[int, ...]:
+    """The global shape of a tensor a rank holds `local` of, by its layout table entry."""
+    shape = [int(s) for s in local]
+    if isinstance(layout, Shard):
+        shape[layout.dim] = layout.size if layout.size is not None else shape[layout.dim] * world_size
+    return tuple(shape)
 
 
 @dataclass(frozen=True)
@@ -109,8 +186,11 @@ def boxes(shape, placement: Placement, rank: int, world_size: int) -> tuple[Box,
         raise ValueError("a Partial tensor has no boxes: its ranks hold summands, not pieces")
     if not isinstance(placement, Shard):
         return (Box(zeros, shape, zeros),)
-    local = local_shape(shape, placement, world_size)
+    local = local_shape(shape, placement, world_size, rank)
     d, k = placement.dim, placement.chunks
+    if k == 1:
+        start = chunk_start(shape[d], rank, world_size)
+        return (Box(zeros[:d] + (start,) + zeros[d + 1:], local, zeros),)
     piece = local[d] // k
     block = shape[d] // k
     out = []
@@ -139,13 +219,17 @@ def checked_dim(dim: int, ndim: int, what: str = "tensor") -> int:
     return dim % ndim
 
 
-def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = "tensor") -> list:
+def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = "tensor",
+                uneven: bool = False) -> list:
     """Split `x` along `dim` into the `n` rank pieces of Shard(dim, chunks): views when chunks=1.
 
     With chunks > 1 the dim is `chunks` equal blocks, each split over the ranks, and piece r is
-    the concatenation of rank r's part of every block."""
+    the concatenation of rank r's part of every block. With `uneven` a contiguous split of a
+    size that does not divide follows torch.chunk's boundaries (`chunk_sizes`)."""
     dim = checked_dim(dim, x.dim(), what)
     size = x.size(dim)
+    if uneven and chunks == 1 and size % n and min(chunk_sizes(size, n)) > 0:
+        return list(x.split(chunk_sizes(size, n), dim))
     if size % (n * chunks):
         raise ShardingError(
             f"{what} of shape {tuple(x.shape)}: size {size} of dim {dim} does not divide into "

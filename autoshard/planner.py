@@ -6,6 +6,7 @@ weight that fits), and `build_plan` freezes the chosen State into a Plan.
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import replace
 from types import MappingProxyType
@@ -16,10 +17,11 @@ import torch.fx as fx
 from . import search as _search
 from .cost import CostModel, flops, ring_bytes
 from .errors import ShardingError
-from .placements import Replicate, Shard
+from .placements import Replicate, Shard, local_numel, padded, splits
 from .plan import NodeDecision, Plan, Redistribution, check_outputs
 from .problem import module_of
 from .rules.registry import PARALLEL_LAYERS, family_of
+from .rules.shape import sliced_dim
 
 
 def chunk_candidates(gm: fx.GraphModule) -> tuple:
@@ -31,6 +33,13 @@ def chunk_candidates(gm: fx.GraphModule) -> tuple:
             pieces = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
             if len(pieces) > 1:
                 ks.add(len(pieces))          # a cat of equal shards is a strided shard of that many
+            continue
+        if n.op == "call_function" and n.target in (torch.ops.aten.slice.Tensor, operator.getitem):
+            src = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+            cut = sliced_dim(n, src.dim()) if isinstance(src, torch.Tensor) and isinstance(v, torch.Tensor) else None
+            if cut is not None and v.shape[cut[0]] and src.shape[cut[0]] % v.shape[cut[0]] == 0 \
+                    and v.shape[cut[0]] < src.shape[cut[0]]:
+                ks.add(src.shape[cut[0]] // v.shape[cut[0]])     # a fused tensor sliced into equal parts
             continue
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
         if n.op == "output" or not any(w in name for w in ("split", "chunk")):
@@ -70,8 +79,8 @@ def _run(prob, search):
 
 def _state_bytes(prob, state) -> float:
     """Training-state bytes a rank holds under `state` (parameters, gradients, optimizer moments)."""
-    return sum(t.numel() * t.element_size() * prob.cost.state_factor /
-               (prob.p if isinstance(state.placement_of_param(k), Shard) else 1) for k, t in prob.param_obj.items())
+    return sum(local_numel(t.shape, state.placement_of_param(k), prob.p) * t.element_size() * prob.cost.state_factor
+               for k, t in prob.param_obj.items())
 
 
 def _fit_budget(gm, p, cost, pin, search, outputs):
@@ -95,8 +104,12 @@ def _divisibility_notes(prob, p) -> list:
         consumers = [u for i, kk in prob.param_key.items() if kk == key for u in prob.users[i]]
         if any(prob.kind[c] == "op" for c in consumers):
             names = prob.param_names[key][0]
-            if any(s % p for s in obj.shape):
-                notes.append(f"{names} {list(obj.shape)} stays replicated: its dims do not divide by {p}")
+            if not any(splits(obj.shape, Shard(d), p) for d in range(obj.dim())):
+                notes.append(f"{names} {list(obj.shape)} stays replicated: its dims do not divide by {p} "
+                             f"without leaving a rank empty")
+            elif any(s % p for s in obj.shape):
+                notes.append(f"{names} {list(obj.shape)} stays replicated: its dims do not divide by {p}, and "
+                             f"an op using it has no rule for shards of unequal sizes")
     return notes
 
 
@@ -140,7 +153,10 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         for req, grad, fwd, bwd, consumers, via in prob.comms_of(j, state.place, state.sidx):
             if fwd or bwd or req != state.place[j]:       # a local split moves no bytes but must happen
                 names = tuple(prob.nodes[c].name for c in consumers)
-                r = Redistribution(n.name, state.place[j], req, grad, fwd, bwd, prob.nbytes[j], names,
+                # shards of unequal sizes travel padded to the largest (the search ignores those < p rows)
+                shape, src = prob.val[j].shape, state.place[j]
+                nbytes = max(padded(prob.nbytes[j], shape, pl, p) for pl in (src, req))
+                r = Redistribution(n.name, src, req, grad, fwd, bwd, nbytes, names,
                                    None if via is None else prob.nodes[via].name)
                 redists.append(r)
                 for kind in fwd + bwd:
@@ -161,7 +177,7 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         if id(obj) not in seen:       # parameters inside leaf modules (LayerNorm) count too
             seen.add(id(obj))
             total += obj.numel()
-            per_rank += obj.numel() // p if isinstance(pl, Shard) else obj.numel()
+            per_rank += local_numel(obj.shape, pl, p)
     dims = {}
     for g, grp in enumerate(prob.groups):
         for c in grp.anchors:

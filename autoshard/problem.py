@@ -27,7 +27,7 @@ from . import rules
 from .capture import DYNAMIC
 from .cost import CostModel, flops, grad_fix, grad_of, redistribute
 from .errors import ShardingError
-from .placements import REPLICATE, Partial, Replicate, Shard
+from .placements import REPLICATE, Partial, Replicate, Shard, local_numel
 from .rules.registry import NodeInfo, OpStrategy
 
 INF = math.inf
@@ -343,9 +343,7 @@ class Problem:
         hit = self._param_memo.get((key, placement))
         if hit is None:
             obj = self.param_obj[key]
-            nb = obj.numel() * obj.element_size()
-            if isinstance(placement, Shard):
-                nb /= self.p
+            nb = local_numel(obj.shape, placement, self.p) * obj.element_size()
             hit = self._param_memo[(key, placement)] = self.cost.memory_cost(nb)
         return hit
 
@@ -495,7 +493,8 @@ def _apply_pins(names, choices, keys, prob, anchors, pins):
             shapes = {n: tuple(prob.param_obj[k].shape) for k in keys for n in prob.param_names[k]}
             raise ShardingError(
                 f"cannot pin {o!r} to dim {want}: no layout of {shapes} splits that way into "
-                f"{prob.p} equal shards (sizes must divide by {prob.p}) and agrees with the other pins on "
+                f"{prob.p} shards (sizes must divide by {prob.p}, or split at torch.chunk's boundaries with no "
+                f"rank empty where every op using them allows unequal shards) and agrees with the other pins on "
                 f"these parameters ({ {k: v for k, v in pins.items() if k in owners} })")
         out = keep
     return out
@@ -547,5 +546,6 @@ def _check_pins_known(pins, groups, prob):
             shapes = {n: tuple(prob.param_obj[k].shape) for k, names in prob.param_names.items()
                       for n in dict.fromkeys(names) if owner_of(n) == name}
             raise ShardingError(
-                f"cannot pin {name!r} to dim {want}: no layout of {shapes} splits into {prob.p} equal shards "
-                f"(sizes must divide by {prob.p}, and the ops using them need a sharding rule)")
+                f"cannot pin {name!r} to dim {want}: no layout of {shapes} splits into {prob.p} shards "
+                f"(sizes must divide by {prob.p}, or split at torch.chunk's boundaries with no rank empty where "
+                f"every op using them allows unequal shards; and the ops using them need a sharding rule)")

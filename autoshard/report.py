@@ -6,7 +6,7 @@ import math
 from tabulate import tabulate
 
 from .cost import ring_bytes
-from .placements import Replicate, local_shape
+from .placements import Replicate, chunk_sizes, is_even, local_shape
 from .problem import fetch_attr
 
 
@@ -48,8 +48,13 @@ def format_plan(plan) -> str:
         for pn in params:
             t = fetch_attr(gm, pn)
             full.append(f"{pn.rpartition('.')[2]} {list(t.shape)}")
-            ls = local_shape(t.shape, plan.layouts[pn], p)
-            local.append(str(list(ls)))
+            pl = plan.layouts[pn]
+            ls = local_shape(t.shape, pl, p)
+            if is_even(t.shape, pl, p):
+                local.append(str(list(ls)))
+            else:               # shards differ: every rank's size of the split dim, in rank order
+                sizes = "/".join(str(s) for s in chunk_sizes(t.shape[pl.dim], p))
+                local.append(str([sizes if i == pl.dim else s for i, s in enumerate(ls)]).replace("'", ""))
             mem += math.prod(ls) * t.element_size()
         owner = (d.module or params[0].rpartition(".")[0]) if params else ""   # a tied weight: the user
         rows.append([owner or name, d.op, ", ".join(full), ", ".join(local), _fmt_dim(d.dim) if params or d.dim is not None else "",

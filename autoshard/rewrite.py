@@ -25,10 +25,11 @@ from .errors import ShardingError
 from .nn import functional as PF
 from .nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, TrainOnly
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
-from .placements import Partial, Replicate, Shard, split_along
+from .placements import Partial, Replicate, Shard, chunk_sizes, layout_of, split_along
 from .rules.conv import CONV_OPS, conv_groups
 from .rules.norm import LAYER_NORMS, norm_params, var_args
 from .rules.registry import node_arg
+from .rules.shape import sliced_dim
 from .problem import fetch_attr
 from .state_dict import register_parallel_attribute
 from .verify import check_local_graph
@@ -59,18 +60,25 @@ def _target(n: fx.Node):
 
 
 @fx.wrap
-def global_size(x, dim: int, world_size: int, d=None):
-    """x.size() (or x.size(d)) of the full tensor whose `dim` is split over `world_size` ranks."""
+def global_size(x, dim: int, world_size: int, d=None, full=None):
+    """x.size() (or x.size(d)) of the full tensor whose `dim` is split over `world_size` ranks
+    (`full`: that dim's full size, where shards differ)."""
     s = list(x.size())
-    s[dim] *= world_size
+    s[dim] = s[dim] * world_size if full is None else full
     return torch.Size(s) if d is None else s[d]
+
+
+@fx.wrap
+def local_size(size: int, rank: int, world_size: int) -> int:
+    """This rank's share of a size computed at run time (torch.chunk's boundaries)."""
+    return chunk_sizes(size, world_size)[rank]
 
 
 def shard_tensor(t: torch.Tensor, placement, rank: int, p: int) -> torch.Tensor:
     """This rank's shard of `t` (one contiguous copy of the shard only)."""
     if not isinstance(placement, Shard):
         return t
-    piece = split_along(t.detach(), placement.dim, p, placement.chunks)[rank]
+    piece = split_along(t.detach(), placement.dim, p, placement.chunks, uneven=True)[rank]
     # a view (a dim-0 block is contiguous already) would keep the whole tensor alive: copy it once
     return piece if piece._base is None else piece.clone(memory_format=torch.contiguous_format)
 
@@ -143,11 +151,11 @@ class Rewriter:
                 for n in self.old[d.node].all_input_nodes:
                     if n.op == "get_attr":
                         labels.setdefault(n.target, d.dim)
-        layout_of = {}
+        chosen = {}
         for name, pl in self.plan.layouts.items():
             if isinstance(pl, Shard):
-                layout_of.setdefault(id(fetch_attr(self.plan.graph_module, name)), (pl, labels.get(name)))
-        by_name = {name: layout_of[id(fetch_attr(self.plan.graph_module, name))] for name, pl in self.plan.layouts.items()
+                chosen.setdefault(id(fetch_attr(self.plan.graph_module, name)), (pl, labels.get(name)))
+        by_name = {name: chosen[id(fetch_attr(self.plan.graph_module, name))] for name, pl in self.plan.layouts.items()
                    if isinstance(pl, Shard)}          # by name: the tensors may be another model's
         new_for, table = {}, {}
         for name, full in list(self.gm.named_parameters(remove_duplicate=False)):
@@ -160,10 +168,15 @@ class Rewriter:
                 new_for[id(full)] = local
             owner_name, _, attr = name.rpartition(".")
             (self.gm.get_submodule(owner_name) if owner_name else self.gm).register_parameter(attr, new_for[id(full)])
-            table[name] = pl
+            table[name] = layout_of(full.shape, pl, self.p)
         return table
 
     # ------------------------------------------------------------------ collectives
+    def uneven_size(self, name, placement):
+        """The full size of `placement`'s dim of tensor `name` where its shards differ, else None."""
+        layout = layout_of(self.val(name).shape, placement, self.p)
+        return layout.size if isinstance(layout, Shard) else None
+
     def forward(self, x: fx.Node, src, dst) -> fx.Node:
         """Collectives turning `x` from `src` into `dst` (each backward is the dual)."""
         key = self.key
@@ -173,10 +186,13 @@ class Rewriter:
         if kinds == ("reduce_scatter",):
             return self.call(C.reduce_scatter, (x, dst.dim, dst.chunks), {"group": key})
         if kinds == ("all_gather",):
-            return self.call(C.gather_from, (x, src.dim, src.chunks), {"group": key})
+            size = self.uneven_size(x.name, src)
+            return self.call(C.gather_from, (x, src.dim, src.chunks), {"group": key, **({"size": size} if size else {})})
         if kinds == ("all_to_all",):
             if src.chunks != 1 or dst.chunks != 1:
                 raise ShardingError(f"{x.name}: all-to-all between strided shards {src} -> {dst} is not supported")
+            if self.uneven_size(x.name, src) or self.uneven_size(x.name, dst):      # gathered, then sliced
+                return self.call(C.scatter_to, (self.forward(x, src, Replicate()), dst.dim, 1), {"group": key})
             return self.call(C.all_to_all, (x, src.dim, dst.dim), {"group": key})
         if isinstance(src, Replicate) and isinstance(dst, Shard):
             return self.call(C.scatter_to, (x, dst.dim, dst.chunks), {"group": key})
@@ -239,8 +255,10 @@ class Rewriter:
         for name, pl in self.plan.output_placements.items():
             x = nodes.get(name)
             if isinstance(pl, Shard) and x is not None and x in out.all_input_nodes:
+                size = self.uneven_size(name, pl)
                 with self.graph.inserting_before(out):
-                    dt = self.call(C.to_dtensor, (x, pl.dim), {"group": self.key}, name=f"{name}_dtensor")
+                    dt = self.call(C.to_dtensor, (x, pl.dim), {"group": self.key, **({"size": size} if size else {})},
+                                   name=f"{name}_dtensor")
                 out.replace_input_with(x, dt)
 
     # ------------------------------------------------------------------ ops
@@ -270,7 +288,7 @@ class Rewriter:
                 self._mode_dropout(n, t, d.output)
             elif t in SDPA_OPS and node_arg(n, 4, "dropout_p", 0.0):
                 kwargs = {k: v for k, v in n.kwargs.items() if k != "dropout_p"}       # the module sets it
-                shard = d.output if isinstance(d.output, Shard) else None
+                shard = layout_of(self.val(n.name).shape, d.output, self.p) if isinstance(d.output, Shard) else None
                 self._module_call(n, ParallelAttention(node_arg(n, 4, "dropout_p", 0.0), shard,
                                                        t is not F.scaled_dot_product_attention, self.p, self.rank,
                                                        self.dropout_masks),
@@ -279,6 +297,8 @@ class Rewriter:
                 self._local_sizes(n, d.output)
             elif t in SPLIT_OPS and d.strategy.startswith("unfuse"):
                 self._local_split(n)
+            elif d.strategy.startswith("blocks("):
+                self._local_blocks(n)
 
     def _mode_ops(self):
         """Batch norm (and its num_batches_tracked += 1) as modules that follow train()/eval()."""
@@ -300,7 +320,7 @@ class Rewriter:
             p = self.gm.get_submodule(n.target).p
         else:
             p = node_arg(n, 1, "p", 0.5)
-        shard = placement if isinstance(placement, Shard) else None
+        shard = layout_of(self.val(n.name).shape, placement, self.p) if isinstance(placement, Shard) else None
         self._module_call(n, ParallelDropout(p, shard, self.p, self.rank, self.dropout_masks), "dropout",
                           (n.args[0],))
 
@@ -364,7 +384,10 @@ class Rewriter:
         pad = node_arg(n, 2, "padding_idx")
         if t is not F.embedding and pad == -1:
             pad = None
-        self.replace(n, PF.masked_embedding, (idx, w, pad), {"group": self.key})
+        kw = {"group": self.key}
+        if self.uneven_size(w.name, Shard(0)):
+            kw["num_embeddings"] = self.val(w.name).shape[0]
+        self.replace(n, PF.masked_embedding, (idx, w, pad), kw)
 
     def _vocab_cross_entropy(self, n, t):
         logits, target = n.args[0], n.args[1]
@@ -389,6 +412,8 @@ class Rewriter:
                       ignore_index=a[4] if a[4] is not None else n.kwargs.get("ignore_index", -100),
                       label_smoothing=a[5] if a[5] is not None else n.kwargs.get("label_smoothing", 0.0))
         kw["group"] = self.key
+        if self.uneven_size(logits.name, Shard(1)):
+            kw["num_classes"] = self.val(logits.name).shape[1]
         self.replace(n, PF.vocab_parallel_cross_entropy, (logits, target), kw)
 
     def _split_norm(self, n, t):
@@ -416,7 +441,10 @@ class Rewriter:
         if not isinstance(pl, Shard):
             return
         d = n.args[1] if len(n.args) > 1 and t is not getattr else n.kwargs.get("dim")
-        self.replace(n, global_size, (src, pl.dim, self.p), {"d": d})
+        kw = {"d": d}
+        if self.uneven_size(src.name, pl):
+            kw["full"] = self.uneven_size(src.name, pl)
+        self.replace(n, global_size, (src, pl.dim, self.p), kw)
 
     def _local_sizes(self, n, out: Shard):
         """Divide the size argument of the sharded dim by the degree (a -1 stays -1)."""
@@ -431,12 +459,27 @@ class Rewriter:
         s = sizes[d]
         if isinstance(s, fx.Node):
             with self.graph.inserting_before(n):
-                sizes[d] = self.call(operator.floordiv, (s, self.p))
+                sizes[d] = self.call(local_size, (s, self.rank, self.p))
         elif s != -1:
-            if s % self.p:
-                raise ShardingError(f"{n.format_node()}: size {s} of sharded dim {d} does not divide by {self.p}")
-            sizes[d] = s // self.p
+            if min(chunk_sizes(s, self.p)) == 0:
+                raise ShardingError(f"{n.format_node()}: size {s} of sharded dim {d} leaves a rank empty at "
+                                    f"degree {self.p}")
+            sizes[d] = chunk_sizes(s, self.p)[self.rank]
         n.args = (n.args[0], sizes) if packed else (n.args[0], *sizes)
+
+    def _local_blocks(self, n):
+        """A slice taking whole blocks of a strided shard: the same blocks of this rank's pieces
+        (every block is split evenly, so the bounds divide by the degree)."""
+        size = self.val(n.args[0].name).shape
+        d, start, stop, step = sliced_dim(n, len(size))
+        start, stop, _ = slice(start, stop).indices(size[d])
+        local = slice(start // self.p, stop // self.p)       # the bounds as captured, for this rank
+        if n.target is aten.slice.Tensor:
+            n.args = (n.args[0], d, local.start, local.stop, *n.args[4:])
+        else:          # a getitem: its bounds may be nodes (x.shape[-1]), replaced by their local ints
+            idx = tuple(local if isinstance(e, slice) and e != slice(None) else e for e in
+                        (n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)))
+            n.args = (n.args[0], idx)
 
     def _local_split(self, n):
         def local(s):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .errors import ShardingError
 from .groups import get_data_parallel_group, get_group
-from .placements import Shard, cat_along, split_along
+from .placements import Shard, cat_along, chunk_sizes, global_shape, split_along
 
 __all__ = ["slice", "collect_state_dict", "relocate_state_dict", "get_parallel_dim",
            "register_parallel_dim", "register_parallel_attribute",
@@ -131,12 +131,6 @@ def _expect_shape(fn, key, value, shape, what):
                             f"has shape {tuple(shape)}")
 
 
-def _full_shape(local, layout, p):
-    shape = list(local.shape)
-    shape[layout.dim] *= p
-    return shape
-
-
 # ----------------------------------------------------------------------------- public API
 
 def slice(tensor, num_partitions: int, dim=-1, contiguous: bool = False):
@@ -159,13 +153,23 @@ def collect_state_dict(model, state_dict, prefix: str = "", *, dst=None, group=N
             out[key] = value
             continue
         _expect_shape("collect_state_dict", key, value, local.shape, "this rank's shard of it")
-        full = _gather_entry(value.detach(), layout, pg, p, dst)
+        full = _gather_entry(value.detach(), layout, pg, p, dst, rank)
         if full is not None:
             out[key] = full
     return out if dst is None or rank == dst else OrderedDict()
 
 
-def _gather_entry(value, layout, pg, p, dst):
+def _gather_entry(value, layout, pg, p, dst, rank):
+    """The full tensor of `layout` from every rank's `value` (shards of unequal sizes travel
+    padded to the largest and are cropped)."""
+    sizes = None if layout.size is None else chunk_sizes(layout.size, p)
+    if sizes is not None and value.size(layout.dim) != sizes[rank]:
+        raise ShardingError(f"collect_state_dict: a {tuple(value.shape)} shard on rank {rank}, but {layout.size} "
+                            f"rows on {p} ranks give it {sizes[rank]} along dim {layout.dim}")
+    if sizes is not None and sizes[rank] < sizes[0]:
+        shape = list(value.shape)
+        shape[layout.dim] = sizes[0] - sizes[rank]
+        value = torch.cat([value, value.new_zeros(shape)], layout.dim)
     value = value.contiguous()
     if dst is None:
         pieces = [torch.empty_like(value) for _ in range(p)]
@@ -175,6 +179,8 @@ def _gather_entry(value, layout, pg, p, dst):
         dist.gather(value, pieces, dst=dist.get_global_rank(pg, dst), group=pg)
         if pieces is None:
             return None
+    if sizes is not None:
+        pieces = [piece.narrow(layout.dim, 0, n) for piece, n in zip(pieces, sizes)]
     return cat_along(pieces, layout.dim, layout.chunks)
 
 
@@ -187,9 +193,10 @@ def relocate_state_dict(model, state_dict, prefix: str = "", group=None):
         if layout is None or p == 1:
             out[key] = value
             continue
-        _expect_shape("relocate_state_dict", key, value, _full_shape(local, layout, p),
+        _expect_shape("relocate_state_dict", key, value, global_shape(local.shape, layout, p),
                       f"the full tensor of a {layout} shard of {tuple(local.shape)} on {p} ranks")
-        piece = split_along(value, layout.dim, p, layout.chunks, what=f"state dict entry {key!r}")[rank]
+        piece = split_along(value, layout.dim, p, layout.chunks, what=f"state dict entry {key!r}",
+                            uneven=layout.size is not None)[rank]
         out[key] = piece.clone(memory_format=torch.contiguous_format)
     return out
 

@@ -22,11 +22,17 @@ from .placements import cat_along, split_along
 
 
 def _gather(p, rank):
-    return lambda x, dim, chunks=1, group=None: cat_along([x] * p, dim, chunks)
+    def fn(x, dim, chunks=1, group=None, size=None):
+        if size is None:
+            return cat_along([x] * p, dim, chunks)
+        shape = list(x.shape)
+        shape[dim] = size
+        return x.new_empty(shape)
+    return fn
 
 
 def _scatter(p, rank):
-    return lambda x, dim, chunks=1, group=None: split_along(x, dim, p, chunks, what="tensor")[rank]
+    return lambda x, dim, chunks=1, group=None: split_along(x, dim, p, chunks, what="tensor", uneven=True)[rank]
 
 
 def _all_to_all(p, rank):
@@ -34,7 +40,8 @@ def _all_to_all(p, rank):
 
 
 def _vocab_ce(p, rank):
-    def fn(logits, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, group=None):
+    def fn(logits, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, group=None,
+           num_classes=None):
         return F.cross_entropy(logits, target, reduction=reduction)
     return fn
 
@@ -48,7 +55,7 @@ _LOCAL = {
     C.gather_from: _gather,
     C.all_gather: _gather,
     C.all_to_all: _all_to_all,
-    C.to_dtensor: lambda p, rank: (lambda x, dim, group=None: x),      # the local block is what it holds
+    C.to_dtensor: lambda p, rank: (lambda x, dim, group=None, size=None: x),      # the local block is what it holds
     PF.masked_embedding: lambda p, rank: (lambda input, weight, padding_idx=None, group=None, **kw:
                                           F.embedding(input, weight)),
     PF.vocab_parallel_cross_entropy: _vocab_ce,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gpt2", "llama", "bert", "qwen2", "mistral", "BUILDERS", "example_kwargs", "build_model"]
+__all__ = ["gpt2", "llama", "bert", "qwen2", "mistral", "phi3", "BUILDERS", "example_kwargs", "build_model"]
 
 
 def example_kwargs(vocab_size, batch=2, seq=16, seed=0, ignore_index=False):
@@ -194,4 +194,13 @@ def mistral(**kwargs):
     return _gqa_lm("MistralConfig", "MistralForCausalLM", {"sliding_window": None}, **kwargs)
 
 
-BUILDERS = {"gpt2": gpt2, "llama": llama, "bert": bert, "qwen2": qwen2, "mistral": mistral}
+def phi3(**kwargs):
+    """Phi3ForCausalLM: one fused ``qkv_proj`` sliced into q, k and v, one fused ``gate_up_proj``
+    chunked into gate and up (4 heads and 4 kv heads by default: equal parts)."""
+    kwargs.setdefault("num_attention_heads", 4)
+    kwargs.setdefault("num_key_value_heads", 4)
+    return _gqa_lm("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+                   **kwargs)
+
+
+BUILDERS = {"gpt2": gpt2, "llama": llama, "bert": bert, "qwen2": qwen2, "mistral": mistral, "phi3": phi3}

@@ -23,11 +23,23 @@ from autoshard.errors import CaptureError, ShardingError
 
 
 class NoDivide(nn.Module):
-    """90 does not divide by 4: the first layer goes row-parallel on a locally split input."""
+    """90 does not divide by 4: split at torch.chunk's boundaries (23, 23, 23, 21)."""
 
     def __init__(self):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(24, 90), nn.Linear(90, 36)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class LocalSplit(nn.Module):
+    """9 does not split over 4 ranks (torch.chunk's boundaries would leave a rank empty): the first
+    layer goes row-parallel on a locally split input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(256, 9), nn.Linear(9, 36)
 
     def forward(self, x):
         return self.fc2(F.relu(self.fc1(x)))
@@ -269,8 +281,8 @@ def test_input_of_another_size_is_refused_by_name():
 
 
 def test_a_plan_that_cannot_run_fails_inside_parallelize():
-    model = NoDivide()
-    plan = autoshard.plan(model, 4, (torch.randn(6, 24),))
+    model = LocalSplit()
+    plan = autoshard.plan(model, 4, (torch.randn(6, 256),))
     assert any(r.src != r.dst and not r.forward for r in plan.redistributions)    # the local split
     broken = dataclasses.replace(plan, redistributions=())
     with pytest.raises(ShardingError, match=r"rank 0 of 4: .*linear.*local input shapes"):

@@ -143,14 +143,38 @@ def _traced_runs(rank, p):
 
 
 def _bad_split(rank, p):
-    with pytest.raises(ShardingError, match=r"shape \(3, 5\).*size 5 of dim 1.*1 chunk\(s\) x 2 ranks"):
-        C.scatter_to(torch.zeros(3, 5), 1)
+    with pytest.raises(ShardingError, match=r"shape \(3, 5\).*size 5 of dim 1.*2 chunk\(s\) x 2 ranks"):
+        C.scatter_to(torch.zeros(3, 5), 1, 2)
+    with pytest.raises(ShardingError, match=r"shape \(3, 1\).*size 1 of dim 1"):
+        C.scatter_to(torch.zeros(3, 1), 1)              # a rank would be left empty
     with pytest.raises(ShardingError, match="dim 2 is out of range"):
         C.scatter_to(torch.zeros(3, 4), 2)
     return True
 
 
+def _uneven(rank, p, n):
+    """Sizes that do not divide: torch.chunk's pieces, padded on the wire and cropped, both ways."""
+    x = torch.arange(3.0 * n).reshape(3, n).requires_grad_()
+    piece = C.scatter_to(x, 1)
+    assert torch.equal(piece, x.detach().chunk(p, 1)[rank])
+    (piece * (rank + 1)).sum().backward()                # backward of the scatter: an uneven all-gather
+    want = torch.cat([torch.full_like(c, r + 1.0) for r, c in enumerate(x.detach().chunk(p, 1))], 1)
+    assert torch.equal(x.grad, want)
+    local = piece.detach().clone().requires_grad_()
+    whole = C.gather_from(local, 1, size=n)
+    assert torch.equal(whole, x.detach())
+    whole.backward(torch.ones_like(whole) * 2)
+    assert torch.equal(local.grad, torch.full_like(local, 2.0))
+    part = C.reduce_scatter(x.detach() * (rank + 1), 1)    # padded equal pieces reduced, own one cropped
+    return torch.equal(part, x.detach().chunk(p, 1)[rank] * sum(range(1, p + 1)))
+
+
 # ----------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("n", [5, 7])
+def test_uneven_scatter_gather_reduce_scatter(dist3, n):
+    assert all(dist3.run(_uneven, n))
+
 
 def test_copy_to_and_reduce_from(dist2):
     assert all(dist2.run(_copy_reduce))

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from ..placements import Replicate, boxes, fill_boxes
+from ..placements import Replicate, boxes, fill_boxes, global_shape
 from ..state_dict import group_of, layouts
 
 # DCP reads .size()/.device of the ShardedTensors we hand it and each read warns that ShardedTensor
@@ -56,10 +56,7 @@ class _Layout:
 
     def global_shape(self, key, local_shape) -> tuple:
         layout = self.of(key)
-        shape = list(local_shape)
-        if layout is not None:
-            shape[layout.dim] *= self.p
-        return tuple(shape)
+        return tuple(local_shape) if layout is None else global_shape(local_shape, layout, self.p)
 
     def mesh(self, device):
         if self._mesh is None:

@@ -15,6 +15,7 @@ from torch.autograd.function import once_differentiable
 from ..collectives import raw_all_reduce
 from ..groups import get_group
 from ..errors import ShardingError
+from ..placements import chunk_sizes, chunk_start
 
 _OP = "vocab_parallel_cross_entropy"
 
@@ -39,13 +40,13 @@ def _unflatten(grad, shape):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, reduction, smoothing, pg):
+    def forward(ctx, logits, target, weight, ignore_index, reduction, smoothing, pg, total):
         p, rank = dist.get_world_size(pg), dist.get_rank(pg)
         z, t = _flatten(logits, target)
         if z.dtype in (torch.float16, torch.bfloat16):
             z = z.float()
         rows, n_classes = z.shape
-        start, total = rank * n_classes, n_classes * p
+        start = chunk_start(total, rank, p)
         valid = t != ignore_index
         if t.device.type == "cpu" and bool((valid & ((t < 0) | (t >= total))).any()):
             raise ShardingError(f"{_OP}: target out of range [0, {total}) (ignore_index {ignore_index})")
@@ -115,21 +116,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad.sub_((smoothing / total) * g.unsqueeze(1) * per_class)
         shape, dtype = ctx.logits_meta
         grad = _unflatten(grad, shape).to(dtype)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_shard, target, weight=None, ignore_index=-100, reduction="mean",
-                                 label_smoothing=0.0, group=None):
+                                 label_smoothing=0.0, group=None, num_classes=None):
     """Cross entropy of logits whose class dim 1 is split over the group (rank r holds classes
-    [r*C/p, (r+1)*C/p)); the full loss on every rank, equal to `F.cross_entropy` on the gathered
-    logits.  `weight` is the full (C,) class-weight vector; `target` holds class indices."""
+    [r*C/p, (r+1)*C/p), or, with `num_classes=C` where p does not divide C, its classes at
+    torch.chunk's boundaries); the full loss on every rank, equal to `F.cross_entropy` on the
+    gathered logits.  `weight` is the full (C,) class-weight vector; `target` holds class indices."""
     pg = get_group(group)
     if target.is_floating_point():
         raise ShardingError(f"{_OP}: class-probability targets are not supported; pass class indices")
-    total = logits_shard.size(1 if logits_shard.dim() > 1 else 0) * dist.get_world_size(pg)
+    p, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    local = logits_shard.size(1 if logits_shard.dim() > 1 else 0)
+    total = local * p if num_classes is None else int(num_classes)
+    if local != chunk_sizes(total, p)[rank]:
+        raise ShardingError(f"{_OP}: rank {rank} holds {local} classes, but {total} classes on {p} ranks give it "
+                            f"{chunk_sizes(total, p)[rank]}")
     if weight is not None and tuple(weight.shape) != (total,):
         raise ShardingError(f"{_OP}: weight of shape {tuple(weight.shape)} must hold all {total} classes")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ShardingError(f"{_OP}: label_smoothing must be in [0, 1], got {label_smoothing}")
     return _VocabParallelCrossEntropy.apply(logits_shard, target, weight, ignore_index, reduction,
-                                            float(label_smoothing), pg)
+                                            float(label_smoothing), pg, total)

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import rng
-from ..placements import Shard, split_along
+from ..placements import Shard, global_shape, split_along
 
 MASKS = ("independent", "single_process")
 
@@ -47,10 +47,9 @@ class ParallelDropout(nn.Module):
             return x * 0.0
         sharded = self.shard is not None and self.world_size > 1
         if sharded and self.masks == "single_process":
-            full = list(x.shape)
-            full[self.shard.dim] *= self.world_size
+            full = list(global_shape(x.shape, self.shard, self.world_size))
             noise = x.new_empty(full).bernoulli_(1.0 - self.p, generator=rng.generator("replicated", x.device))
-            noise = split_along(noise, self.shard.dim, self.world_size, self.shard.chunks)[self.rank]
+            noise = split_along(noise, self.shard.dim, self.world_size, self.shard.chunks, uneven=True)[self.rank]
         else:
             g = rng.generator("sharded" if sharded else "replicated", x.device)
             noise = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=g)
@@ -119,9 +118,9 @@ class ParallelAttention(nn.Module):
         probs = scores.softmax(-1)
         probs = torch.where(scores.isneginf().all(-1, keepdim=True), 0.0, probs)   # fully masked rows: 0
         full = list(probs.shape)
-        full[split] *= self.world_size
+        full[split] = self.shard.size if self.shard.size is not None else full[split] * self.world_size
         noise = probs.new_empty(full).bernoulli_(1.0 - p, generator=rng.generator("replicated", q.device))
-        noise = split_along(noise, split, self.world_size, self.shard.chunks)[self.rank]
+        noise = split_along(noise, split, self.world_size, self.shard.chunks, uneven=True)[self.rank]
         return (probs * noise.div_(1.0 - p)) @ v
 
 

@@ -14,6 +14,7 @@ from torch.nn import _reduction
 from ..collectives import copy_to, gather_from, reduce_from, scatter_to
 from ..groups import get_group
 from ..errors import ShardingError
+from ..placements import chunk_sizes, chunk_start
 from ..state_dict import get_parallel_dim, register_parallel_attribute
 from .common import check_dim
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -93,16 +94,22 @@ def _global_padding_idx(padding_idx, num_embeddings: int):
 
 
 def masked_embedding(input, weight, padding_idx=None, group=None, *, max_norm=None, norm_type=2.0,
-                     scale_grad_by_freq=False, sparse=False):
+                     scale_grad_by_freq=False, sparse=False, num_embeddings=None):
     """This rank's partial sum of a vocabulary-split lookup: rows outside the shard give zeros.
 
-    `weight` is this rank's rows [rank*V/p, (rank+1)*V/p) of the full table; `padding_idx` is in
-    full-vocabulary numbering and only the rank holding that row treats it as padding."""
+    `weight` is this rank's rows [rank*V/p, (rank+1)*V/p) of the full table, or, with
+    `num_embeddings=V` where p does not divide V, its rows at torch.chunk's boundaries;
+    `padding_idx` is in full-vocabulary numbering and only the rank holding that row treats it
+    as padding."""
     pg = get_group(group)
     p, rank = torch.distributed.get_world_size(pg), torch.distributed.get_rank(pg)
     rows = weight.size(0)
-    start = rank * rows
-    padding_idx = _global_padding_idx(padding_idx, rows * p)
+    total = rows * p if num_embeddings is None else int(num_embeddings)
+    start = chunk_start(total, rank, p)
+    if rows != chunk_sizes(total, p)[rank]:
+        raise ShardingError(f"masked_embedding: rank {rank} holds {rows} rows, but {total} embeddings on {p} ranks "
+                            f"give it {chunk_sizes(total, p)[rank]}")
+    padding_idx = _global_padding_idx(padding_idx, total)
     local_pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + rows else None
     outside = (input < start) | (input >= start + rows)
     if max_norm is not None:

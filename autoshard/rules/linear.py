@@ -27,13 +27,13 @@ def column_row(info: NodeInfo, x, w, b, *, x_dim: int, out_dim: int, w_out_dim: 
         m = {x: REPLICATE, w: Shard(w_out_dim, k)}
         if b is not None:
             m[b] = Shard(0, k)
-        found.append(info.req(m, "column", Shard(out_dim, k), compute=1 / p, dim=-1))
+        found.append(info.req(m, "column", Shard(out_dim, k), compute=1 / p, dim=-1, uneven=k == 1))
     for k in (1, *info.chunk_candidates):     # k > 1: the input is k pieces, each split (a cat of shards)
         m = {x: Shard(x_dim, k), w: Shard(w_in_dim, k)}
         if b is None:
-            found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0))
+            found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0, uneven=k == 1))
         else:
-            found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0,
+            found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0, uneven=k == 1,
                                   comm=[("all_reduce", _bytes(info))]))
     return found
 
@@ -75,14 +75,16 @@ def _matmul(info):
         return []
     p = info.world_size
     found = [
-        info.req({a: Shard(len(sa) - 2), b: REPLICATE}, "rows", Shard(len(so) - 2), compute=1 / p),
-        info.req({a: REPLICATE, b: Shard(len(sb) - 1)}, "column", Shard(len(so) - 1), compute=1 / p, dim=-1),
-        info.req({a: Shard(len(sa) - 1), b: Shard(len(sb) - 2)}, "row", PARTIAL, compute=1 / p, dim=0),
+        info.req({a: Shard(len(sa) - 2), b: REPLICATE}, "rows", Shard(len(so) - 2), compute=1 / p, uneven=True),
+        info.req({a: REPLICATE, b: Shard(len(sb) - 1)}, "column", Shard(len(so) - 1), compute=1 / p, dim=-1,
+                 uneven=True),
+        info.req({a: Shard(len(sa) - 1), b: Shard(len(sb) - 2)}, "row", PARTIAL, compute=1 / p, dim=0, uneven=True),
     ]
     if len(sa) == len(sb) == len(so):       # shared batch dims
         for d in range(len(so) - 2):
             if sa[d] == sb[d] == so[d] > 1:
-                found.append(info.req({a: Shard(d), b: Shard(d)}, f"shard({d})", Shard(d), compute=1 / p))
+                found.append(info.req({a: Shard(d), b: Shard(d)}, f"shard({d})", Shard(d), compute=1 / p,
+                                      uneven=True))
     return found
 
 
@@ -91,8 +93,8 @@ def embedding_strategies(info: NodeInfo, idx, w):
     p = info.world_size
     last = len(info.out_shape) - 1
     return [
-        info.req({idx: REPLICATE, w: Shard(0)}, "vocab", PARTIAL, compute=1 / p, dim=0),
-        info.req({idx: REPLICATE, w: Shard(1)}, "hidden", Shard(last), compute=1 / p, dim=1),
+        info.req({idx: REPLICATE, w: Shard(0)}, "vocab", PARTIAL, compute=1 / p, dim=0, uneven=True),
+        info.req({idx: REPLICATE, w: Shard(1)}, "hidden", Shard(last), compute=1 / p, dim=1, uneven=True),
     ]
 
 

@@ -22,4 +22,4 @@ def _cross_entropy(info: NodeInfo):
     # an all-reduce (max) of n floats, then one of the sum of exp and the target logit (2n floats)
     comm = [("all_reduce", floats), ("all_reduce", 2 * floats)]
     return [info.req({logits: Shard(1), target: REPLICATE}, "vocab", REPLICATE, comm=comm,
-                     compute=1 / info.world_size, dim=-1)]
+                     compute=1 / info.world_size, dim=-1, uneven=True)]

@@ -17,11 +17,11 @@ def keep_dims(info: NodeInfo, src, reduced: set, *, keepdim=True, partial_sum=No
         if shape[d] <= 1:
             continue
         if d in reduced:
-            if partial_sum:
-                found.append(info.req({src: Shard(d)}, partial_sum, PARTIAL))
+            if partial_sum:       # a sum's summands are exact whatever the sizes; a mean's rescale is not
+                found.append(info.req({src: Shard(d)}, partial_sum, PARTIAL, uneven=partial_sum == "partial"))
             continue
         out = d if keepdim else d - sum(1 for r in reduced if r < d)
-        found.append(info.req({src: Shard(d)}, f"shard({out})", Shard(out)))
+        found.append(info.req({src: Shard(d)}, f"shard({out})", Shard(out), uneven=True))
     return found
 
 

@@ -38,7 +38,7 @@ def elementwise(info: NodeInfo, partial_inputs=None):
                 if a >= 0 and s[a] == size:
                     mapping[n] = Shard(a, pl.chunks)
             if mapping:
-                found.append(info.req(mapping, f"shard({d})", pl))
+                found.append(info.req(mapping, f"shard({d})", pl, uneven=pl.chunks == 1))
     for group in partial_inputs or ():
         if group and all(n in tensors for n in group):
             found.append(info.req({n: PARTIAL for n in group}, "partial", PARTIAL))

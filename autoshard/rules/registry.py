@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..capture import dynamic_dims
-from ..placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard, divides
+from ..placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard, divides, splits
 
 _RULES: dict[Any, Callable] = {}
 _FAMILY: dict[Callable, str] = {}     # rule -> family name ("matmul", "embedding", "conv")
@@ -36,6 +36,8 @@ class OpStrategy:
     placement, Partial read as Replicate.
     `compute` is the share of the op's work a rank does; `comm` lists collectives the op runs
     itself as (kind, full-tensor bytes); `dim` is TorchShard's label (None / 0 / -1 / 1).
+    `uneven`: the op's local form is exact with shards of unequal sizes (torch.chunk's
+    boundaries; see placements), so its contiguous shards need not divide by the degree.
     """
 
     name: str
@@ -45,6 +47,7 @@ class OpStrategy:
     compute: float = 1.0
     comm: tuple = ()
     dim: int | None = None
+    uneven: bool = False
 
     def grad(self, i: int):
         if self.grads is not None:
@@ -94,14 +97,14 @@ class NodeInfo:
         return node_arg(self.node, pos, name, default)
 
     def req(self, mapping: dict, name: str, output, *, grads: dict | None = None, compute=1.0,
-            comm=(), dim=None) -> OpStrategy:
+            comm=(), dim=None, uneven=False) -> OpStrategy:
         """Build a strategy from {input node: placement}; tensor inputs not named need Replicate."""
         ins = tuple(mapping.get(n, REPLICATE if self.is_tensor(n) else None) for n in self.inputs)
         split = not _all_replicate(output)
         gr = tuple((grads or {}).get(n, PARTIAL if split and isinstance(r, Replicate) else
                                      (REPLICATE if isinstance(r, Partial) else r))
                    for n, r in zip(self.inputs, ins))
-        return OpStrategy(name, output, ins, gr, compute, tuple(comm), dim)
+        return OpStrategy(name, output, ins, gr, compute, tuple(comm), dim, uneven)
 
 
 def _all_replicate(output) -> bool:
@@ -169,22 +172,24 @@ def _replicate_like(v):
     return None
 
 
-def _fits(placement, v, p, dynamic) -> bool:
+def _fits(placement, v, p, dynamic, uneven=False) -> bool:
     if placement is None or isinstance(placement, (Replicate, Partial)):
         return True
     if isinstance(placement, tuple):
         dyn = dynamic if isinstance(dynamic, tuple) else (dynamic,) * len(placement)
-        return isinstance(v, (tuple, list)) and all(_fits(pl, x, p, d) for pl, x, d in zip(placement, v, dyn))
-    return isinstance(v, torch.Tensor) and divides(v.shape, placement, p) and placement.dim not in dynamic
+        return isinstance(v, (tuple, list)) and all(_fits(pl, x, p, d, uneven) for pl, x, d in zip(placement, v, dyn))
+    fits = splits if uneven else divides
+    return isinstance(v, torch.Tensor) and fits(v.shape, placement, p) and placement.dim not in dynamic
 
 
 def valid(info: NodeInfo, s: OpStrategy) -> bool:
-    """Every shard of every input and output divides evenly over the degree, and no dim whose
+    """Every shard of every input and output divides evenly over the degree (or, for a strategy
+    marked `uneven`, splits at torch.chunk's boundaries with no rank empty), and no dim whose
     size follows the inputs (batch, sequence) is split: the plan must hold for every size."""
     p = info.world_size
-    if not _fits(s.output, info.val(info.node), p, dynamic_dims(info.node)):
+    if not _fits(s.output, info.val(info.node), p, dynamic_dims(info.node), s.uneven):
         return False
-    return all(_fits(pl, info.val(n), p, dynamic_dims(n)) for pl, n in zip(s.inputs, info.inputs))
+    return all(_fits(pl, info.val(n), p, dynamic_dims(n), s.uneven) for pl, n in zip(s.inputs, info.inputs))
 
 
 def strategies(info: NodeInfo) -> tuple[list[OpStrategy], bool]:

@@ -51,7 +51,8 @@ def mapped(info: NodeInfo, src, dim_map: dict, *, partial=True):
     found = []
     for d_in, (d_out, passthrough) in dim_map.items():
         for k in (1, *info.chunk_candidates) if passthrough else (1,):
-            found.append(info.req({src: Shard(d_in, k)}, f"shard({d_out})", Shard(d_out, k)))
+            found.append(info.req({src: Shard(d_in, k)}, f"shard({d_out})", Shard(d_out, k),
+                                  uneven=passthrough and k == 1))
     if partial:
         found.append(info.req({src: PARTIAL}, "partial", PARTIAL))
     return found
@@ -126,7 +127,8 @@ def _split(info):
     for d in range(len(shape)):
         if d != dim and shape[d] > 1:
             for k in (1, *info.chunk_candidates):
-                found.append(info.req({src: Shard(d, k)}, f"shard({d})", tuple(Shard(d, k) for _ in range(n))))
+                found.append(info.req({src: Shard(d, k)}, f"shard({d})", tuple(Shard(d, k) for _ in range(n)),
+                                      uneven=k == 1))
     equal = len({tuple(o.shape) for o in outs}) == 1
     if equal and n > 1:  # a strided shard of n blocks splits into n ordinary shards
         found.append(info.req({src: Shard(dim, n)}, f"unfuse({dim})", tuple(Shard(dim) for _ in range(n))))
@@ -159,6 +161,66 @@ def index_map(idx, nd: int):
     return out
 
 
+def block_slice(size: int, start, stop, step, k: int):
+    """How many whole blocks of `size` cut into `k` equal ones the slice [start:stop:step] takes,
+    when it takes whole blocks only (a fused q/k/v sliced into its parts: Phi-3's qkv_proj), else
+    None. Returns (first block, number of blocks)."""
+    if step not in (None, 1) or not isinstance(start, (int, type(None))) or not isinstance(stop, (int, type(None))):
+        return None
+    start, stop, _ = slice(start, stop).indices(size)
+    block = size // k
+    if size % k or stop <= start or start % block or (stop - start) % block:
+        return None
+    return start // block, (stop - start) // block
+
+
+def _int_of(x):
+    """A bound as an int: itself, or the value captured for a node computing it (x.shape[-1])."""
+    if isinstance(x, torch.fx.Node):
+        v = x.meta.get("val")
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else x
+    return x
+
+
+def sliced_dim(node, nd: int):
+    """(dim, start, stop, step) of a node that slices one dim (aten.slice, or a getitem with one
+    partial slice and full ones elsewhere), else None; bounds computed by nodes read as the
+    values captured for them."""
+    if node.target is aten.slice.Tensor:
+        a = list(node.args) + [None] * 5
+        return norm_dim(int(a[1] if a[1] is not None else 0), nd), _int_of(a[2]), _int_of(a[3]), _int_of(a[4])
+    idx = node.args[1] if node.target is operator.getitem else None
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if not all(e is Ellipsis or isinstance(e, slice) for e in idx) or sum(e is Ellipsis for e in idx) > 1:
+        return None
+    partial = [i for i, e in enumerate(idx) if isinstance(e, slice) and e != slice(None)]
+    if len(partial) != 1:
+        return None
+    i = partial[0]
+    if Ellipsis in idx and idx.index(Ellipsis) < i:
+        d = nd - (len(idx) - i)
+    else:
+        d = i
+    e = idx[i]
+    return d, _int_of(e.start), _int_of(e.stop), _int_of(e.step)
+
+
+def blocks_taken(info: NodeInfo, src) -> list:
+    """Strategies of a slice that takes whole blocks of a strided shard: Shard(d, k) in, the
+    blocks' own pieces out (one block: an ordinary Shard(d); m blocks: Shard(d, m))."""
+    shape = info.shape(src)
+    cut = sliced_dim(info.node, len(shape))
+    if cut is None:
+        return []
+    d, start, stop, step = cut
+    found = []
+    for k in info.chunk_candidates:
+        taken = block_slice(shape[d], start, stop, step, k)
+        if taken is not None:
+            found.append(info.req({src: Shard(d, k)}, f"blocks({d})", Shard(d, taken[1])))
+    return found
+
+
 @register_rule(operator.getitem)
 def _getitem(info):
     src = info.node.args[0]
@@ -167,7 +229,7 @@ def _getitem(info):
     m = index_map(info.node.args[1], len(info.shape(src)))
     if m is None:
         return []
-    return mapped(info, src, {a: (b, True) for a, b in m.items()})
+    return mapped(info, src, {a: (b, True) for a, b in m.items()}) + blocks_taken(info, src)
 
 
 @register_rule(aten.slice.Tensor, aten.select.int)
@@ -182,7 +244,7 @@ def _slice(info):
             keep[d] = (d - 1 if drop and d > dim else d, True)
     if info.node.target is aten.slice.Tensor and tuple(info.out_shape) == shape:
         keep[dim] = (dim, True)
-    return mapped(info, src, keep)
+    return mapped(info, src, keep) + (blocks_taken(info, src) if not drop else [])
 
 
 @register_rule(torch.cat, torch.concat, aten.cat.default)
@@ -194,7 +256,7 @@ def _cat(info):
     same_rank = all(len(info.shape(n)) == nd for n in tensors)
     for d in range(nd):
         if d != dim and info.out_shape[d] > 1 and same_rank:
-            found.append(info.req({n: Shard(d) for n in tensors}, f"shard({d})", Shard(d)))
+            found.append(info.req({n: Shard(d) for n in tensors}, f"shard({d})", Shard(d), uneven=True))
     # equal pieces each split along the cat dim: every rank holds its block of each piece, which
     # is the strided shard Shard(dim, n) of the result (a row-parallel layer consumes it as is)
     if same_rank and len(tensors) > 1 and len({info.shape(n)[dim] for n in tensors}) == 1:

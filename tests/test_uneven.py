@@ -1,0 +1,191 @@
+"""Dims that do not divide by the degree: a vocabulary of 257 (and 50257) split at torch.chunk's
+boundaries, as DTensor splits (257 on 3 ranks: 86, 86, 85).
+
+Gloo ranks at world 2, 3 and 4 against the single-process model: the loss and every gradient
+(tied and untied heads, the GPT of tests/models.py and tiny Hugging Face GPT-2 and BERT through
+torch.export), the logits returned whole or as a DTensor whose `full_tensor()` is the model's; the
+layouts hold the global size; state dicts collect and relocate; a checkpoint saved at 3 ranks
+loads at 2 and 4; `parallelize(load=)` reads each rank's uneven rows from a file.
+"""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import autoshard  # noqa: E402
+from autoshard.collectives import count_comm  # noqa: E402
+from autoshard.placements import chunk_sizes  # noqa: E402
+from models import GPT  # noqa: E402
+from refs import close_to_scale, grads  # noqa: E402
+
+
+def _gpt(vocab, h=32, tied=True, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    return GPT(vocab=vocab, h=h, heads=4, blocks=1, seq=32, tied=tied, dropout=dropout)
+
+
+def _ids(vocab, seed=0, batch=2, seq=32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(vocab, (batch, seq), generator=g), torch.randint(vocab, (batch, seq), generator=g)
+
+
+def _check_grads(gm, ref, what):
+    got = autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False))
+    want = grads(ref, remove_duplicate=False)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    top = max(g.abs().max().item() for g in want.values())
+    for k, g in want.items():        # 1e-5 of each tensor's scale, plus fp32 noise of the largest gradient
+        torch.testing.assert_close(got[k], g, rtol=1e-5, atol=1e-5 * g.abs().max().item() + 1e-6 * top,
+                                   msg=lambda m: f"{what}: grad of {k}: {m}")
+
+
+def _uneven_rows(gm, key, vocab, rank, p):
+    layout = gm._autoshard_layouts[key]
+    assert layout == autoshard.Shard(0, 1, vocab), layout
+    assert gm.get_parameter(key).shape[0] == chunk_sizes(vocab, p)[rank]
+
+
+# ----------------------------------------------------------------------------- ranks
+
+def _gpt_case(rank, p, vocab, h, tied):
+    """outputs='sharded' keeps the vocabulary split (head and loss vocabulary-parallel): the loss
+    with targets, the logits as a DTensor without; outputs='full' returns the logits whole."""
+    model = _gpt(vocab, h, tied)
+    ref = copy.deepcopy(model)
+    idx, tgt = _ids(vocab)
+    out = {}
+    gm = autoshard.parallelize(copy.deepcopy(model), p, (idx, tgt), outputs="sharded")
+    _uneven_rows(gm, "head.weight", vocab, rank, p)
+    with count_comm() as c:
+        loss = gm(idx, tgt)
+        loss.backward()
+    out["measured"], out["plan"] = c.bytes, gm._autoshard_plan.comm_bytes
+    want = ref(idx, tgt)
+    want.backward()
+    close_to_scale(loss, want, "loss")
+    _check_grads(gm, ref, f"vocab {vocab} at {p}")
+
+    logits = gm(idx)                                   # another signature: the logits, still split
+    from torch.distributed.tensor import DTensor
+    assert isinstance(logits, DTensor) and logits.to_local().shape[-1] == chunk_sizes(vocab, p)[rank]
+    close_to_scale(logits.full_tensor(), ref(idx), "logits.full_tensor()")
+
+    full = autoshard.parallelize(copy.deepcopy(model), p, (idx,))          # logits whole, gathered padded
+    close_to_scale(full(idx), ref(idx), "logits (outputs='full')")
+    ref.zero_grad(set_to_none=True)
+    full(idx).square().mean().backward()
+    ref(idx).square().mean().backward()
+    _check_grads(full, ref, f"vocab {vocab} at {p}, logits gathered")
+
+    # state dicts: collect gives the model's, relocate gives this rank's shards back
+    sd = autoshard.collect_state_dict(gm, gm.state_dict())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, msg=lambda m: f"collect {k}: {m}")
+    back = autoshard.relocate_state_dict(gm, ref.state_dict())
+    for k, v in gm.state_dict().items():
+        assert torch.equal(back[k], v), k
+    sd0 = autoshard.collect_state_dict(gm, gm.state_dict(), dst=0)
+    assert (len(sd0) > 0) == (rank == 0)
+    return out
+
+
+@pytest.mark.parametrize("vocab,h,tied", [(257, 32, True), (257, 32, False), (50257, 16, True)],
+                         ids=["v257-tied", "v257-untied", "v50257-tied"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_odd_vocabulary_is_split_exactly(world, vocab, h, tied, request):
+    if vocab == 50257 and world == 2:
+        pytest.skip("50257 runs at 3 and 4 (the suite's time)")
+    pool = request.getfixturevalue(f"dist{world}")
+    for r in pool.run(_gpt_case, vocab, h, tied, timeout=240):
+        assert r["measured"] == pytest.approx(r["plan"], rel=1e-9), r
+
+
+def _hf_case(rank, p, arch, vocab):
+    import hf_models
+    model, kw = getattr(hf_models, arch)(vocab_size=vocab, seed=0)
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(copy.deepcopy(model), p, kw, tracer="export", outputs="sharded")
+    key = "transformer.wte.weight" if arch == "gpt2" else "bert.embeddings.word_embeddings.weight"
+    _uneven_rows(gm, key, vocab, rank, p)
+    res = gm(**kw)
+    res.loss.backward()
+    want = ref(**kw)
+    want.loss.backward()
+    close_to_scale(res.loss, want.loss, f"{arch}: loss")
+    close_to_scale(res.logits.full_tensor(), want.logits, f"{arch}: logits")
+    _check_grads(gm, ref, f"{arch} vocab {vocab} at {p}")
+    return True
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("world", [3, 4])
+def test_hugging_face_odd_vocabulary(world, arch, request):
+    assert all(request.getfixturevalue(f"dist{world}").run(_hf_case, arch, 1001, timeout=300))
+
+
+# ----------------------------------------------------------------------------- checkpoints and load=
+
+VOCAB = 257
+
+
+def _trained(p):
+    """The GPT at degree p after one AdamW step (so the optimizer holds uneven moments too)."""
+    gm = autoshard.parallelize(_gpt(VOCAB, seed=0), p, _ids(VOCAB))
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
+    gm(*_ids(VOCAB)).backward()
+    opt.step()
+    return gm, opt
+
+
+def _save3(rank, p, path):
+    gm, opt = _trained(p)
+    msd, osd = autoshard.checkpoint.get_state_dict(gm, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    full = autoshard.collect_state_dict(gm, gm.state_dict())
+    moments = {name: autoshard.collect_state_dict(gm, {name: opt.state[t]["exp_avg"]})[name]
+               for name, t in gm.named_parameters()}
+    torch.save(full, path + ".full.pt")
+    return full, moments
+
+
+def _load(rank, p, path):
+    gm = autoshard.parallelize(_gpt(VOCAB, seed=1), p, _ids(VOCAB))
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
+    msd, osd = autoshard.checkpoint.get_state_dict(gm, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path)
+    autoshard.checkpoint.set_state_dict(gm, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    full = autoshard.collect_state_dict(gm, gm.state_dict())
+    moments = {name: autoshard.collect_state_dict(gm, {name: opt.state[t]["exp_avg"]})[name]
+               for name, t in gm.named_parameters()}
+    # parallelize(load=) from the full state saved by torch.save: this rank's rows only
+    with torch.device("meta"):
+        meta = GPT(vocab=VOCAB, h=32, heads=4, blocks=1, seq=32, tied=True)
+    loaded = autoshard.parallelize(meta, p, _ids(VOCAB), load=path + ".full.pt")
+    return full, moments, autoshard.collect_state_dict(loaded, loaded.state_dict())
+
+
+def test_checkpoint_saved_at_3_loads_at_2_and_4(dist2, dist3, dist4, tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = dist3.run(_save3, path, timeout=240)[0]
+    for pool in (dist2, dist4):
+        for full, moments, loaded in pool.run(_load, path, timeout=240):
+            for k, v in saved[0].items():
+                torch.testing.assert_close(full[k], v, msg=lambda m: f"{k} at {pool.world_size}: {m}")
+                torch.testing.assert_close(loaded[k], v, msg=lambda m: f"load= {k}: {m}")
+            for k, v in saved[1].items():
+                torch.testing.assert_close(moments[k], v, msg=lambda m: f"exp_avg of {k}: {m}")
+
+
+# ----------------------------------------------------------------------------- one process
+
+def test_layout_reports_local_sizes_per_rank():
+    plan = autoshard.plan(_gpt(VOCAB), 3, _ids(VOCAB), outputs="sharded")
+    assert plan.layouts["head.weight"] == autoshard.Shard(0)
+    text = plan.report()
+    assert "86/86/85" in text, text
