@@ -226,10 +226,12 @@ def test_conv1d_conv3d_unbatched(world2):
 
 
 def test_channels_or_groups_that_do_not_divide(world4):
-    """30 channels or 2 groups at degree 4: run replicated (exact, checked on the ranks); a pin
-    that asks for a split is autoshard's error naming the module and its sizes."""
-    assert world4["odd/symbolic_trace"]["dims"]["conv"] is None
+    """30 channels at degree 4 are split at torch.chunk's boundaries (8, 8, 8, 6); 2 groups run
+    replicated (exact, checked on the ranks); a pin that asks for a split of them is autoshard's
+    error naming the module and its sizes."""
+    assert world4["odd/symbolic_trace"]["dims"]["conv"] == -1
+    assert world4["odd/symbolic_trace"]["layouts"]["conv.weight"] == Shard(0, size=30)
     assert world4["groups2/export"]["dims"]["dw"] is None
-    model, x, _ = _build("odd")
-    with pytest.raises(ShardingError, match=r"'conv'.*\(30, 3, 3, 3\).*4 equal shards"):
-        autoshard.parallelize(model, 4, (x,), rank=0, tracer="symbolic_trace", pin={"conv": -1})
+    model, x, _ = _build("groups2")
+    with pytest.raises(ShardingError, match=r"'dw'.*\(32, 16, 5, 5\).*4 shards"):
+        autoshard.parallelize(model, 4, (x,), rank=0, tracer="export", pin={"dw": -1})
