@@ -168,12 +168,13 @@ def _pad(x, dim, size):
     return torch.cat([x, x.new_zeros(shape)], dim)
 
 
-def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forward"):
+def _gather(x, dim, chunks, group, size=None, unit=1, op="gather_from", direction="forward"):
     """Full tensor from every rank's Shard(dim, chunks) piece; `size`, the full size of `dim`
-    where shards differ (torch.chunk's boundaries): each is padded to the largest and cropped."""
+    where shards differ (torch.chunk's boundaries, in `unit`s): each is padded to the largest
+    and cropped."""
     p = dist.get_world_size(group)
     dim = checked_dim(dim, x.dim())
-    sizes = None if size is None or size % p == 0 else chunk_sizes(size, p)
+    sizes = None if size is None or size % (p * unit) == 0 else chunk_sizes(size, p, unit)
     stacked = _stacked_gather(x if sizes is None else _pad(x, dim, sizes[0]), group)
     _record(op, "all_gather", direction, stacked.nbytes, stacked.size(0))
     pieces = stacked.unbind(0)
@@ -182,22 +183,23 @@ def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forwa
     return cat_along(pieces, dim, chunks)
 
 
-def _scatter(x, dim, chunks, group):
+def _scatter(x, dim, chunks, group, unit=1):
     """This rank's Shard(dim, chunks) piece of the full `x` (no communication; torch.chunk's
-    boundaries where the size does not divide)."""
-    pieces = split_along(x, dim, dist.get_world_size(group), chunks, uneven=True)
+    boundaries, in `unit`s, where the size does not divide)."""
+    pieces = split_along(x, dim, dist.get_world_size(group), chunks, uneven=True, unit=unit)
     return pieces[dist.get_rank(group)].contiguous()
 
 
-def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forward"):
+def _reduce_scatter(x, dim, chunks, group, unit=1, op="reduce_scatter", direction="forward"):
     """This rank's Shard(dim, chunks) piece of the sum of `x` over the group (an uneven split
     reduces equal pieces padded to the largest and crops its own)."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     dim = checked_dim(dim, x.dim())
     size = x.size(dim)
-    if chunks == 1 and size % p:
-        sizes = chunk_sizes(size, p)
-        own = _reduce_scatter(_pad(x, dim, sizes[0] * p), dim, 1, group, op, direction)
+    if chunks == 1 and size % (p * unit):
+        sizes = chunk_sizes(size, p, unit)
+        padded = torch.cat([_pad(piece, dim, sizes[0]) for piece in x.split(sizes, dim)], dim)
+        own = _reduce_scatter(padded, dim, 1, group, 1, op, direction)
         return own.narrow(dim, 0, sizes[rank]).contiguous()
     pieces = split_along(x, dim, p, chunks)
     stacked = torch.stack(pieces)
@@ -250,48 +252,48 @@ class _ReduceFrom(torch.autograd.Function):
 
 class _ScatterTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group):
-        out = _scatter(x, dim, chunks, group)               # checks dim first
-        ctx.args = (dim, chunks, group, x.size(dim))
+    def forward(ctx, x, dim, chunks, group, unit):
+        out = _scatter(x, dim, chunks, group, unit)          # checks dim first
+        ctx.args = (dim, chunks, group, x.size(dim), unit)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, *ctx.args, op="scatter_to", direction="backward"), None, None, None
+        return _gather(grad, *ctx.args, op="scatter_to", direction="backward"), None, None, None, None
 
 
 class _GatherFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, size):
-        ctx.args = (dim, chunks, group)
-        return _gather(x, dim, chunks, group, size, op="gather_from")
+    def forward(ctx, x, dim, chunks, group, size, unit):
+        ctx.args = (dim, chunks, group, unit)
+        return _gather(x, dim, chunks, group, size, unit, op="gather_from")
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter(grad, *ctx.args), None, None, None, None
+        return _scatter(grad, *ctx.args), None, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group):
-        out = _reduce_scatter(x, dim, chunks, group, op="reduce_scatter")
-        ctx.args = (dim, chunks, group, x.size(dim))
+    def forward(ctx, x, dim, chunks, group, unit):
+        out = _reduce_scatter(x, dim, chunks, group, unit, op="reduce_scatter")
+        ctx.args = (dim, chunks, group, x.size(dim), unit)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, *ctx.args, op="reduce_scatter", direction="backward"), None, None, None
+        return _gather(grad, *ctx.args, op="reduce_scatter", direction="backward"), None, None, None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, size):
-        ctx.args = (dim, chunks, group)
-        return _gather(x, dim, chunks, group, size, op="all_gather")
+    def forward(ctx, x, dim, chunks, group, size, unit):
+        ctx.args = (dim, chunks, group, unit)
+        return _gather(x, dim, chunks, group, size, unit, op="all_gather")
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, *ctx.args, op="all_gather", direction="backward"), None, None, None, None
+        return _reduce_scatter(grad, *ctx.args, op="all_gather", direction="backward"), None, None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -348,34 +350,35 @@ def reduce_from(x, group=None, inplace=False):
 
 
 @_fx_leaf
-def scatter_to(x, dim, chunks=1, group=None):
-    """fwd: keep this rank's Shard(dim, chunks) piece (torch.chunk's boundaries where the size
-    does not divide); bwd: all-gather the gradient."""
+def scatter_to(x, dim, chunks=1, group=None, unit=1):
+    """fwd: keep this rank's Shard(dim, chunks) piece (torch.chunk's boundaries, in `unit`s of
+    that many elements, where the size does not divide); bwd: all-gather the gradient."""
     pg, p = _resolve(group)
-    return x if p == 1 else _ScatterTo.apply(x, dim, chunks, pg)
+    return x if p == 1 else _ScatterTo.apply(x, dim, chunks, pg, unit)
 
 
 @_fx_leaf
-def gather_from(x, dim, chunks=1, group=None, size=None):
+def gather_from(x, dim, chunks=1, group=None, size=None, unit=1):
     """fwd: all-gather Shard(dim, chunks) pieces; bwd: keep this rank's piece of the gradient.
-    `size`: the full size of `dim` when the pieces differ in size (torch.chunk's boundaries)."""
+    `size`: the full size of `dim` when the pieces differ in size (torch.chunk's boundaries, in
+    `unit`s of that many elements)."""
     pg, p = _resolve(group)
-    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg, size)
+    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg, size, unit)
 
 
 @_fx_leaf
-def reduce_scatter(x, dim, chunks=1, group=None):
+def reduce_scatter(x, dim, chunks=1, group=None, unit=1):
     """fwd: reduce-scatter (sum, keep Shard(dim, chunks) piece); bwd: all-gather the gradient."""
     pg, p = _resolve(group)
-    return x if p == 1 else _ReduceScatter.apply(x, dim, chunks, pg)
+    return x if p == 1 else _ReduceScatter.apply(x, dim, chunks, pg, unit)
 
 
 @_fx_leaf
-def all_gather(x, dim, chunks=1, group=None, size=None):
-    """fwd: all-gather Shard(dim, chunks) pieces (`size` as in gather_from); bwd: reduce-scatter
-    the (Partial) gradient."""
+def all_gather(x, dim, chunks=1, group=None, size=None, unit=1):
+    """fwd: all-gather Shard(dim, chunks) pieces (`size`, `unit` as in gather_from); bwd:
+    reduce-scatter the (Partial) gradient."""
     pg, p = _resolve(group)
-    return x if p == 1 else _AllGather.apply(x, dim, chunks, pg, size)
+    return x if p == 1 else _AllGather.apply(x, dim, chunks, pg, size, unit)
 
 
 @_fx_leaf

@@ -76,6 +76,8 @@ def redistribute(src, dst) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         return ("all_gather",), ()
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         return (), ("all_gather",)
+    if src.dim == dst.dim:                  # other boundaries on the same dim (whole heads): gather, cut
+        return ("all_gather",), ("all_gather",)
     return ("all_to_all",), ("all_to_all",)
 
 
@@ -88,6 +90,14 @@ def grad_fix(produced, wanted) -> tuple[str, ...]:
     if isinstance(produced, Shard) and isinstance(wanted, Replicate):
         return ("all_gather",)
     return ("all_to_all",)
+
+
+def fused_backward(fwd, grad, req) -> bool:
+    """Whether a gather (`fwd` = all-gather to Replicate) whose consumers send back Partial
+    gradients takes them back with the all-gather's own dual, one reduce-scatter, instead of an
+    all-reduce and a local slice (Megatron's sequence parallelism: the norm output gathered
+    before column-parallel projections; half the backward bytes)."""
+    return fwd == ("all_gather",) and isinstance(grad, Partial) and isinstance(req, Replicate)
 
 
 def flops(node, s) -> float:

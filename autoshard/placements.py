@@ -10,6 +10,9 @@ A contiguous shard (`chunks=1`) of a dim that does not divide by the degree foll
 hold what is left (50257 on 4 ranks: 12565, 12565, 12565, 12562). Splits that would leave a rank
 empty are refused (`splits`). A layout table (a module's `_autoshard_layouts`) records such a
 shard with its global size (`Shard(d, size=n)`), since a rank's shard alone no longer tells it.
+`unit=u` cuts the dim in whole units of u elements (heads of a projection's output features: 14
+heads of 64 on 4 ranks hold 4, 4, 4 and 2 heads, not 3.5 each); it is only set where the units
+do not divide by the degree (else the split is the even one).
 """
 from __future__ import annotations
 
@@ -35,21 +38,28 @@ class Shard:
     dim: int
     chunks: int = 1
     size: int | None = None      # the global size of `dim` where it does not divide (layout tables)
+    unit: int = 1                # elements per indivisible unit of `dim` (a head's features)
 
     def __post_init__(self):
         if self.dim < 0:
             raise ValueError(f"Shard dim must be normalised to >= 0, got {self.dim}")
         if self.chunks < 1:
             raise ValueError(f"Shard chunks must be >= 1, got {self.chunks}")
-        if self.size is not None and self.chunks != 1:
-            raise ValueError(f"an uneven Shard (size={self.size}) must be contiguous (chunks=1), got {self.chunks}")
+        if (self.size is not None or self.unit != 1) and self.chunks != 1:
+            raise ValueError(f"an uneven Shard (size={self.size}, unit={self.unit}) must be contiguous "
+                             f"(chunks=1), got {self.chunks}")
+        if self.unit < 1:
+            raise ValueError(f"Shard unit must be >= 1, got {self.unit}")
 
     def __str__(self) -> str:
+        if self.unit != 1:
+            return f"S({self.dim})/{self.unit}"
         return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim})x{self.chunks}"
 
     def __repr__(self) -> str:
         size = "" if self.size is None else f", size={self.size}"
-        return f"Shard(dim={self.dim}, chunks={self.chunks}{size})"
+        unit = "" if self.unit == 1 else f", unit={self.unit}"
+        return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit})"
 
 
 @dataclass(frozen=True)
@@ -65,16 +75,23 @@ REPLICATE = Replicate()
 PARTIAL = Partial()
 
 
-def chunk_sizes(n: int, world_size: int) -> list[int]:
+def chunk_sizes(n: int, world_size: int, unit: int = 1) -> list[int]:
     """Every rank's size of a dim of `n` split over `world_size` ranks at torch.chunk's
-    boundaries: ceil(n/p) each, the last ranks what is left (equal shares when p divides n)."""
-    c = -(-int(n) // world_size)
-    return [max(0, min(c, int(n) - r * c)) for r in range(world_size)]
+    boundaries: ceil(n/p) each, the last ranks what is left (equal shares when p divides n);
+    with `unit`, in whole units of that many elements. One rule for every split, so that a dim
+    of heads and the features it is viewed from have the same boundaries."""
+    units = int(n) // unit
+    c = -(-units // world_size)
+    return [max(0, min(c, units - r * c)) * unit for r in range(world_size)]
 
 
-def chunk_start(n: int, rank: int, world_size: int) -> int:
+def chunk_start(n: int, rank: int, world_size: int, unit: int = 1) -> int:
     """Where rank `rank`'s block of a dim of `n` starts (torch.chunk's boundaries)."""
-    return min(rank * -(-int(n) // world_size), int(n))
+    return sum(chunk_sizes(n, world_size, unit)[:rank])
+
+
+def unit_of(placement) -> int:
+    return placement.unit if isinstance(placement, Shard) else 1
 
 
 def splits(shape, placement: Placement, world_size: int) -> bool:
@@ -87,12 +104,14 @@ def splits(shape, placement: Placement, world_size: int) -> bool:
     n = int(shape[placement.dim])
     if placement.chunks > 1:
         return n % (world_size * placement.chunks) == 0
-    return min(chunk_sizes(n, world_size)) > 0
+    return n % placement.unit == 0 and min(chunk_sizes(n, world_size, placement.unit)) > 0
 
 
 def is_even(shape, placement: Placement, world_size: int) -> bool:
     """Whether every rank holds an equal shard (always true of Replicate and Partial)."""
-    return not isinstance(placement, Shard) or int(shape[placement.dim]) % (world_size * placement.chunks) == 0
+    if not isinstance(placement, Shard):
+        return True
+    return int(shape[placement.dim]) % (world_size * placement.chunks * placement.unit) == 0
 
 
 def local_shape(shape, placement: Placement, world_size: int, rank: int | None = None) -> tuple[int, ...]:
@@ -106,7 +125,7 @@ def local_shape(shape, placement: Placement, world_size: int, rank: int | None =
         raise ValueError(
             f"size {shape[d]} of dim {d} does not divide into {placement.chunks} chunk(s) x {world_size} ranks"
             + ("" if placement.chunks > 1 else " without leaving a rank empty"))
-    sizes = chunk_sizes(shape[d], world_size)
+    sizes = chunk_sizes(shape[d], world_size, placement.unit)
     return shape[:d] + (sizes[0 if rank is None else rank],) + shape[d + 1:]
 
 
@@ -139,13 +158,13 @@ def padded(nbytes: float, shape, placement: Placement, world_size: int) -> float
     if not isinstance(placement, Shard) or placement.dim >= len(shape) or is_even(shape, placement, world_size):
         return nbytes
     n = int(shape[placement.dim])
-    return nbytes * chunk_sizes(n, world_size)[0] * world_size / n
+    return nbytes * chunk_sizes(n, world_size, placement.unit)[0] * world_size / n
 
 
 def layout_of(shape, placement: Placement, world_size: int):
     """`placement` as a layout table records it: with the global size where shards differ."""
     if isinstance(placement, Shard) and not is_even(shape, placement, world_size):
-        return Shard(placement.dim, 1, int(shape[placement.dim]))
+        return Shard(placement.dim, 1, int(shape[placement.dim]), placement.unit)
     return placement
 
 
@@ -189,7 +208,7 @@ def boxes(shape, placement: Placement, rank: int, world_size: int) -> tuple[Box,
     local = local_shape(shape, placement, world_size, rank)
     d, k = placement.dim, placement.chunks
     if k == 1:
-        start = chunk_start(shape[d], rank, world_size)
+        start = chunk_start(shape[d], rank, world_size, placement.unit)
         return (Box(zeros[:d] + (start,) + zeros[d + 1:], local, zeros),)
     piece = local[d] // k
     block = shape[d] // k
@@ -220,16 +239,16 @@ def checked_dim(dim: int, ndim: int, what: str = "tensor") -> int:
 
 
 def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = "tensor",
-                uneven: bool = False) -> list:
+                uneven: bool = False, unit: int = 1) -> list:
     """Split `x` along `dim` into the `n` rank pieces of Shard(dim, chunks): views when chunks=1.
 
     With chunks > 1 the dim is `chunks` equal blocks, each split over the ranks, and piece r is
     the concatenation of rank r's part of every block. With `uneven` a contiguous split of a
-    size that does not divide follows torch.chunk's boundaries (`chunk_sizes`)."""
+    size that does not divide follows torch.chunk's boundaries (`chunk_sizes`, in `unit`s)."""
     dim = checked_dim(dim, x.dim(), what)
     size = x.size(dim)
-    if uneven and chunks == 1 and size % n and min(chunk_sizes(size, n)) > 0:
-        return list(x.split(chunk_sizes(size, n), dim))
+    if uneven and chunks == 1 and size % (n * unit) and size % unit == 0 and min(chunk_sizes(size, n, unit)) > 0:
+        return list(x.split(chunk_sizes(size, n, unit), dim))
     if size % (n * chunks):
         raise ShardingError(
             f"{what} of shape {tuple(x.shape)}: size {size} of dim {dim} does not divide into "

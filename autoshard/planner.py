@@ -6,6 +6,7 @@ weight that fits), and `build_plan` freezes the chosen State into a Plan.
 """
 from __future__ import annotations
 
+import math
 import operator
 import time
 from dataclasses import replace
@@ -21,7 +22,7 @@ from .placements import Replicate, Shard, local_numel, padded, splits
 from .plan import NodeDecision, Plan, Redistribution, check_outputs
 from .problem import module_of
 from .rules.registry import PARALLEL_LAYERS, family_of
-from .rules.shape import sliced_dim
+from .rules.shape import sliced_dim, view_groups
 
 
 def chunk_candidates(gm: fx.GraphModule) -> tuple:
@@ -50,6 +51,28 @@ def chunk_candidates(gm: fx.GraphModule) -> tuple:
     return tuple(sorted(ks))
 
 
+def unit_candidates(gm: fx.GraphModule) -> tuple:
+    """Sizes of the units reshapes cut a dim into or merge from (a head's features: [.., 896] <->
+    [.., 14, 64] gives 64): where those units do not divide over the ranks, a split in whole
+    units (`Shard(d, unit=u)`) is what keeps heads whole."""
+    us = set()
+    for n in gm.graph.nodes:
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        if n.op not in ("call_function", "call_method") or not any(w in name for w in ("view", "reshape", "flatten")):
+            continue
+        src = n.args[0].meta.get("val") if n.args and isinstance(n.args[0], fx.Node) else None
+        v = n.meta.get("val")
+        if not isinstance(src, torch.Tensor) or not isinstance(v, torch.Tensor):
+            continue
+        a, b = tuple(int(s) for s in src.shape), tuple(int(s) for s in v.shape)
+        for ga, gb in view_groups(a, b) or ():
+            ia, ib = [d for d in ga if a[d] > 1], [d for d in gb if b[d] > 1]
+            for one, many, sizes in ((ia, ib, b), (ib, ia, a)):
+                if len(one) == 1 and len(many) > 1:
+                    us.add(math.prod(sizes[d] for d in many[1:]))
+    return tuple(sorted(us))
+
+
 def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
                tracer="fx", notes=(), example=((), {}), layouts=None, outputs="full") -> Plan:
     """Plan an already captured graph (shapes in node.meta['val']); `layouts` (parameter name ->
@@ -57,7 +80,8 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     `outputs` ("full" or "sharded") is what the graph's output needs of the tensors it returns."""
     check_outputs(outputs)
     t0 = time.perf_counter()
-    prob = _search.Problem(gm, world_size, cost, chunk_candidates(gm), pins=pin or {}, layouts=layouts,
+    prob = _search.Problem(gm, world_size, cost, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
+                           layouts=layouts,
                            outputs=outputs)
     if not prob.param_obj:
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
@@ -87,7 +111,8 @@ def _fit_budget(gm, p, cost, pin, search, outputs):
     """With a memory budget: the plan of the smallest memory weight (x4 steps from ~0) that fits."""
     weight = 1e-15
     while True:
-        prob = _search.Problem(gm, p, replace(cost, memory_weight=weight), chunk_candidates(gm), pins=pin or {},
+        prob = _search.Problem(gm, p, replace(cost, memory_weight=weight), chunk_candidates(gm), unit_candidates(gm),
+                               pins=pin or {},
                                outputs=outputs)
         state = _run(prob, search)
         if _state_bytes(prob, state) <= cost.memory_budget or weight > 1e-3:

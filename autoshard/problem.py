@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from . import rules
 from .capture import DYNAMIC
-from .cost import CostModel, flops, grad_fix, grad_of, redistribute
+from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, redistribute
 from .errors import ShardingError
 from .placements import REPLICATE, Partial, Replicate, Shard, local_numel
 from .rules.registry import NodeInfo, OpStrategy
@@ -83,7 +83,7 @@ class Group:
 class Problem:
     """A captured graph as arrays the search can evaluate quickly."""
 
-    def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(),
+    def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(), unit_candidates=(),
                  pins: dict | None = None, layouts: dict | None = None, outputs: str = "full"):
         self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
         self.nodes = list(gm.graph.nodes)
@@ -137,7 +137,8 @@ class Problem:
                 key = _structure(n, module)
                 hit = memo.get(key) if key is not None else None
                 if hit is None:
-                    hit = rules.strategies(NodeInfo(n, world_size, module, tuple(chunk_candidates)))
+                    hit = rules.strategies(NodeInfo(n, world_size, module, tuple(chunk_candidates),
+                                                    unit_candidates=tuple(unit_candidates)))
                     if key is not None:
                         memo[key] = hit
                 found, covered = hit
@@ -227,7 +228,9 @@ class Problem:
             if r is None:
                 c = INF
             else:
-                kinds = (() if shared else r[0]) + (r[1] + grad_fix(grad, grad_of(req)) if self.needs_grad[j] else ())
+                back = ("reduce_scatter",) if not shared and fused_backward(r[0], grad, req) else \
+                    r[1] + grad_fix(grad, grad_of(req))
+                kinds = (() if shared else r[0]) + (back if self.needs_grad[j] else ())
                 if r[0] == ("reduce_scatter",) and not shared:
                     # a reduce-scatter only looks cheaper than an all-reduce until the shard is
                     # gathered again; a following node cannot see that, so charge the gather here
@@ -254,10 +257,10 @@ class Problem:
 
     def _tensor_cost(self, j: int, place, sidx) -> float:
         if j not in self.members:
-            comms = self.tensor_comms(j, place[j], sidx)
+            comms = self.own_comms(j, place[j], sidx)
             if comms is None:
                 return INF
-            return sum(self.cost.comm_time(k, self.nbytes[j], self.p) for _, _, f, b, _ in comms for k in f + b)
+            return sum(self.cost.comm_time(k, self.nbytes[j], self.p) for _, _, f, b, _, _ in comms for k in f + b)
         comms = self.class_comms(j, place, sidx)
         if comms is None:
             return INF
@@ -267,8 +270,8 @@ class Problem:
         """The placement the graph's output takes of a tensor held as `src`: whole, or with
         outputs="sharded" an ordinary shard as it is (a strided shard, which a DTensor's Shard
         cannot describe, is gathered; a Partial one all-reduced)."""
-        if self.outputs == "sharded" and isinstance(src, Shard) and src.chunks == 1:
-            return src
+        if self.outputs == "sharded" and isinstance(src, Shard) and src.chunks == 1 and src.unit == 1:
+            return src          # (a shard in whole heads has other boundaries than DTensor's: gathered)
         return REPLICATE
 
     def class_comms(self, r: int, place, sidx):
@@ -286,10 +289,16 @@ class Problem:
             gathers = redistribute(place[m], REPLICATE)
             collective = bool(gathers and gathers[0])
             mine = None
+            made_whole = any(isinstance(c[0], Replicate) for c in comms)
             for req, g, fwd, bwd, consumers in comms:
                 via = None
-                if collective and isinstance(req, Replicate):
+                whole = above if above is not None else (m if collective and made_whole else None)
+                if self.sliced_from_whole(place[m], req, fwd, whole):
+                    via, fwd = whole, ()
+                elif collective and isinstance(req, Replicate):
                     if above is not None:
+                        if bwd == ("reduce_scatter",) and fused_backward(fwd, g, req):
+                            bwd = ("all_reduce",)        # another's gather serves it: reduce, then slice
                         via, fwd = above, ()
                     else:
                         mine = m
@@ -302,8 +311,25 @@ class Problem:
         (via: the node index whose made-whole tensor j reuses, or None)."""
         r = self.root[j]
         if r not in self.members:
-            return [(*c, None) for c in (self.tensor_comms(j, place[j], sidx) or ())]
+            return self.own_comms(j, place[j], sidx) or []
         return [c[1:] for c in (self.class_comms(r, place, sidx) or ()) if c[0] == j]
+
+    @staticmethod
+    def sliced_from_whole(src, req, fwd, whole) -> bool:
+        """A Partial tensor also all-reduced whole (`whole`: that one's node index) serves a
+        consumer that needs a shard by slicing the sum, not by a reduce-scatter of its own (the
+        embedding output read whole by a norm's statistics and split by the residual stream)."""
+        return whole is not None and isinstance(src, Partial) and isinstance(req, Shard) and fwd == ("reduce_scatter",)
+
+    def own_comms(self, j: int, src, sidx):
+        """tensor_comms of a tensor with no views, with `via` (see comms_of): a shard sliced from
+        its own all-reduced sum names itself."""
+        comms = self.tensor_comms(j, src, sidx)
+        if comms is None:
+            return None
+        whole = j if any(isinstance(c[0], Replicate) and c[2] == ("all_reduce",) for c in comms) else None
+        return [(req, g, (), bwd, cons, j) if self.sliced_from_whole(src, req, fwd, whole) else
+                (req, g, fwd, bwd, cons, None) for req, g, fwd, bwd, cons in comms]
 
     def tensor_comms(self, j: int, src, sidx):
         """[(required placement, gradient placement, forward kinds, backward kinds, consumers)]
@@ -336,7 +362,10 @@ class Problem:
             for n, (g, consumers) in enumerate(sorted(per_grad.items(), key=lambda kv: str(kv[0]))):
                 fix = grad_fix(g, grad_of(req)) if grad_flows else ()
                 first = n == 0
-                out.append((req, g, fwd if first else (), (dual if first and grad_flows else ()) + fix, consumers))
+                back = (dual if first and grad_flows else ()) + fix
+                if grad_flows and len(per_grad) == 1 and fused_backward(fwd, g, req):
+                    back = ("reduce_scatter",)
+                out.append((req, g, fwd if first else (), back, consumers))
         return out
 
     def param_cost(self, key: int, placement) -> float:

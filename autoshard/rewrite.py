@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import collectives as C
 from .capture import dynamic_dims, placeholder_inputs
-from .cost import redistribute
+from .cost import fused_backward, redistribute
 from .errors import ShardingError
 from .nn import functional as PF
 from .nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, TrainOnly
@@ -69,18 +69,23 @@ def global_size(x, dim: int, world_size: int, d=None, full=None):
 
 
 @fx.wrap
-def local_size(size: int, rank: int, world_size: int) -> int:
-    """This rank's share of a size computed at run time (torch.chunk's boundaries)."""
-    return chunk_sizes(size, world_size)[rank]
+def local_size(size: int, rank: int, world_size: int, unit: int = 1) -> int:
+    """This rank's share of a size computed at run time (torch.chunk's boundaries, in `unit`s)."""
+    return chunk_sizes(size, world_size, unit)[rank]
 
 
 def shard_tensor(t: torch.Tensor, placement, rank: int, p: int) -> torch.Tensor:
     """This rank's shard of `t` (one contiguous copy of the shard only)."""
     if not isinstance(placement, Shard):
         return t
-    piece = split_along(t.detach(), placement.dim, p, placement.chunks, uneven=True)[rank]
+    piece = split_along(t.detach(), placement.dim, p, placement.chunks, uneven=True, unit=placement.unit)[rank]
     # a view (a dim-0 block is contiguous already) would keep the whole tensor alive: copy it once
     return piece if piece._base is None else piece.clone(memory_format=torch.contiguous_format)
+
+
+def _unit_kw(placement) -> dict:
+    """The `unit=` keyword of a collective for a shard cut in whole units (heads), else none."""
+    return {"unit": placement.unit} if isinstance(placement, Shard) and placement.unit != 1 else {}
 
 
 def _torchshard_attrs(placement: Shard, ndim: int, label) -> tuple[int, int]:
@@ -184,18 +189,20 @@ class Rewriter:
         if kinds == ("all_reduce",):
             return self.call(C.reduce_from, (x,), {"group": key})
         if kinds == ("reduce_scatter",):
-            return self.call(C.reduce_scatter, (x, dst.dim, dst.chunks), {"group": key})
+            return self.call(C.reduce_scatter, (x, dst.dim, dst.chunks), {"group": key, **_unit_kw(dst)})
         if kinds == ("all_gather",):
             size = self.uneven_size(x.name, src)
-            return self.call(C.gather_from, (x, src.dim, src.chunks), {"group": key, **({"size": size} if size else {})})
-        if kinds == ("all_to_all",):
+            return self.call(C.gather_from, (x, src.dim, src.chunks),
+                             {"group": key, **({"size": size} if size else {}), **_unit_kw(src)})
+        if kinds == ("all_to_all",) or (isinstance(src, Shard) and isinstance(dst, Shard)):
             if src.chunks != 1 or dst.chunks != 1:
                 raise ShardingError(f"{x.name}: all-to-all between strided shards {src} -> {dst} is not supported")
-            if self.uneven_size(x.name, src) or self.uneven_size(x.name, dst):      # gathered, then sliced
-                return self.call(C.scatter_to, (self.forward(x, src, Replicate()), dst.dim, 1), {"group": key})
+            if self.uneven_size(x.name, src) or self.uneven_size(x.name, dst) or src.dim == dst.dim:
+                whole = self.forward(x, src, Replicate())                # gathered, then sliced
+                return self.call(C.scatter_to, (whole, dst.dim, 1), {"group": key, **_unit_kw(dst)})
             return self.call(C.all_to_all, (x, src.dim, dst.dim), {"group": key})
         if isinstance(src, Replicate) and isinstance(dst, Shard):
-            return self.call(C.scatter_to, (x, dst.dim, dst.chunks), {"group": key})
+            return self.call(C.scatter_to, (x, dst.dim, dst.chunks), {"group": key, **_unit_kw(dst)})
         return x
 
     def insert_redistributions(self):
@@ -210,7 +217,8 @@ class Rewriter:
         served: dict = {}                      # (via, dst) -> consumers of the views it serves
         for (name, dst), entries in groups.items():
             if entries[0].via is not None:
-                served.setdefault((entries[0].via, dst), []).extend(c for r in entries for c in r.consumers)
+                whole = Replicate() if isinstance(dst, Shard) else dst      # a shard sliced from the sum
+                served.setdefault((entries[0].via, whole), []).extend(c for r in entries for c in r.consumers)
         moved_of = {}
         for (name, dst), entries in sorted(groups.items(), key=lambda kv: kv[1][0].via is not None):
             x = nodes[name]
@@ -218,7 +226,19 @@ class Rewriter:
             readers = [nodes[c] for r in entries for c in r.consumers] + [nodes[c] for c in served.get((name, dst), ())]
             first = min(readers, key=lambda n: self._order[n])
             with self.graph.inserting_before(first):
-                moved = self.forward(x, entries[0].src, dst) if via is None else self._view_of(moved_of[(via, dst)], via, name, nodes)
+                if via is None and len(entries) == 1 and entries[0].backward == ("reduce_scatter",) \
+                        and fused_backward(entries[0].forward, entries[0].grad, dst):
+                    src = entries[0].src                 # gathered; the Partial gradient reduce-scattered
+                    size = self.uneven_size(x.name, src)
+                    moved = self.call(C.all_gather, (x, src.dim, src.chunks),
+                                      {"group": self.key, **({"size": size} if size else {}), **_unit_kw(src)})
+                elif via is None:
+                    moved = self.forward(x, entries[0].src, dst)
+                elif isinstance(dst, Shard):             # a slice of the all-reduced sum of it (or of its view parent)
+                    whole = self._view_of(moved_of[(via, Replicate())], via, name, nodes)
+                    moved = self.call(C.scatter_to, (whole, dst.dim, dst.chunks), {"group": self.key, **_unit_kw(dst)})
+                else:
+                    moved = self._view_of(moved_of[(via, dst)], via, name, nodes)
                 moved_of[(name, dst)] = moved
                 for r in entries:
                     y = moved
@@ -459,12 +479,12 @@ class Rewriter:
         s = sizes[d]
         if isinstance(s, fx.Node):
             with self.graph.inserting_before(n):
-                sizes[d] = self.call(local_size, (s, self.rank, self.p))
+                sizes[d] = self.call(local_size, (s, self.rank, self.p, out.unit))
         elif s != -1:
-            if min(chunk_sizes(s, self.p)) == 0:
+            if s % out.unit or min(chunk_sizes(s, self.p, out.unit)) == 0:
                 raise ShardingError(f"{n.format_node()}: size {s} of sharded dim {d} leaves a rank empty at "
-                                    f"degree {self.p}")
-            sizes[d] = chunk_sizes(s, self.p)[self.rank]
+                                    f"degree {self.p} (in units of {out.unit})")
+            sizes[d] = chunk_sizes(s, self.p, out.unit)[self.rank]
         n.args = (n.args[0], sizes) if packed else (n.args[0], *sizes)
 
     def _local_blocks(self, n):

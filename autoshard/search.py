@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .placements import REPLICATE, Replicate
+from .placements import REPLICATE, Partial, Replicate, Shard
 from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers build)
 
 WINDOW_DEPTH = 10        # ops a window looks ahead of its anchors
@@ -52,16 +52,32 @@ class State:
     def placement_of_param(self, key):
         return self.param_place.get(key, REPLICATE)
 
+    def _whole_before(self, i, j, place) -> bool:
+        """Whether a consumer of tensor j decided before node i already makes j whole with a
+        collective (a norm's statistics all-reduce its Partial input: the norm's product may
+        read it whole too, for nothing more)."""
+        if not isinstance(place[j], (Shard, Partial)):
+            return False
+        prob, sidx = self.prob, self.sidx
+        for u in prob.users[j]:
+            if u < i and prob.strats[u] and prob.kind[u] == "op":
+                s = prob.strats[u][sidx[u]]
+                if any(k == j and isinstance(s.inputs[slot], Replicate) for slot, k in enumerate(prob.ins[u])):
+                    return True
+        return False
+
     def _best(self, i, place) -> int:
         """The locally cheapest strategy of node i given its inputs' placements (memoised)."""
         prob = self.prob
-        key = (i, *[place[j] for j in prob.ins[i]], *[place[a] for j in prob.ins[i] for a in prob.returned_above[j]])
+        before = tuple(self._whole_before(i, j, place) for j in prob.ins[i])
+        key = (i, *[place[j] for j in prob.ins[i]], *[place[a] for j in prob.ins[i] for a in prob.returned_above[j]],
+               before)
         hit = prob.best_memo.get(key)
         if hit is None:
-            hit = prob.best_memo[key] = self._best_uncached(i, place)
+            hit = prob.best_memo[key] = self._best_uncached(i, place, before)
         return hit
 
-    def _best_uncached(self, i, place) -> int:
+    def _best_uncached(self, i, place, before) -> int:
         prob = self.prob
         best, best_c = 0, INF
         for si, s in enumerate(prob.strats[i]):
@@ -70,7 +86,7 @@ class State:
                 req = s.inputs[slot]
                 if req is None:
                     continue
-                c += prob.edge_cost(j, place[j], req, s.grad(slot), prob.whole_anyway(j, place))
+                c += prob.edge_cost(j, place[j], req, s.grad(slot), before[slot] or prob.whole_anyway(j, place))
                 if c >= best_c:
                     break
             if c < best_c:
@@ -149,6 +165,10 @@ class State:
                 if si != sidx[i]:
                     old_sidx[i] = sidx[i]
                     sidx[i] = si
+                    for j in prob.ins[i]:               # later readers of its inputs: _whole_before
+                        for u in users[j]:
+                            if u > i:
+                                heapq.heappush(heap, u)
                 if out != place[i]:
                     old_place[i] = place[i]
                     place[i] = out

@@ -162,7 +162,7 @@ def collect_state_dict(model, state_dict, prefix: str = "", *, dst=None, group=N
 def _gather_entry(value, layout, pg, p, dst, rank):
     """The full tensor of `layout` from every rank's `value` (shards of unequal sizes travel
     padded to the largest and are cropped)."""
-    sizes = None if layout.size is None else chunk_sizes(layout.size, p)
+    sizes = None if layout.size is None else chunk_sizes(layout.size, p, layout.unit)
     if sizes is not None and value.size(layout.dim) != sizes[rank]:
         raise ShardingError(f"collect_state_dict: a {tuple(value.shape)} shard on rank {rank}, but {layout.size} "
                             f"rows on {p} ranks give it {sizes[rank]} along dim {layout.dim}")
@@ -196,7 +196,7 @@ def relocate_state_dict(model, state_dict, prefix: str = "", group=None):
         _expect_shape("relocate_state_dict", key, value, global_shape(local.shape, layout, p),
                       f"the full tensor of a {layout} shard of {tuple(local.shape)} on {p} ranks")
         piece = split_along(value, layout.dim, p, layout.chunks, what=f"state dict entry {key!r}",
-                            uneven=layout.size is not None)[rank]
+                            uneven=layout.size is not None, unit=layout.unit)[rank]
         out[key] = piece.clone(memory_format=torch.contiguous_format)
     return out
 

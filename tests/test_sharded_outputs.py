@@ -188,7 +188,9 @@ def _view_case(rank, p):
 def test_a_view_of_a_gathered_tensor_is_not_gathered_again(dist2):
     for r in dist2.run(_view_case):
         assert r["twice"] == [] and r["gathers"] == ["linear"], r
-        assert r["via"] == [("reshape", "linear")], r
+        # the view reads the gathered tensor (the search sees it made whole by the first reader),
+        # or is made whole `via` it: either way one gather
+        assert r["via"] in ([("reshape", "linear")], []), r
         assert r["calls"] == 1 and r["measured"] == pytest.approx(r["plan"], rel=1e-9), r
 
 

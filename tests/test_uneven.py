@@ -189,3 +189,41 @@ def test_layout_reports_local_sizes_per_rank():
     assert plan.layouts["head.weight"] == autoshard.Shard(0)
     text = plan.report()
     assert "86/86/85" in text, text
+
+
+# ----------------------------------------------------------------------------- heads that do not divide
+
+def _heads_case(rank, p, arch, heads, kv_heads, hidden):
+    """Attention whose heads do not divide by the degree: q / k / v split in whole heads
+    (`Shard(0, unit=head_dim)`, torch.chunk's boundaries over the heads: 7 heads on 4 ranks hold
+    2, 2, 2, 1) where they can be, and every case exact against one process."""
+    import hf_models
+    if arch == "gpt":
+        torch.manual_seed(0)
+        model = GPT(vocab=512, h=hidden, heads=heads, blocks=1, seq=64, tied=False)
+        idx, tgt = _ids(512, seq=64)
+        args, kw = (idx, tgt), {}
+    else:
+        model, kw = hf_models.qwen2(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                    intermediate_size=2 * hidden, vocab_size=512, seq=64)
+        args = ()
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw or args, tracer="export" if arch != "gpt" else "auto")
+    out = gm(*args, **kw)
+    loss = out if arch == "gpt" else out.loss
+    loss.backward()
+    want = ref(*args, **kw)
+    want = want if arch == "gpt" else want.loss
+    want.backward()
+    close_to_scale(loss, want, f"{arch} {heads}/{kv_heads} heads at {p}: loss")
+    _check_grads(gm, ref, f"{arch} {heads}/{kv_heads} heads at {p}")
+    return {k: v for k, v in gm._autoshard_plan.layouts.items() if "q" in k.rsplit(".", 2)[-2] and k.endswith("weight")}
+
+
+@pytest.mark.parametrize("arch,heads,kv_heads,hidden", [("gpt", 7, 7, 56), ("qwen2", 7, 7, 56), ("qwen2", 7, 1, 56),
+                                                        ("qwen2", 6, 2, 48)])
+@pytest.mark.parametrize("world", [3, 4])
+def test_heads_that_do_not_divide(world, arch, heads, kv_heads, hidden, request):
+    layouts = request.getfixturevalue(f"dist{world}").run(_heads_case, arch, heads, kv_heads, hidden, timeout=300)[0]
+    if world == 4 and heads == kv_heads == 7:       # 7 heads of 8 on 4 ranks: 2, 2, 2, 1 heads each
+        assert autoshard.Shard(0, unit=8) in layouts.values(), layouts

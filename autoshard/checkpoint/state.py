@@ -74,7 +74,7 @@ class _Layout:
         if layout is None:
             return local
         shape = self.global_shape(key, local.shape)
-        if layout.chunks == 1:
+        if layout.chunks == 1 and layout.unit == 1:       # DTensor's boundaries: torch.chunk's
             from torch.distributed.tensor import DTensor, Shard as DShard
             return DTensor.from_local(local, self.mesh(local.device), [DShard(layout.dim)], run_check=False,
                                       shape=torch.Size(shape), stride=_contiguous_stride(shape))

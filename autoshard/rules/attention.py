@@ -21,4 +21,5 @@ def _sdpa(info: NodeInfo):
         a = h - (nd - len(ms))
         if a >= 0 and ms[a] > 1:
             mapping[mask] = Shard(a)
-    return [info.req(mapping, "heads", Shard(h), compute=1 / info.world_size)]
+    same = len({info.shape(t)[h] for t in (q, k, v)}) == 1        # unequal shards line up only then
+    return [info.req(mapping, "heads", Shard(h), compute=1 / info.world_size, uneven=same)]

@@ -28,6 +28,18 @@ def column_row(info: NodeInfo, x, w, b, *, x_dim: int, out_dim: int, w_out_dim: 
         if b is not None:
             m[b] = Shard(0, k)
         found.append(info.req(m, "column", Shard(out_dim, k), compute=1 / p, dim=-1, uneven=k == 1))
+    for u in info.units(info.shape(w)[w_out_dim]):        # whole heads per rank
+        m = {x: REPLICATE, w: Shard(w_out_dim, unit=u)}
+        if b is not None:
+            m[b] = Shard(0, unit=u)
+        found.append(info.req(m, "column", Shard(out_dim, unit=u), compute=1 / p, dim=-1, uneven=True))
+    for u in info.units(info.shape(w)[w_in_dim]):
+        m = {x: Shard(x_dim, unit=u), w: Shard(w_in_dim, unit=u)}
+        if b is None:
+            found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0, uneven=True))
+        else:
+            found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0, uneven=True,
+                                  comm=[("all_reduce", _bytes(info))]))
     for k in (1, *info.chunk_candidates):     # k > 1: the input is k pieces, each split (a cat of shards)
         m = {x: Shard(x_dim, k), w: Shard(w_in_dim, k)}
         if b is None:
@@ -80,6 +92,12 @@ def _matmul(info):
                  uneven=True),
         info.req({a: Shard(len(sa) - 1), b: Shard(len(sb) - 2)}, "row", PARTIAL, compute=1 / p, dim=0, uneven=True),
     ]
+    for u in info.units(sb[-1]):
+        found.append(info.req({a: REPLICATE, b: Shard(len(sb) - 1, unit=u)}, "column", Shard(len(so) - 1, unit=u),
+                              compute=1 / p, dim=-1, uneven=True))
+    for u in info.units(sa[-1]):
+        found.append(info.req({a: Shard(len(sa) - 1, unit=u), b: Shard(len(sb) - 2, unit=u)}, "row", PARTIAL,
+                              compute=1 / p, dim=0, uneven=True))
     if len(sa) == len(sb) == len(so):       # shared batch dims
         for d in range(len(so) - 2):
             if sa[d] == sb[d] == so[d] > 1:

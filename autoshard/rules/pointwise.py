@@ -4,19 +4,21 @@ A sharded output dim needs every input that has that dim (not broadcast) sharded
 broadcast inputs stay Replicate. Linear ops also carry Partial (sum of summands).
 """
 import operator
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .registry import PARTIAL, NodeInfo, Shard, register_rule
+from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, register_rule
 
 aten = torch.ops.aten
 
 
 def _shards(info: NodeInfo, d: int):
-    """Shard(d, k) for every chunk count the graph uses."""
-    return [Shard(d, k) for k in (1, *info.chunk_candidates)]
+    """Shard(d, k) for every chunk count the graph uses, and Shard(d, unit=u) for its head sizes."""
+    return [Shard(d, k) for k in (1, *info.chunk_candidates)] + \
+        [Shard(d, unit=u) for u in info.units(info.out_shape[d])]
 
 
 def elementwise(info: NodeInfo, partial_inputs=None):
@@ -36,7 +38,7 @@ def elementwise(info: NodeInfo, partial_inputs=None):
                 s = info.shape(n)
                 a = d - (len(out) - len(s))
                 if a >= 0 and s[a] == size:
-                    mapping[n] = Shard(a, pl.chunks)
+                    mapping[n] = Shard(a, pl.chunks, unit=pl.unit)
             if mapping:
                 found.append(info.req(mapping, f"shard({d})", pl, uneven=pl.chunks == 1))
     for group in partial_inputs or ():
@@ -55,12 +57,12 @@ UNARY = [
     F.gelu, F.relu, F.silu, torch.tanh, torch.sigmoid, torch.exp, torch.rsqrt, torch.sqrt, torch.abs, F.dropout,
     torch.relu, F.tanh, F.sigmoid, torch.Tensor.relu, torch.Tensor.tanh, torch.Tensor.sigmoid, torch.Tensor.exp,
     torch.Tensor.rsqrt, torch.Tensor.sqrt, torch.Tensor.pow, torch.pow, torch.Tensor.abs, torch.cos, torch.sin,
-    torch.Tensor.cos, torch.Tensor.sin, torch.Tensor.type_as, torch.Tensor.masked_fill, torch.masked_fill,
+    torch.Tensor.cos, torch.Tensor.sin, torch.Tensor.masked_fill, torch.masked_fill,
     torch.Tensor.triu, torch.Tensor.tril, F.softplus, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout,
     nn.Identity, aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
     aten.dropout.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.rsqrt.default, aten.sqrt.default,
     aten.exp.default, aten.cos.default, aten.sin.default, aten.abs.default, aten.masked_fill.Scalar,
-    aten.masked_fill.Tensor, aten.type_as.default, aten.where.self, torch.where, aten.native_dropout.default,
+    aten.masked_fill.Tensor, aten.where.self, torch.where, aten.native_dropout.default,
     aten.erf.default, torch.erf,
 ]
 SUMS = [operator.add, operator.sub, operator.iadd, operator.isub, torch.add, torch.sub, torch.Tensor.add,
@@ -79,6 +81,17 @@ def _unary_linear(info):
 @register_rule(*UNARY)
 def _unary(info):
     return elementwise(info)
+
+
+@register_rule(torch.Tensor.type_as, aten.type_as.default)
+def _type_as(info):
+    """`x.type_as(other)` reads only `other`'s dtype: no placement is asked of it (Gemma's norm
+    ends with `.type_as(x)` of its own, possibly still Partial, input)."""
+    x = info.node.args[0]
+    out = [info.req({x: REPLICATE}, "replicate", REPLICATE)] + elementwise(info, [[x]])
+    return [replace(s, inputs=tuple(None if n is not x else r for n, r in zip(info.inputs, s.inputs)),
+                    grads=tuple(None if n is not x else g for n, g in zip(info.inputs, s.grads)))
+            for s in out if s.inputs[info.inputs.index(x)] is not None]
 
 
 @register_rule(*SUMS)

@@ -70,6 +70,7 @@ class NodeInfo:
     module: torch.nn.Module | None = None
     chunk_candidates: tuple = ()
     inputs: list = field(default_factory=list)
+    unit_candidates: tuple = ()        # sizes of indivisible units the graph cuts features into (head dims)
 
     def __post_init__(self):
         self.inputs = list(self.node.all_input_nodes)
@@ -85,6 +86,15 @@ class NodeInfo:
     @property
     def out_shape(self):
         return self.shape()
+
+    def units(self, size: int) -> tuple:
+        """Units (head sizes) a dim of `size` may be split in where they do not divide evenly
+        over the ranks: each gives the whole-unit shard `Shard(d, unit=u)` (torch.chunk's
+        boundaries over size/u units, none empty)."""
+        p = self.world_size
+        return tuple(u for u in self.unit_candidates
+                     if 1 < u < size and size % u == 0 and (size // u) % p
+                     and (p - 1) * -(-(size // u) // p) < size // u)
 
     def is_tensor(self, n) -> bool:
         return isinstance(self.val(n), torch.Tensor)

@@ -5,6 +5,7 @@ dims (contiguous blocks stay contiguous); strided shards (chunks > 1) only pass 
 dims that are kept as they are.
 """
 import builtins
+import math
 import operator
 
 import torch
@@ -53,8 +54,38 @@ def mapped(info: NodeInfo, src, dim_map: dict, *, partial=True):
         for k in (1, *info.chunk_candidates) if passthrough else (1,):
             found.append(info.req({src: Shard(d_in, k)}, f"shard({d_out})", Shard(d_out, k),
                                   uneven=passthrough and k == 1))
+        if passthrough:
+            for u in info.units(info.shape(src)[d_in]):
+                found.append(info.req({src: Shard(d_in, unit=u)}, f"shard({d_out})", Shard(d_out, unit=u),
+                                      uneven=True))
     if partial:
         found.append(info.req({src: PARTIAL}, "partial", PARTIAL))
+    return found
+
+
+def whole_units(info: NodeInfo, src) -> list:
+    """Shards in whole units across a reshape that cuts or merges the split dim when the units do
+    not divide over the ranks: features [.., 896] viewed as heads [.., 14, 64] are split 4, 4, 4, 2
+    heads on 4 ranks as `Shard(-1, unit=64)` in, `Shard(heads)` out (and back for the merge).
+    A group's first dim holds the split; its boundaries are the same elements on both sides."""
+    a, b = info.shape(src), info.out_shape
+    groups = view_groups(tuple(a), tuple(b))
+    p, found = info.world_size, []
+    for ga, gb in groups or ():
+        ia, ib = [d for d in ga if a[d] > 1], [d for d in gb if b[d] > 1]
+        if not ia or not ib or (len(ia) == 1 and len(ib) == 1):
+            continue
+        inner_a = math.prod(a[d] for d in ia[1:])
+        inner_b = math.prod(b[d] for d in ib[1:])
+        for ua in (1, *info.units(a[ia[0]])):
+            atom = ua * inner_a                          # elements of the flat group per unit
+            if atom % inner_b or b[ib[0]] % (atom // inner_b):
+                continue
+            ub = atom // inner_b
+            if (a[ia[0]] // ua) % p == 0:
+                continue                                 # the even split: plain shards cover it
+            found.append(info.req({src: Shard(ia[0], unit=ua)}, f"shard({ib[0]})", Shard(ib[0], unit=ub),
+                                  uneven=True))
     return found
 
 
@@ -65,7 +96,7 @@ def mapped(info: NodeInfo, src, dim_map: dict, *, partial=True):
                aten.flatten.using_ints, aten.unflatten.int)
 def _view(info):
     src = info.inputs[0]
-    return mapped(info, src, view_map(info.shape(src), info.out_shape))
+    return mapped(info, src, view_map(info.shape(src), info.out_shape)) + whole_units(info, src)
 
 
 @register_rule(torch.Tensor.expand, torch.Tensor.expand_as, aten.expand.default)

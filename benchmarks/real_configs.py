@@ -1,0 +1,423 @@
+#!/usr/bin/env python
+"""autoshard's plans against a hand-written Megatron-LM plan, on published Hugging Face configurations.
+
+    python benchmarks/real_configs.py                          # every configuration, degrees 2, 4, 8
+    python benchmarks/real_configs.py --only llama3-8b,gpt2    # a few (names: --list)
+    python benchmarks/real_configs.py --degrees 4 --no-layers  # one degree, no 4-layer plans
+
+What is measured. Each configuration below is typed in from the published config.json of its
+Hugging Face checkpoint (vocabulary, widths, heads, key/value heads, head_dim, tied embeddings,
+the architecture switches), built with 2 layers instead of the published depth, on the meta
+device (`with torch.device("meta"): Auto*.from_config(cfg)`: nothing is downloaded or allocated).
+For every degree p and every outputs mode ("full", "sharded"), `autoshard.plan(model, p,
+{"input_ids": ids, "labels": ids}, outputs=mode)` is called with ids of shape (2, 512) on meta, i.e.
+T = 1024 tokens, and timed (wall seconds of the call, capture included; models built once per
+configuration). From the Plan: `comm_bytes` (ring bytes one rank sends per training step, forward +
+backward, fp32) and `params_per_rank`. The model's total is its unique parameters (tied ones once).
+
+The reference is Megatron-LM's plan of the same step, per rank, in ring bytes
+(`autoshard.collectives.ring_bytes`; an all-reduce of n bytes sends 2(p-1)/p n), 4 bytes an element,
+h the hidden size, V the vocabulary, L = 2 layers:
+
+- layers: (4L + 2) all-reduces of T x h. Per layer 4: in forward the row-parallel outputs of attention
+  and of the MLP, in backward the input gradients of the column-parallel projections that read the
+  replicated activations (Megatron's "f" and "g"); + 2 for the vocabulary-parallel embedding's forward
+  all-reduce and its backward counterpart at the head. Parallel-attention layers (Falcon with
+  parallel_attn, GPT-NeoX/Pythia with use_parallel_residual, Phi-1/Phi-2: attention and MLP read the
+  same input and their outputs are summed while still partial) count 2 a layer (1 forward + 1
+  backward), i.e. (2L + 2).
+- loss: 3 all-reduces of T elements (vocabulary-parallel cross-entropy: max, sum of exp, target logit).
+- logits: with outputs="full" one all-gather of the T x V logits; with outputs="sharded" none.
+
+Reported per (configuration, p, outputs): comm / Megatron, the ratio of the two; the layers' share,
+(comm(L=4) - comm(L=2)) / Megatron bytes of 2 layers (8 all-reduces of T x h, or 4 for parallel
+layers), the same call planned on a 4-layer build of the configuration: what two more layers cost,
+free of the embedding, head, loss and logits; params per rank / (total / p). Configurations whose
+head counts do not divide by p have no head-parallel Megatron plan at that degree (Megatron refuses
+them); a vocabulary that does not divide by p Megatron pads (to a multiple of 128 p, a negligible
+change in bytes). The formula (unpadded V) is still the bar for them, and the note names the
+quantities that do not divide. For every row the plan's collectives (redistributions and collectives ops run themselves,
+with the node that reads them and its module, largest first) are kept in the JSON; for each
+configuration with a row above --flag (default 1.25) the largest of its worst row are printed under
+the table.
+
+Results: a markdown table on stdout, benchmarks/results/real_configs.json (every row, the
+hyperparameters, torch / transformers versions). Shapes only: one process, CPU, no GPU needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import autoshard  # noqa: E402
+from autoshard.collectives import ring_bytes  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+BATCH, SEQ = 2, 512
+TOKENS = BATCH * SEQ
+BYTES = 4                       # fp32
+LAYERS = 2
+MODES = ("full", "sharded")
+TOP = 6                         # largest collectives printed per flagged configuration
+
+
+@dataclass
+class Spec:
+    """One published configuration: `config` (a transformers config class name) with `kwargs` from
+    the checkpoint's config.json, built by `auto` (a transformers Auto* class) with `LAYERS` layers."""
+
+    hf_id: str
+    config: str
+    kwargs: dict
+    auto: str = "AutoModelForCausalLM"
+    parallel: bool = False      # attention and MLP in parallel: 2 all-reduces a layer, not 4
+    attn: str = "sdpa"
+    layers_key: str = "num_hidden_layers"
+    remark: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# Hyperparameters as published in each checkpoint's config.json (the depth is replaced by 2 layers).
+CONFIGS: dict[str, Spec] = {
+    "gpt2": Spec("openai-community/gpt2", "GPT2Config", dict(
+        vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
+        activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+        bos_token_id=50256, eos_token_id=50256), layers_key="n_layer", remark="GPT-2 124M; Conv1D layers"),
+    "bert-base": Spec("google-bert/bert-base-uncased", "BertConfig", dict(
+        vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+        hidden_act="gelu", max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12, pad_token_id=0,
+        tie_word_embeddings=True), auto="AutoModelForMaskedLM", remark="BertForMaskedLM"),
+    "roberta-base": Spec("FacebookAI/roberta-base", "RobertaConfig", dict(
+        vocab_size=50265, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+        hidden_act="gelu", max_position_embeddings=514, type_vocab_size=1, layer_norm_eps=1e-5, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, tie_word_embeddings=True), auto="AutoModelForMaskedLM",
+        remark="RobertaForMaskedLM"),
+    "llama3-8b": Spec("meta-llama/Meta-Llama-3-8B", "LlamaConfig", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=500000.0, attention_bias=False, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_id=128001)),
+    "llama2-7b": Spec("meta-llama/Llama-2-7b-hf", "LlamaConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
+    "mistral-7b": Spec("mistralai/Mistral-7B-v0.1", "MistralConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
+    "qwen2.5-0.5b": Spec("Qwen/Qwen2.5-0.5B", "Qwen2Config", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, use_sliding_window=False, sliding_window=32768, max_window_layers=24,
+        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643), remark="q/k/v biases"),
+    "qwen2-7b": Spec("Qwen/Qwen2-7B", "Qwen2Config", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, use_sliding_window=False, sliding_window=131072, max_window_layers=28,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643)),
+    "qwen2.5-7b": Spec("Qwen/Qwen2.5-7B", "Qwen2Config", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, use_sliding_window=False, sliding_window=131072, max_window_layers=28,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643)),
+    "gemma-2b": Spec("google/gemma-2b", "GemmaConfig", dict(
+        vocab_size=256000, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
+        num_key_value_heads=1, head_dim=256, hidden_act="gelu_pytorch_tanh", max_position_embeddings=8192,
+        rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False, tie_word_embeddings=True, pad_token_id=0,
+        bos_token_id=2, eos_token_id=1), remark="multi-query (1 kv head), head_dim 256"),
+    "gemma2-2b": Spec("google/gemma-2-2b", "Gemma2Config", dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
+        rms_norm_eps=1e-6, rope_theta=10000.0, query_pre_attn_scalar=256, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, attention_bias=False,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1), attn="eager",
+        remark="logit soft-capping; sandwich norms"),
+    "falcon-7b": Spec("tiiuae/falcon-7b", "FalconConfig", dict(
+        vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, multi_query=True,
+        parallel_attn=True, new_decoder_architecture=False, bias=False, alibi=False, layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True, bos_token_id=11, eos_token_id=11), parallel=True,
+        remark="71 heads, multi-query, fused query_key_value"),
+    "phi3-mini": Spec("microsoft/Phi-3-mini-4k-instruct", "Phi3Config", dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, hidden_act="silu", max_position_embeddings=4096,
+        original_max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=2047,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
+        remark="fused qkv_proj and gate_up_proj"),
+    "phi-2": Spec("microsoft/phi-2", "PhiConfig", dict(
+        vocab_size=51200, hidden_size=2560, intermediate_size=10240, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, hidden_act="gelu_new", max_position_embeddings=2048, layer_norm_eps=1e-5,
+        partial_rotary_factor=0.4, rope_theta=10000.0, qk_layernorm=False, resid_pdrop=0.1, embd_pdrop=0.0,
+        attention_dropout=0.0, tie_word_embeddings=False,
+        bos_token_id=50256, eos_token_id=50256), parallel=True, remark="lm_head with bias"),
+    "pythia-1b": Spec("EleutherAI/pythia-1b", "GPTNeoXConfig", dict(
+        vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=8,
+        hidden_act="gelu", max_position_embeddings=2048, layer_norm_eps=1e-5, rotary_pct=0.25,
+        rotary_emb_base=10000, use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=0), parallel=True, remark="GPT-NeoX, fused query_key_value"),
+    "opt-1.3b": Spec("facebook/opt-1.3b", "OPTConfig", dict(
+        vocab_size=50272, hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
+        max_position_embeddings=2048, word_embed_proj_dim=2048, do_layer_norm_before=True,
+        activation_function="relu", enable_bias=True, tie_word_embeddings=True, pad_token_id=1, bos_token_id=2,
+        eos_token_id=2), remark="learned positions (offset 2)"),
+}
+
+
+# ----------------------------------------------------------------------------- models and formula
+
+def build(spec: Spec, layers: int):
+    """The configuration and its model with `layers` layers, on meta."""
+    cfg = getattr(transformers, spec.config)(**{**spec.kwargs, spec.layers_key: layers, "use_cache": False})
+    auto = getattr(transformers, spec.auto)
+    with torch.device("meta"):
+        model = auto.from_config(cfg, attn_implementation=spec.attn)
+    return cfg, model
+
+
+def heads(cfg) -> tuple[int, int]:
+    n = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None)
+    if kv is None and getattr(cfg, "multi_query", False):
+        kv = 1
+    return n, kv if kv is not None else n
+
+
+def megatron(h: int, vocab: int, layers: int, p: int, outputs: str, parallel: bool) -> dict:
+    """Megatron-LM's ring bytes per rank per step (the module docstring's formula), by part."""
+    per_layer = 2 if parallel else 4
+    act = TOKENS * h * BYTES
+    part = {"layers": (per_layer * layers + 2) * ring_bytes("all_reduce", act, p),
+            "loss": 3 * ring_bytes("all_reduce", TOKENS * BYTES, p),
+            "logits": ring_bytes("all_gather", TOKENS * vocab * BYTES, p) if outputs == "full" else 0.0}
+    part["total"] = sum(part.values())
+    part["two_layers"] = 2 * per_layer * ring_bytes("all_reduce", act, p)
+    return part
+
+
+def carriers(plan) -> list[dict]:
+    """The plan's collectives, largest first: each redistribution (a tensor changing placement, with
+    the node that reads it and the module of that node) and each collective an op runs itself."""
+    p = plan.world_size
+    out = []
+    for r in plan.redistributions:
+        b = r.ring_bytes(p)
+        if not b:
+            continue
+        reader = r.consumers[0] if r.consumers else ""
+        d = plan.nodes.get(reader)
+        out.append({"node": r.node, "reader": str(reader), "module": d.module if d is not None else "",
+                    "what": f"{r.src}->{r.dst}", "forward": list(r.forward), "backward": list(r.backward),
+                    "tensor_bytes": r.nbytes, "ring_bytes": b})
+    for name, d in plan.nodes.items():
+        for kind, nb in d.comm:
+            out.append({"node": name, "reader": name, "module": d.module, "what": f"{d.strategy} ({d.op})",
+                        "forward": [kind], "backward": [], "tensor_bytes": nb, "ring_bytes": ring_bytes(kind, nb, p)})
+    out.sort(key=lambda c: -c["ring_bytes"])
+    return out
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def timed_plan(model, p: int, mode: str):
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = autoshard.plan(model, p, {"input_ids": ids, "labels": ids}, outputs=mode)
+        return plan, time.perf_counter() - t0, None
+    except Exception as exc:                                     # noqa: BLE001 - recorded, never fatal
+        return None, time.perf_counter() - t0, exc
+
+
+# ----------------------------------------------------------------------------- running
+
+def run_config(name: str, spec: Spec, degrees, with_layers: bool, log) -> tuple[dict, list[dict]]:
+    info = {"hf_id": spec.hf_id, "config_class": spec.config, "model_class": None, "published": spec.kwargs,
+            "layers_built": LAYERS, "attn_implementation": spec.attn, "parallel_layers": spec.parallel,
+            "remark": spec.remark}
+    rows = []
+    try:
+        cfg, model = build(spec, LAYERS)
+        cfg4, model4 = build(spec, 2 * LAYERS) if with_layers else (None, None)
+    except Exception as exc:                                     # noqa: BLE001
+        info["build_error"] = first_line(exc)
+        log(f"{name}: build failed: {info['build_error']}")
+        for p in degrees:
+            for mode in MODES:
+                rows.append({"config": name, "p": p, "outputs": mode, "note": "build: " + info["build_error"]})
+        return info, rows
+    info["model_class"] = type(model).__name__
+    total = sum(t.numel() for t in model.parameters())           # unique: a tied weight once
+    n_heads, n_kv = heads(cfg)
+    h, vocab = cfg.hidden_size, cfg.vocab_size
+    info.update(hidden=h, vocab=vocab, heads=n_heads, kv_heads=n_kv, params_total=total,
+                params_total_4_layers=sum(t.numel() for t in model4.parameters()) if model4 is not None else None)
+    for p in degrees:
+        for mode in MODES:
+            ref = megatron(h, vocab, LAYERS, p, mode, spec.parallel)
+            row = {"config": name, "p": p, "outputs": mode, "megatron": ref, "params_total": total}
+            notes = []
+            odd = [f"{k} {v}" for k, v in (("heads", n_heads), ("kv heads", n_kv), ("vocab", vocab)) if v % p]
+            if odd:
+                notes.append(f"not divisible by {p}: " + ", ".join(odd))
+            plan, secs, err = timed_plan(model, p, mode)
+            row["plan_seconds"] = secs
+            if err is not None:
+                notes.insert(0, "plan failed: " + first_line(err))
+                row["error_traceback"] = traceback.format_exception(err)[-3:]
+            else:
+                row.update(comm_bytes=plan.comm_bytes, comm_by_kind={k: list(v) for k, v in plan.comm_by_kind.items()},
+                           params_per_rank=plan.params_per_rank, plan_params_total=plan.params_total,
+                           tracer=plan.tracer, ratio=plan.comm_bytes / ref["total"],
+                           params_ratio=plan.params_per_rank / (total / p), collectives=carriers(plan),
+                           unsupported=len(plan.unsupported))
+            if model4 is not None:
+                plan4, secs4, err4 = timed_plan(model4, p, mode)
+                row["plan_seconds_4_layers"] = secs4
+                if err4 is not None:
+                    notes.append("4-layer plan failed: " + first_line(err4))
+                elif plan is not None:
+                    row["comm_bytes_4_layers"] = plan4.comm_bytes
+                    row["layers_share"] = (plan4.comm_bytes - plan.comm_bytes) / ref["two_layers"]
+                del plan4
+            row["note"] = "; ".join(notes)
+            rows.append(row)
+            log(f"{name:13s} p={p} {mode:7s} " + (
+                f"comm {row['comm_bytes'] / 2**20:9.1f} MiB  Megatron {ref['total'] / 2**20:9.1f} MiB  "
+                f"ratio {row['ratio']:.3f}  layers {fmt(row.get('layers_share'))}  params {row['params_ratio']:.3f}"
+                if "ratio" in row else "") + f"  {secs:.1f} s  {row['note']}")
+            del plan
+    return info, rows
+
+
+def fmt(x, digits=2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table(rows, configs) -> str:
+    head = ["configuration", "p", "outputs", "comm MiB", "Megatron MiB", "comm/Megatron", "layers' share",
+            "params/(1/p)", "plan s", "note"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        par = " ‡" if configs.get(r["config"], {}).get("parallel_layers") else ""
+        cells = [r["config"] + par, str(r["p"]), r["outputs"],
+                 fmt(r["comm_bytes"] / 2**20, 1) if "comm_bytes" in r else "-",
+                 fmt(r["megatron"]["total"] / 2**20, 1) if "megatron" in r else "-",
+                 fmt(r.get("ratio"), 3), fmt(r.get("layers_share"), 3), fmt(r.get("params_ratio"), 3),
+                 fmt(r.get("plan_seconds"), 1), (r.get("note") or "").replace("|", "\\|")]
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    out.append(f"T = {BATCH} x {SEQ} tokens, fp32, {LAYERS} layers; bytes are ring bytes per rank per step "
+               "(forward + backward). Megatron = (4L+2) all-reduces of T x h + 3 all-reduces of T (loss) "
+               "+ with outputs=full one all-gather of T x V. ‡ parallel attention + MLP (Falcon parallel_attn, "
+               "GPT-NeoX use_parallel_residual, Phi-2): (2L+2) all-reduces of T x h instead. layers' share = "
+               "(comm(4 layers) - comm(2 layers)) / Megatron bytes of 2 layers. params/(1/p) = params per rank "
+               "/ (unique parameters / p). \"not divisible by p\": heads / kv heads (Megatron has no head-parallel plan) "
+               "or vocab (Megatron pads it).")
+    return "\n".join(out)
+
+
+def flagged(rows, threshold: float) -> str:
+    """Per configuration with a row above `threshold` (comm/Megatron or layers' share): the rows above
+    it, then the largest collectives of the worst of them."""
+    lines, by_config = [], {}
+    for r in rows:
+        if r.get("ratio") is not None and max(r["ratio"], r.get("layers_share") or 0) > threshold:
+            by_config.setdefault(r["config"], []).append(r)
+    for name, rs in by_config.items():
+        r = max(rs, key=lambda x: (x["ratio"], x["p"]))
+        lines.append(f"{name}: above {threshold} at " + ", ".join(
+            f"p={x['p']} {x['outputs']} ({x['ratio']:.2f}, layers {fmt(x.get('layers_share'))})" for x in rs))
+        lines.append(f"  worst, p={r['p']} outputs={r['outputs']}: collectives by kind " + ", ".join(
+            f"{k} x{int(c)} {b / 2**20:.1f} MiB" for k, (c, b) in sorted(r["comm_by_kind"].items())))
+        for c in r["collectives"][:TOP]:
+            lines.append(f"    {c['ring_bytes'] / 2**20:9.1f} MiB  {c['node']} {c['what']} "
+                         f"fwd {'+'.join(c['forward']) or '-'} bwd {'+'.join(c['backward']) or '-'}"
+                         f"  read by {c['reader']} ({c['module'] or '-'})")
+    return "\n".join(lines)
+
+
+def env() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads(), "load_avg": load, "git_commit": commit, "argv": sys.argv,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default=None, help="comma-separated configuration names (see --list)")
+    ap.add_argument("--degrees", default="2,4,8", help="comma-separated tensor-parallel degrees")
+    ap.add_argument("--json", default=None, help=f"output JSON (default {RESULTS / 'real_configs.json'})")
+    ap.add_argument("--no-layers", action="store_true", help="skip the 4-layer plans (no layers' share)")
+    ap.add_argument("--flag", type=float, default=1.25,
+                    help="print the largest collectives of rows whose comm/Megatron or layers' share exceeds this")
+    ap.add_argument("--list", action="store_true", help="list the configurations and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for k, s in CONFIGS.items():
+            print(f"{k:14s} {s.hf_id:36s} {s.remark}")
+        return 0
+    names = list(CONFIGS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+    degrees = [int(d) for d in args.degrees.split(",") if d.strip()]
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    configs, rows = {}, []
+    for name in names:
+        info, rs = run_config(name, CONFIGS[name], degrees, not args.no_layers, lambda s: print(s, flush=True))
+        configs[name] = info
+        rows.extend(rs)
+    total = time.perf_counter() - t0
+    print()
+    print(table(rows, configs))
+    bad = flagged(rows, args.flag)
+    if bad:
+        print(f"\nlargest collectives of rows above {args.flag} (comm/Megatron or layers' share):")
+        print(bad)
+    failed = [r for r in rows if "comm_bytes" not in r]
+    print(f"\n{len(rows)} rows, {len(failed)} failed to plan; total {total:.0f} s")
+    path = Path(args.json) if args.json else RESULTS / "real_configs.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    res = {"env": env(), "settings": {"batch": BATCH, "seq": SEQ, "tokens": TOKENS, "bytes_per_element": BYTES,
+                                      "layers": LAYERS, "degrees": degrees, "modes": list(MODES),
+                                      "layers_share": not args.no_layers},
+           "formula": "Megatron ring bytes per rank per step: (4L+2) [parallel layers: (2L+2)] all_reduce of "
+                      "T*h*4 + 3 all_reduce of T*4 + (outputs=full) all_gather of T*V*4",
+           "configs": configs, "rows": rows, "total_seconds": total}
+    path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
