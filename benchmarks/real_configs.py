@@ -24,8 +24,10 @@ h the hidden size, V the vocabulary, L = 2 layers:
   replicated activations (Megatron's "f" and "g"); + 2 for the vocabulary-parallel embedding's forward
   all-reduce and its backward counterpart at the head. Parallel-attention layers (Falcon with
   parallel_attn, GPT-NeoX/Pythia with use_parallel_residual, Phi-1/Phi-2: attention and MLP read the
-  same input and their outputs are summed while still partial) count 2 a layer (1 forward + 1
-  backward), i.e. (2L + 2).
+  same input and their outputs are summed while still partial) count 1 forward all-reduce a layer
+  and one backward all-reduce per norm that feeds the two branches: 2 a layer for Falcon-7B and
+  Phi-2 (one shared norm), 3 for GPT-NeoX / Pythia (a norm per branch: two column-parallel inputs,
+  whose gradients GPT-NeoX's own Megatron also all-reduces separately).
 - loss: 3 all-reduces of T elements (vocabulary-parallel cross-entropy: max, sum of exp, target logit).
 - logits: with outputs="full" one all-gather of the T x V logits; with outputs="sharded" none.
 
@@ -49,8 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -66,6 +66,7 @@ import transformers  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard.collectives import ring_bytes  # noqa: E402
+from common import env_info  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 BATCH, SEQ = 2, 512
@@ -85,7 +86,8 @@ class Spec:
     config: str
     kwargs: dict
     auto: str = "AutoModelForCausalLM"
-    parallel: bool = False      # attention and MLP in parallel: 2 all-reduces a layer, not 4
+    parallel: bool = False      # attention and MLP in parallel: 1 + `norms` all-reduces a layer, not 4
+    norms: int = 1              # parallel layers: norms feeding the two branches (backward all-reduces)
     attn: str = "sdpa"
     layers_key: str = "num_hidden_layers"
     remark: str = ""
@@ -168,7 +170,7 @@ CONFIGS: dict[str, Spec] = {
         vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=8,
         hidden_act="gelu", max_position_embeddings=2048, layer_norm_eps=1e-5, rotary_pct=0.25,
         rotary_emb_base=10000, use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0,
-        eos_token_id=0), parallel=True, remark="GPT-NeoX, fused query_key_value"),
+        eos_token_id=0), parallel=True, norms=2, remark="GPT-NeoX, fused query_key_value"),
     "opt-1.3b": Spec("facebook/opt-1.3b", "OPTConfig", dict(
         vocab_size=50272, hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
         max_position_embeddings=2048, word_embed_proj_dim=2048, do_layer_norm_before=True,
@@ -196,9 +198,9 @@ def heads(cfg) -> tuple[int, int]:
     return n, kv if kv is not None else n
 
 
-def megatron(h: int, vocab: int, layers: int, p: int, outputs: str, parallel: bool) -> dict:
+def megatron(h: int, vocab: int, layers: int, p: int, outputs: str, parallel: bool, norms: int = 1) -> dict:
     """Megatron-LM's ring bytes per rank per step (the module docstring's formula), by part."""
-    per_layer = 2 if parallel else 4
+    per_layer = 1 + norms if parallel else 4
     act = TOKENS * h * BYTES
     part = {"layers": (per_layer * layers + 2) * ring_bytes("all_reduce", act, p),
             "loss": 3 * ring_bytes("all_reduce", TOKENS * BYTES, p),
@@ -272,7 +274,7 @@ def run_config(name: str, spec: Spec, degrees, with_layers: bool, log) -> tuple[
                 params_total_4_layers=sum(t.numel() for t in model4.parameters()) if model4 is not None else None)
     for p in degrees:
         for mode in MODES:
-            ref = megatron(h, vocab, LAYERS, p, mode, spec.parallel)
+            ref = megatron(h, vocab, LAYERS, p, mode, spec.parallel, spec.norms)
             row = {"config": name, "p": p, "outputs": mode, "megatron": ref, "params_total": total}
             notes = []
             odd = [f"{k} {v}" for k, v in (("heads", n_heads), ("kv heads", n_kv), ("vocab", vocab)) if v % p]
@@ -328,7 +330,7 @@ def table(rows, configs) -> str:
     out.append(f"T = {BATCH} x {SEQ} tokens, fp32, {LAYERS} layers; bytes are ring bytes per rank per step "
                "(forward + backward). Megatron = (4L+2) all-reduces of T x h + 3 all-reduces of T (loss) "
                "+ with outputs=full one all-gather of T x V. ‡ parallel attention + MLP (Falcon parallel_attn, "
-               "GPT-NeoX use_parallel_residual, Phi-2): (2L+2) all-reduces of T x h instead. layers' share = "
+               "Phi-2): (2L+2) all-reduces of T x h instead, GPT-NeoX (a norm per branch) (3L+2). layers' share = "
                "(comm(4 layers) - comm(2 layers)) / Megatron bytes of 2 layers. params/(1/p) = params per rank "
                "/ (unique parameters / p). \"not divisible by p\": heads / kv heads (Megatron has no head-parallel plan) "
                "or vocab (Megatron pads it).")
@@ -356,19 +358,10 @@ def flagged(rows, threshold: float) -> str:
 
 
 def env() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "threads": torch.get_num_threads(), "load_avg": load, "git_commit": commit, "argv": sys.argv,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    """common.env_info() and what this script adds: transformers' version, threads, the load."""
+    info = env_info()
+    info.update(transformers=transformers.__version__, threads=torch.get_num_threads(), load_avg=os.getloadavg())
+    return info
 
 
 def main(argv=None) -> int:
