@@ -290,8 +290,6 @@ class Rewriter:
             t = _target(n)
             if d.strategy == "row" and isinstance(d.output, Replicate):
                 self._row_with_bias(n, t)
-            elif d.strategy == "row" and isinstance(d.output, Partial):
-                self._bias_share(n, t)
             elif d.strategy == "grouped" and t in CONV_OPS:
                 self._local_groups(n, t)
             elif d.strategy == "vocab" and t in EMBEDDING_OPS:
@@ -389,25 +387,6 @@ class Rewriter:
         with self.graph.inserting_before(n):
             y = self.call(C.reduce_from, (y,), {"group": self.key, "inplace": True})     # y: the matmul's own
         self.replace(n, add, (y, b))
-
-    def _bias_share(self, n, t):
-        """A row-parallel op left Partial adds bias / p on every rank: the sum over the ranks
-        adds the bias once (its gradient comes back Partial and is all-reduced by the plan)."""
-        if t in LINEAR_OPS or t in CONV_OPS:
-            pos, name = 2, "bias"
-        elif t in (aten.addmm.default, torch.addmm):
-            pos, name = 0, "input"
-        else:
-            return
-        b = node_arg(n, pos, name)
-        if not isinstance(b, fx.Node):
-            return
-        with self.graph.inserting_before(n):
-            share = self.call(operator.truediv, (b, self.p))
-        if pos < len(n.args):
-            n.update_arg(pos, share)
-        else:
-            n.update_kwarg(name, share)
 
     def _local_groups(self, n, t):
         """A grouped convolution split on channels: this rank holds groups / p whole groups."""

@@ -165,10 +165,11 @@ class State:
                 if si != sidx[i]:
                     old_sidx[i] = sidx[i]
                     sidx[i] = si
-                    for j in prob.ins[i]:               # later readers of its inputs: _whole_before
-                        for u in users[j]:
-                            if u > i:
-                                heapq.heappush(heap, u)
+                    for j in prob.ins[i]:               # later readers of its split inputs: _whole_before
+                        if isinstance(place[j], (Shard, Partial)):
+                            for u in users[j]:
+                                if u > i:
+                                    heapq.heappush(heap, u)
                 if out != place[i]:
                     old_place[i] = place[i]
                     place[i] = out

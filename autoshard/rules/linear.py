@@ -2,10 +2,7 @@
 
 Column: input Replicate (its gradient comes back Partial), weight split on its output dim,
 output sharded on the last dim. Row: input sharded on the last dim, weight split on its
-input dim, output Partial; with a bias the op either reduces itself and adds the bias once, or
-stays Partial with each rank adding bias / p (its gradient then comes back Partial: one
-all-reduce of the bias's gradient), so that two row-parallel results can be summed before one
-all-reduce (parallel attention and MLP with biases: GPT-NeoX, Phi-2).
+input dim, output Partial; with a bias the op reduces itself and adds the bias once.
 """
 import torch
 import torch.nn.functional as F
@@ -38,14 +35,16 @@ def column_row(info: NodeInfo, x, w, b, *, x_dim: int, out_dim: int, w_out_dim: 
         found.append(info.req(m, "column", Shard(out_dim, unit=u), compute=1 / p, dim=-1, uneven=True))
     for u in info.units(info.shape(w)[w_in_dim]):
         m = {x: Shard(x_dim, unit=u), w: Shard(w_in_dim, unit=u)}
-        found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0, uneven=True))
-        if b is not None:
+        if b is None:
+            found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0, uneven=True))
+        else:
             found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0, uneven=True,
                                   comm=[("all_reduce", _bytes(info))]))
     for k in (1, *info.chunk_candidates):     # k > 1: the input is k pieces, each split (a cat of shards)
         m = {x: Shard(x_dim, k), w: Shard(w_in_dim, k)}
-        found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0, uneven=k == 1))     # a bias: b / p each
-        if b is not None:
+        if b is None:
+            found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0, uneven=k == 1))
+        else:
             found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0, uneven=k == 1,
                                   comm=[("all_reduce", _bytes(info))]))
     return found
