@@ -22,7 +22,7 @@ import torch.fx
 
 from .errors import ProcessGroupError
 from .groups import get_group, is_initialized, tensor_parallel_mesh
-from .placements import cat_along, checked_dim, chunk_sizes, split_along
+from .placements import cat_along, checked_dim, chunk_sizes, pad_along, split_along
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter", "all_gather",
            "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]
@@ -159,15 +159,6 @@ def _stacked_gather(x, group):
     return out
 
 
-def _pad(x, dim, size):
-    """`x` grown with zeros along `dim` to `size`."""
-    if x.size(dim) == size:
-        return x
-    shape = list(x.shape)
-    shape[dim] = size - x.size(dim)
-    return torch.cat([x, x.new_zeros(shape)], dim)
-
-
 def _gather(x, dim, chunks, group, size=None, unit=1, op="gather_from", direction="forward"):
     """Full tensor from every rank's Shard(dim, chunks) piece; `size`, the full size of `dim`
     where shards differ (torch.chunk's boundaries, in `unit`s): each is padded to the largest
@@ -175,7 +166,7 @@ def _gather(x, dim, chunks, group, size=None, unit=1, op="gather_from", directio
     p = dist.get_world_size(group)
     dim = checked_dim(dim, x.dim())
     sizes = None if size is None or size % (p * unit) == 0 else chunk_sizes(size, p, unit)
-    stacked = _stacked_gather(x if sizes is None else _pad(x, dim, sizes[0]), group)
+    stacked = _stacked_gather(x if sizes is None else pad_along(x, dim, sizes[0]), group)
     _record(op, "all_gather", direction, stacked.nbytes, stacked.size(0))
     pieces = stacked.unbind(0)
     if sizes is not None:
@@ -198,7 +189,7 @@ def _reduce_scatter(x, dim, chunks, group, unit=1, op="reduce_scatter", directio
     size = x.size(dim)
     if chunks == 1 and size % (p * unit):
         sizes = chunk_sizes(size, p, unit)
-        padded = torch.cat([_pad(piece, dim, sizes[0]) for piece in x.split(sizes, dim)], dim)
+        padded = torch.cat([pad_along(piece, dim, sizes[0]) for piece in x.split(sizes, dim)], dim)
         own = _reduce_scatter(padded, dim, 1, group, 1, op, direction)
         return own.narrow(dim, 0, sizes[rank]).contiguous()
     pieces = split_along(x, dim, p, chunks)

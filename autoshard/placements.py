@@ -260,6 +260,15 @@ def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = 
     return [torch.cat(parts[r::n], dim) for r in range(n)]
 
 
+def pad_along(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`x` grown with zeros along `dim` to `size` (a smaller shard sent as the largest one)."""
+    if x.size(dim) == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size - x.size(dim)
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
 def cat_along(pieces, dim: int, chunks: int = 1) -> torch.Tensor:
     """Inverse of `split_along`: the full tensor from the rank pieces in rank order."""
     dim = checked_dim(dim, pieces[0].dim())

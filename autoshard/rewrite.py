@@ -462,8 +462,9 @@ class Rewriter:
             return
         d = n.args[1] if len(n.args) > 1 and t is not getattr else n.kwargs.get("dim")
         kw = {"d": d}
-        if self.uneven_size(src.name, pl):
-            kw["full"] = self.uneven_size(src.name, pl)
+        full = self.uneven_size(src.name, pl)
+        if full:
+            kw["full"] = full
         self.replace(n, global_size, (src, pl.dim, self.p), kw)
 
     def _local_sizes(self, n, out: Shard):

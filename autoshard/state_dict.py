@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .errors import ShardingError
 from .groups import get_data_parallel_group, get_group
-from .placements import Shard, cat_along, chunk_sizes, global_shape, split_along
+from .placements import Shard, cat_along, chunk_sizes, global_shape, pad_along, split_along
 
 __all__ = ["slice", "collect_state_dict", "relocate_state_dict", "get_parallel_dim",
            "register_parallel_dim", "register_parallel_attribute",
@@ -166,10 +166,8 @@ def _gather_entry(value, layout, pg, p, dst, rank):
     if sizes is not None and value.size(layout.dim) != sizes[rank]:
         raise ShardingError(f"collect_state_dict: a {tuple(value.shape)} shard on rank {rank}, but {layout.size} "
                             f"rows on {p} ranks give it {sizes[rank]} along dim {layout.dim}")
-    if sizes is not None and sizes[rank] < sizes[0]:
-        shape = list(value.shape)
-        shape[layout.dim] = sizes[0] - sizes[rank]
-        value = torch.cat([value, value.new_zeros(shape)], layout.dim)
+    if sizes is not None:
+        value = pad_along(value, layout.dim, sizes[0])
     value = value.contiguous()
     if dst is None:
         pieces = [torch.empty_like(value) for _ in range(p)]
