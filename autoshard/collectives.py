@@ -24,7 +24,7 @@ from .errors import ProcessGroupError
 from .groups import get_group, is_initialized, tensor_parallel_mesh
 from .placements import cat_along, checked_dim, chunk_sizes, pad_along, split_along
 
-__all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter", "all_gather",
+__all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "gather_from", "reduce_scatter", "all_gather",
            "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -253,6 +253,22 @@ class _ScatterTo(torch.autograd.Function):
         return _gather(grad, *ctx.args, op="scatter_to", direction="backward"), None, None, None, None
 
 
+class _SlicePartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, group, unit):
+        out = _scatter(x, dim, chunks, group, unit)
+        ctx.args = (x.shape, dim, chunks, unit, dist.get_world_size(group), dist.get_rank(group))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dim, chunks, unit, p, rank = ctx.args
+        full = grad.new_zeros(shape)
+        for block, piece in zip(full.chunk(chunks, dim), grad.chunk(chunks, dim)):   # views of `full`
+            split_along(block, dim, p, 1, uneven=True, unit=unit)[rank].copy_(piece)
+        return full, None, None, None, None
+
+
 class _GatherFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, chunks, group, size, unit):
@@ -346,6 +362,16 @@ def scatter_to(x, dim, chunks=1, group=None, unit=1):
     that many elements, where the size does not divide); bwd: all-gather the gradient."""
     pg, p = _resolve(group)
     return x if p == 1 else _ScatterTo.apply(x, dim, chunks, pg, unit)
+
+
+@_fx_leaf
+def slice_partial(x, dim, chunks=1, group=None, unit=1):
+    """fwd: keep this rank's Shard(dim, chunks) piece, as scatter_to; bwd: the gradient's piece
+    in place in zeros of the full shape, no communication. The ranks' gradients are then
+    summands of the whole one (Partial): the slice of a tensor whose gradient stays Partial
+    (`ReplicatePartialGrad`: replicated K/V heads sliced to the heads this rank's queries read)."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _SlicePartial.apply(x, dim, chunks, pg, unit)
 
 
 @_fx_leaf

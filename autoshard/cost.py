@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 
 from .collectives import KINDS, ring_bytes  # noqa: F401  (one definition of ring bytes)
-from .placements import Partial, Replicate, Shard
+from .placements import Partial, Replicate, ReplicatePartialGrad, Shard
 from .rules.conv import conv_flops
 from .rules.registry import family_of
 
@@ -54,7 +54,34 @@ class CostModel:
 
 def grad_of(placement):
     """The placement a gradient must end in for a tensor of this forward placement."""
+    if isinstance(placement, ReplicatePartialGrad):
+        return Partial()
     return Replicate() if isinstance(placement, Partial) else placement
+
+
+def partial_grad_edge(src, req, grad, param: bool):
+    """(forward kinds, backward kinds) of an edge from a tensor held `ReplicatePartialGrad` or to
+    that requirement, None where it cannot run, NotImplemented when neither end is one.
+
+    Only a parameter is read as Rp (it is held so, and its gradient, Partial, is all-reduced
+    here: the weight-gradient all-reduce of replicated K/V heads). An Rp activation is read whole
+    by ops that send back Partial gradients (nothing to do) or sliced (its piece of the gradient
+    zero-padded: Partial, no collective); an op that sends back a whole gradient cannot read it
+    (that gradient would be counted p times), and it is never made Partial."""
+    rp_src, rp_req = isinstance(src, ReplicatePartialGrad), isinstance(req, ReplicatePartialGrad)
+    if not (rp_src or rp_req):
+        return NotImplemented
+    if rp_req:
+        if not (param and rp_src):
+            return None
+        return (), (("all_reduce",) if isinstance(grad, Partial) else ())
+    if param:                          # an Rp parameter is read only by the ops that chose it
+        return None
+    if isinstance(req, Shard):
+        return (), ()
+    if isinstance(req, Replicate) and isinstance(grad, Partial):
+        return (), ()
+    return None
 
 
 @lru_cache(maxsize=None)
@@ -66,6 +93,9 @@ def redistribute(src, dst) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """
     if src == dst or src is None or dst is None:
         return (), ()
+    if isinstance(src, ReplicatePartialGrad) or isinstance(dst, ReplicatePartialGrad):
+        # forward: a slice or nothing; backward: see partial_grad_edge
+        return None if isinstance(dst, Partial) else ((), ())
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
             return ("all_reduce",), ()

@@ -13,6 +13,14 @@ shard with its global size (`Shard(d, size=n)`), since a rank's shard alone no l
 `unit=u` cuts the dim in whole units of u elements (heads of a projection's output features: 14
 heads of 64 on 4 ranks hold 4, 4, 4 and 2 heads, not 3.5 each); it is only set where the units
 do not divide by the degree (else the split is the even one).
+
+`ReplicatePartialGrad` ("Rp") is a Replicate whose gradient may stay Partial: every rank holds
+the whole tensor, and in backward each rank holds a summand of its gradient. It is how fewer
+key/value heads than ranks are replicated (Megatron's and vLLM's replicated K/V heads): K and V
+are computed whole on every rank, each rank slices the heads its query heads read (a slice whose
+gradient is zero-padded: a Partial gradient, no collective), and the Partial gradients are
+summed where they meet: with the input's all-reduce, which column-parallel q already needs, and
+in an all-reduce of the K/V weights' gradients (or of K and V's, whichever is smaller).
 """
 from __future__ import annotations
 
@@ -29,6 +37,16 @@ class Replicate:
 
     def __str__(self) -> str:
         return "R"
+
+
+@dataclass(frozen=True)
+class ReplicatePartialGrad(Replicate):
+    """Every rank holds the full tensor; its gradient may come back as a summand per rank
+    (Partial). An op reading it whole must send back Partial gradients; a slice of it sends back
+    its piece zero-padded. A parameter held so has its gradient all-reduced."""
+
+    def __str__(self) -> str:
+        return "Rp"
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,29 @@ class Shard:
         return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit})"
 
 
+@dataclass(frozen=True, repr=False)
+class ShardGathered(Shard):
+    """A weight stored as `Shard`, whose op gathers its output whole with a Partial gradient
+    (`ReplicatePartialGrad`): K/V of fewer heads than ranks computed split, all-gathered, and
+    their gradients reduce-scattered back. A layout of its own so the search can choose it; it
+    is stored, saved and loaded exactly as the `Shard` it is (`stored`)."""
+
+    def __str__(self) -> str:
+        return super().__str__() + "g"
+
+    def __repr__(self) -> str:
+        return "ShardGathered" + super().__repr__()[len("Shard"):]
+
+
+def stored(placement):
+    """How a parameter of `placement` is held and saved: the plain Shard / Replicate it is."""
+    if isinstance(placement, ShardGathered):
+        return Shard(placement.dim, placement.chunks, placement.size, placement.unit)
+    if isinstance(placement, ReplicatePartialGrad):
+        return REPLICATE
+    return placement
+
+
 @dataclass(frozen=True)
 class Partial:
     """Every rank holds a summand; the tensor is their sum (pending all-reduce)."""
@@ -72,6 +113,7 @@ class Partial:
 
 Placement = Replicate | Shard | Partial
 REPLICATE = Replicate()
+REPLICATE_PG = ReplicatePartialGrad()
 PARTIAL = Partial()
 
 

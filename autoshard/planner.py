@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from . import search as _search
+from .capture import dynamic_dims
 from .cost import CostModel, flops, ring_bytes
 from .errors import ShardingError
 from .placements import Replicate, Shard, local_numel, padded, splits
@@ -65,7 +66,10 @@ def unit_candidates(gm: fx.GraphModule) -> tuple:
         if not isinstance(src, torch.Tensor) or not isinstance(v, torch.Tensor):
             continue
         a, b = tuple(int(s) for s in src.shape), tuple(int(s) for s in v.shape)
+        dyn_a, dyn_b = dynamic_dims(n.args[0]), dynamic_dims(n)
         for ga, gb in view_groups(a, b) or ():
+            if any(d in dyn_a for d in ga) or any(d in dyn_b for d in gb):
+                continue                 # batch x sequence flattened: tokens, not heads
             ia, ib = [d for d in ga if a[d] > 1], [d for d in gb if b[d] > 1]
             for one, many, sizes in ((ia, ib, b), (ib, ia, a)):
                 if len(one) == 1 and len(many) > 1:

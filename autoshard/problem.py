@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from . import rules
 from .capture import DYNAMIC
-from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, redistribute
+from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
 from .errors import ShardingError
 from .placements import REPLICATE, Partial, Replicate, Shard, local_numel
 from .rules.registry import NodeInfo, OpStrategy
@@ -221,11 +221,16 @@ class Problem:
         if self.kind[j] == "param" and isinstance(src, Shard) and src != req:
             return INF       # a sharded parameter is used as stored (no ZeRO-style gathers)
         shared = shared and isinstance(req, Replicate)
-        key = (src, req, grad, self.nbytes[j], self.needs_grad[j], shared)
+        param = self.kind[j] == "param"
+        key = (src, req, grad, self.nbytes[j], self.needs_grad[j], shared, param)
         c = self._edge_cache.get(key)
         if c is None:
             r = redistribute(src, req)
-            if r is None:
+            rp = partial_grad_edge(src, req, grad, param)
+            if rp is not NotImplemented:
+                c = INF if rp is None else sum(self.cost.comm_time(k, self.nbytes[j], self.p)
+                                               for k in rp[0] + (rp[1] if self.needs_grad[j] else ()))
+            elif r is None:
                 c = INF
             else:
                 back = ("reduce_scatter",) if not shared and fused_backward(r[0], grad, req) else \
@@ -353,12 +358,20 @@ class Problem:
                     if c not in consumers:
                         consumers.append(c)
         out = []
+        param = self.kind[j] == "param"
         for req, per_grad in by_req.items():
             r = redistribute(src, req)
             if r is None:
                 return None
             fwd, dual = r
             grad_flows = self.needs_grad[j]
+            if partial_grad_edge(src, req, REPLICATE, param) is not NotImplemented:
+                for n, (g, consumers) in enumerate(sorted(per_grad.items(), key=lambda kv: str(kv[0]))):
+                    rp = partial_grad_edge(src, req, g, param)
+                    if rp is None:
+                        return None
+                    out.append((req, g, rp[0] if n == 0 else (), rp[1] if grad_flows else (), consumers))
+                continue
             for n, (g, consumers) in enumerate(sorted(per_grad.items(), key=lambda kv: str(kv[0]))):
                 fix = grad_fix(g, grad_of(req)) if grad_flows else ()
                 first = n == 0

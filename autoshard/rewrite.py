@@ -25,7 +25,7 @@ from .errors import ShardingError
 from .nn import functional as PF
 from .nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, TrainOnly
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
-from .placements import Partial, Replicate, Shard, chunk_sizes, layout_of, split_along
+from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, chunk_sizes, layout_of, split_along, stored
 from .rules.conv import CONV_OPS, conv_groups
 from .rules.norm import LAYER_NORMS, norm_params, var_args
 from .rules.registry import node_arg
@@ -173,7 +173,7 @@ class Rewriter:
                 new_for[id(full)] = local
             owner_name, _, attr = name.rpartition(".")
             (self.gm.get_submodule(owner_name) if owner_name else self.gm).register_parameter(attr, new_for[id(full)])
-            table[name] = layout_of(full.shape, pl, self.p)
+            table[name] = layout_of(full.shape, stored(pl), self.p)     # held as the plain Shard it is
         return table
 
     # ------------------------------------------------------------------ collectives
@@ -185,6 +185,10 @@ class Rewriter:
     def forward(self, x: fx.Node, src, dst) -> fx.Node:
         """Collectives turning `x` from `src` into `dst` (each backward is the dual)."""
         key = self.key
+        if isinstance(src, ReplicatePartialGrad):        # whole, its gradient left Partial: a slice at most
+            if isinstance(dst, Shard):
+                return self.call(C.slice_partial, (x, dst.dim, dst.chunks), {"group": key, **_unit_kw(dst)})
+            return x
         kinds = redistribute(src, dst)[0]
         if kinds == ("all_reduce",):
             return self.call(C.reduce_from, (x,), {"group": key})
@@ -304,6 +308,8 @@ class Rewriter:
                 self._partial_mean(n)
             elif t in SIZE_OPS or (t is getattr and n.args[1] == "shape"):
                 self._global_size(n, t)
+            elif d.strategy == "column_gather_pg":
+                self._gathered_heads(n)
             if t in DROPOUT_OPS or (n.op == "call_module" and type(self.gm.get_submodule(n.target)) is nn.Dropout):
                 self._mode_dropout(n, t, d.output)
             elif t in SDPA_OPS and node_arg(n, 4, "dropout_p", 0.0):
@@ -319,6 +325,15 @@ class Rewriter:
                 self._local_split(n)
             elif d.strategy.startswith("blocks("):
                 self._local_blocks(n)
+
+    def _gathered_heads(self, n):
+        """K/V of fewer heads than ranks, computed split: the output all-gathered whole (its
+        gradient reduce-scattered back), to be sliced by the heads this rank's queries read."""
+        dim = self.val(n.name).dim() - 1
+        size = self.uneven_size(n.name, Shard(dim))
+        with self.graph.inserting_after(n):
+            y = self.call(C.all_gather, (n, dim, 1), {"group": self.key, **({"size": size} if size else {})})
+        n.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
 
     def _mode_ops(self):
         """Batch norm (and its num_batches_tracked += 1) as modules that follow train()/eval()."""

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .placements import REPLICATE, Partial, Replicate, Shard
+from .placements import REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard
 from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers build)
 
 WINDOW_DEPTH = 10        # ops a window looks ahead of its anchors
@@ -80,7 +80,15 @@ class State:
     def _best_uncached(self, i, place, before) -> int:
         prob = self.prob
         best, best_c = 0, INF
+        # an Rp input (replicated K/V) is sliced only where it meets an input split already (the
+        # query heads): slicing it on its own is locally free but starts a split whose cost
+        # shows only later, which a node-by-node choice cannot see
+        rp = any(isinstance(place[j], ReplicatePartialGrad) for j in prob.ins[i])
+        split_in = rp and any(isinstance(place[j], Shard) for j in prob.ins[i])
         for si, s in enumerate(prob.strats[i]):
+            if rp and not split_in and any(isinstance(place[j], ReplicatePartialGrad) and
+                                           isinstance(s.inputs[slot], Shard) for slot, j in enumerate(prob.ins[i])):
+                continue
             c = prob.node_cost[i][si]
             for slot, j in enumerate(prob.ins[i]):
                 req = s.inputs[slot]

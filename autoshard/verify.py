@@ -52,6 +52,7 @@ _LOCAL = {
     C.copy_to: lambda p, rank: (lambda x, group=None: x),
     C.reduce_from: lambda p, rank: (lambda x, group=None, inplace=False: x),
     C.scatter_to: _scatter,
+    C.slice_partial: _scatter,
     C.reduce_scatter: _scatter,
     C.gather_from: _gather,
     C.all_gather: _gather,

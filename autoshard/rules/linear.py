@@ -7,7 +7,7 @@ input dim, output Partial; with a bias the op reduces itself and adds the bias o
 import torch
 import torch.nn.functional as F
 
-from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, register_rule
+from .registry import PARTIAL, REPLICATE, REPLICATE_PG, NodeInfo, Shard, ShardGathered, register_rule
 
 aten = torch.ops.aten
 
@@ -59,7 +59,31 @@ def matmul_family(info: NodeInfo, x, w, b, *, w_out_dim: int, w_in_dim: int):
     for d in range(out_nd - 1):              # batch dims pass through with a replicated weight
         if info.out_shape[d] > 1:
             found.append(info.req({x: Shard(d)}, f"shard({d})", Shard(d), compute=1 / p))
+    if info.fewer_units(info.shape(w)[w_out_dim]):
+        found += whole_heads(info, x, w, b, w_out_dim)
     return found
+
+
+def whole_heads(info: NodeInfo, x, w, b, w_out_dim: int) -> list:
+    """Fewer output heads than ranks (K and V of grouped attention): the output whole on every
+    rank with its gradient left Partial (`REPLICATE_PG`), to be sliced by the heads each rank's
+    queries read. Two ways, priced by the cost model:
+    - "column_gather_pg": the weight split (1/p of it per rank), the output all-gathered and its
+      gradient reduce-scattered back (tokens x K/V features each way);
+    - "replicate_pg": the weight replicated (Megatron's replicated K/V heads) and its gradient
+      all-reduced (hidden x K/V features): fewer bytes when a step has more tokens than the
+      hidden size, at the memory of a replicated weight.
+    (Replicating the weight and all-reducing the output's gradient moves the bytes of the first
+    with the memory of the second: never cheaper, not offered.)"""
+    params = [w] + ([b] if b is not None else [])
+    out = _bytes(info)
+    split = {x: REPLICATE, w: ShardGathered(w_out_dim), **({b: ShardGathered(0)} if b is not None else {})}
+    return [
+        info.req(split, "column_gather_pg", REPLICATE_PG, grads={x: PARTIAL}, compute=1 / info.world_size, dim=-1,
+                 uneven=True, comm=[("all_gather", out), ("reduce_scatter", out)]),
+        info.req({x: REPLICATE, **{q: REPLICATE_PG for q in params}}, "replicate_pg", REPLICATE_PG,
+                 grads={x: PARTIAL, **{q: PARTIAL for q in params}}),
+    ]
 
 
 @register_rule(F.linear, aten.linear.default, family="matmul")

@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 
 from ..capture import dynamic_dims
-from ..placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard, divides, splits
+from ..placements import (PARTIAL, REPLICATE, REPLICATE_PG, Partial, Placement, Replicate, ReplicatePartialGrad, Shard,
+                          ShardGathered, divides, splits)
 
 _RULES: dict[Any, Callable] = {}
 _FAMILY: dict[Callable, str] = {}     # rule -> family name ("matmul", "embedding", "conv")
@@ -96,6 +97,11 @@ class NodeInfo:
                      if 1 < u < size and size % u == 0 and (size // u) % p
                      and (p - 1) * -(-(size // u) // p) < size // u)
 
+    def fewer_units(self, size: int) -> bool:
+        """Whether a dim of `size` holds fewer whole units (heads) than ranks for some unit the
+        graph cuts features into: fewer K/V heads than ranks, which can only be replicated."""
+        return any(1 < u <= size and size % u == 0 and size // u < self.world_size for u in self.unit_candidates)
+
     def is_tensor(self, n) -> bool:
         return isinstance(self.val(n), torch.Tensor)
 
@@ -174,6 +180,33 @@ def replicate_strategy(info: NodeInfo) -> OpStrategy:
     return info.req({}, "replicate", out)
 
 
+def partial_grad_strategy(info: NodeInfo) -> OpStrategy | None:
+    """The op run whole on whole inputs, its gradients left Partial ("Rp"): exact for any op,
+    since a gradient is linear in the output's gradient (the sum of every rank's backward of
+    its summand is the backward of the sum). What an Rp input (K and V computed for replicated
+    K/V heads) runs on until it is sliced; None where no output is a floating tensor."""
+    out = _partial_grad_like(info.val(info.node))
+    if not _has_rp(out):
+        return None
+    ins = tuple(REPLICATE if info.is_tensor(n) else None for n in info.inputs)
+    grads = tuple(PARTIAL if r is not None else None for r in ins)
+    return OpStrategy("replicate_pg", out, ins, grads)
+
+
+def _partial_grad_like(v):
+    if isinstance(v, torch.Tensor):
+        return REPLICATE_PG if v.is_floating_point() else REPLICATE
+    if isinstance(v, (tuple, list)):
+        return tuple(_partial_grad_like(x) for x in v)
+    return None
+
+
+def _has_rp(out) -> bool:
+    if isinstance(out, tuple):
+        return any(_has_rp(o) for o in out)
+    return isinstance(out, ReplicatePartialGrad)
+
+
 def _replicate_like(v):
     if isinstance(v, torch.Tensor):
         return REPLICATE
@@ -210,12 +243,14 @@ def strategies(info: NodeInfo) -> tuple[list[OpStrategy], bool]:
         return [OpStrategy("shape", None, tuple(None for _ in info.inputs))], True
     rule = lookup(node, {node.target: info.module} if info.module is not None else {})
     base = replicate_strategy(info)
+    own_weights = info.module is not None and any(q.requires_grad for q in info.module.parameters())
+    rp = None if own_weights else partial_grad_strategy(info)
     if rule is None:
         tensor_in = any(info.is_tensor(n) for n in info.inputs)
         side_effect_only = not info.is_tensor(node) and not node.users      # export's input guards
-        return [base], not tensor_in or side_effect_only
-    found = [s for s in rule(info) if valid(info, s)]
-    if info.module is not None and any(q.requires_grad for q in info.module.parameters()):
+        return [base] + ([rp] if rp is not None and tensor_in else []), not tensor_in or side_effect_only
+    found = [s for s in rule(info) if valid(info, s)] + ([rp] if rp is not None else [])
+    if own_weights:
         # a leaf module's own weights are not graph inputs: nothing would all-reduce their
         # gradient if a split input made it partial, so such a module runs replicated
         found = []
@@ -231,5 +266,5 @@ def norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-__all__ = ["OpStrategy", "NodeInfo", "register_rule", "register_shape_op", "strategies", "lookup", "family_of",
+__all__ = ["OpStrategy", "NodeInfo", "register_rule", "REPLICATE_PG", "ReplicatePartialGrad", "ShardGathered", "register_shape_op", "strategies", "lookup", "family_of",
            "norm_dim", "REPLICATE", "PARTIAL", "Shard", "Replicate", "Partial", "Placement"]

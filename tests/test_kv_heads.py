@@ -1,0 +1,104 @@
+"""Fewer key/value heads than ranks (grouped and multi-query attention): K and V made whole on
+every rank with a Partial gradient (`ReplicatePartialGrad`) and sliced to the heads each rank's
+queries read, in the two ways the cost model chooses between: the K/V weights split and their
+outputs all-gathered (gradients reduce-scattered back), or the weights replicated and their
+gradients all-reduced (Megatron's replicated K/V heads).
+
+Gloo ranks at world 2, 3 and 4 against the single-process model of tiny Hugging Face Qwen2
+configurations (8 heads / 1 kv head, 6 / 2, 7 / 1): the loss and every gradient, and the bytes
+counted at run time against the plan's. The default cost model splits the weights; with memory
+free and the query heads pinned split, replication is cheaper (fewer bytes than the gathers);
+the test asserts the plan took each.
+"""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import autoshard  # noqa: E402
+from autoshard.collectives import count_comm  # noqa: E402
+from autoshard.cost import CostModel  # noqa: E402
+from autoshard.placements import REPLICATE_PG, Shard, ShardGathered  # noqa: E402
+from refs import close_to_scale, grads  # noqa: E402
+
+LATENCY_FREE = CostModel(latency=0.0)     # tiny sizes: bytes, not the number of collectives, decide
+
+
+def _ways(way, layers=2):
+    """(plan options, batch) that make `way` the cheapest for K/V."""
+    if way == "column_gather_pg":
+        return dict(cost_model=LATENCY_FREE), 2
+    pins = {}
+    for i in range(layers):
+        a = f"model.layers.{i}.self_attn"
+        pins.update({f"{a}.q_proj": -1, f"{a}.k_proj": None, f"{a}.v_proj": None, f"{a}.o_proj": 0})
+    return dict(cost_model=CostModel(latency=0.0, memory_weight=0.0), pin=pins), 4
+
+
+def _model(heads, kv_heads, batch, seq):
+    import hf_models
+    model, kw = hf_models.qwen2(hidden_size=8 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                intermediate_size=16 * heads, vocab_size=128, batch=batch, seq=seq)
+    return model.train(), kw          # the training graph is the one planned (no dropout in these configs)
+
+
+def _kv_strategies(plan) -> set:
+    return {d.strategy for name, d in plan.nodes.items() if d.module and d.module.endswith(("k_proj", "v_proj"))}
+
+
+def _case(rank, p, heads, kv_heads, way):
+    options, batch = _ways(way)
+    model, kw = _model(heads, kv_heads, batch, 16)
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", **options)
+    plan = gm._autoshard_plan
+    assert _kv_strategies(plan) == {way}, (way, _kv_strategies(plan), plan.report())
+    q = next(d for d in plan.nodes.values() if d.module and d.module.endswith("q_proj"))
+    assert q.strategy == "column", q               # the query heads split, K/V sliced to them
+    with count_comm() as c:
+        out = gm(**kw)
+        out.loss.backward()
+    want = ref(**kw)
+    want.loss.backward()
+    close_to_scale(out.loss, want.loss, f"{heads}/{kv_heads} heads at {p}, {way}: loss")
+    got = autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False))
+    for k, g in grads(ref, remove_duplicate=False).items():
+        torch.testing.assert_close(got[k], g, rtol=1e-5, atol=1e-5 * g.abs().max().item() + 1e-7,
+                                   msg=lambda m: f"{heads}/{kv_heads} heads at {p}, {way}: grad of {k}: {m}")
+    assert c.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (c.bytes, plan.comm_bytes, c.by_kind, plan.comm_by_kind, [(e.op, e.kind, e.direction, e.bytes) for e in c.events])
+    return True
+
+
+@pytest.mark.parametrize("world,heads,kv_heads,way", [
+    (2, 8, 1, "column_gather_pg"), (4, 8, 1, "column_gather_pg"), (4, 8, 2, "column_gather_pg"),
+    (4, 8, 1, "replicate_pg"), (3, 6, 2, "replicate_pg"),
+])
+def test_fewer_kv_heads_than_ranks(world, heads, kv_heads, way, request):
+    assert all(request.getfixturevalue(f"dist{world}").run(_case, heads, kv_heads, way, timeout=300))
+
+
+def test_layouts_are_stored_as_plain_shards_and_replicas():
+    """The plan's S(0)g / Rp layouts (what the search chose) are held, saved and loaded as the
+    Shard / Replicate they are: the module's layout table and TorchShard attributes say so."""
+    model, kw = _model(8, 1, 2, 16)
+    plan = autoshard.plan(model, 4, kw, tracer="export", cost_model=LATENCY_FREE)
+    kv = {k: v for k, v in plan.layouts.items() if "k_proj" in k or "v_proj" in k}
+    assert kv and all(type(v) is ShardGathered and v.dim == 0 for v in kv.values()), kv
+    assert "column_gather_pg" in plan.report()
+    gm = autoshard.parallelize(model, 4, kw, plan=plan, rank=1)
+    table = {k: v for k, v in gm._autoshard_layouts.items() if k in kv}
+    assert table and all(type(v) is Shard and v.dim == 0 for v in table.values()), table
+    assert gm.get_parameter("model.layers.0.self_attn.k_proj.weight").shape == (2, 64)
+    options, _ = _ways("replicate_pg")
+    plan = autoshard.plan(model, 4, kw, tracer="export", **options)
+    assert _kv_strategies(plan) == {"replicate_pg"}, plan.report()
+    kv = {k: v for k, v in plan.layouts.items() if "k_proj" in k or "v_proj" in k}
+    assert kv and all(v == REPLICATE_PG for v in kv.values()), kv
+    gm = autoshard.parallelize(model, 4, kw, plan=plan, rank=1)
+    assert not any(k in gm._autoshard_layouts for k in kv)
+    assert gm.get_parameter("model.layers.0.self_attn.k_proj.weight").shape == (8, 64)
+    assert str(REPLICATE_PG) == "Rp" and str(ShardGathered(0)) == "S(0)g"
