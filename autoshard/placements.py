@@ -20,7 +20,9 @@ key/value heads than ranks are replicated (Megatron's and vLLM's replicated K/V 
 are computed whole on every rank, each rank slices the heads its query heads read (a slice whose
 gradient is zero-padded: a Partial gradient, no collective), and the Partial gradients are
 summed where they meet: with the input's all-reduce, which column-parallel q already needs, and
-in an all-reduce of the K/V weights' gradients (or of K and V's, whichever is smaller).
+either in an all-reduce of the replicated K/V weights' gradients or in the reduce-scatter that
+is the backward of gathering K and V from split weights (`ShardGathered`), whichever the cost
+model finds cheaper.
 """
 from __future__ import annotations
 

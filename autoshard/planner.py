@@ -21,7 +21,7 @@ from .cost import CostModel, flops, ring_bytes
 from .errors import ShardingError
 from .placements import Replicate, Shard, local_numel, padded, splits
 from .plan import NodeDecision, Plan, Redistribution, check_outputs
-from .problem import module_of
+from .decisions import module_of
 from .rules.registry import PARALLEL_LAYERS, family_of
 from .rules.shape import sliced_dim, view_groups
 

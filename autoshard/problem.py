@@ -3,8 +3,7 @@
 Every node's strategies (from the rules, shared between identical nodes), costs of node
 strategies, consumer edges and tensors (one redistribution per required placement, its
 backward dual, one all-reduce of Partial gradients), which tensors carry a gradient, and the
-decision groups: parameters that must take one layout together (a linear's weight and bias, a
-weight tied between an embedding and a head), with pins applied.
+decision groups (`decisions`: parameters that must take one layout together, pins applied).
 
 A tensor and its views (reshapes, `contiguous`, a `to` of the same dtype: `view_parent`) are
 one tensor for communication: made whole for several consumers, it is made whole once (the
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import operator
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -26,7 +24,7 @@ import torch.nn as nn
 from . import rules
 from .capture import DYNAMIC
 from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
-from .errors import ShardingError
+from .decisions import decision_groups, fix_layouts
 from .placements import REPLICATE, Partial, Replicate, Shard, local_numel
 from .rules.registry import NodeInfo, OpStrategy
 
@@ -68,16 +66,6 @@ def _tensor(v) -> bool:
 
 def _nbytes(v) -> int:
     return v.numel() * v.element_size() if _tensor(v) else 0
-
-
-@dataclass(frozen=True)
-class Group:
-    """Parameters decided together and the layouts they may take (choice 0 is all-Replicate)."""
-
-    params: tuple            # param keys (id of the Parameter)
-    names: tuple             # qualified names, for messages and the report
-    choices: tuple           # tuple of tuples of placements, aligned with params
-    anchors: tuple           # node indices consuming these params
 
 
 class Problem:
@@ -173,9 +161,9 @@ class Problem:
         self.best_memo: dict = {}
         self.tensor_memo: dict = {}
         self._param_memo: dict = {}
-        self.groups = self._groups(pins or {})
+        self.groups = decision_groups(self, pins or {})
         if layouts is not None:
-            self.groups = _fix_layouts(self, layouts)
+            self.groups = fix_layouts(self, layouts)
         self.group_of_param = {k: g for g, grp in enumerate(self.groups) for k in grp.params}
 
     def _needs_grad(self) -> list[bool]:
@@ -225,12 +213,11 @@ class Problem:
         key = (src, req, grad, self.nbytes[j], self.needs_grad[j], shared, param)
         c = self._edge_cache.get(key)
         if c is None:
-            r = redistribute(src, req)
             rp = partial_grad_edge(src, req, grad, param)
             if rp is not NotImplemented:
                 c = INF if rp is None else sum(self.cost.comm_time(k, self.nbytes[j], self.p)
                                                for k in rp[0] + (rp[1] if self.needs_grad[j] else ()))
-            elif r is None:
+            elif (r := redistribute(src, req)) is None:
                 c = INF
             else:
                 back = ("reduce_scatter",) if not shared and fused_backward(r[0], grad, req) else \
@@ -365,16 +352,15 @@ class Problem:
                 return None
             fwd, dual = r
             grad_flows = self.needs_grad[j]
-            if partial_grad_edge(src, req, REPLICATE, param) is not NotImplemented:
-                for n, (g, consumers) in enumerate(sorted(per_grad.items(), key=lambda kv: str(kv[0]))):
-                    rp = partial_grad_edge(src, req, g, param)
-                    if rp is None:
-                        return None
-                    out.append((req, g, rp[0] if n == 0 else (), rp[1] if grad_flows else (), consumers))
-                continue
             for n, (g, consumers) in enumerate(sorted(per_grad.items(), key=lambda kv: str(kv[0]))):
-                fix = grad_fix(g, grad_of(req)) if grad_flows else ()
                 first = n == 0
+                rp = partial_grad_edge(src, req, g, param)
+                if rp is None:
+                    return None
+                if rp is not NotImplemented:          # whole with a Partial gradient: see cost.partial_grad_edge
+                    out.append((req, g, rp[0] if first else (), rp[1] if grad_flows else (), consumers))
+                    continue
+                fix = grad_fix(g, grad_of(req)) if grad_flows else ()
                 back = (dual if first and grad_flows else ()) + fix
                 if grad_flows and len(per_grad) == 1 and fused_backward(fwd, g, req):
                     back = ("reduce_scatter",)
@@ -390,86 +376,6 @@ class Problem:
         return hit
 
     # ---------------------------------------------------------------- decisions
-    def _groups(self, pins: dict) -> list[Group]:
-        """Union parameters whose consumers choose their layouts jointly."""
-        options: dict[int, dict[int, set]] = {}          # param key -> consumer -> placements offered
-        for i, key in self.param_key.items():
-            for c in self.users[i]:
-                for s in self.strats[c]:
-                    for slot, k in enumerate(self.ins[c]):
-                        if k == i:
-                            options.setdefault(key, {}).setdefault(c, set()).add(s.inputs[slot])
-        decision = [k for k, per in options.items()
-                    if any(len(v) > 1 for v in per.values())]
-        consumers: dict[int, list] = {}
-        for k in decision:
-            for c in options[k]:
-                consumers.setdefault(c, []).append(k)
-        from networkx.utils import UnionFind          # here: networkx stays out of `import autoshard`
-        joint = UnionFind(decision)                  # parameters sharing a consumer decide together
-        for ks in consumers.values():
-            joint.union(*ks)
-        groups = []
-        for ks in joint.to_sets():
-            ks = sorted(ks, key=lambda k: min(self.param_nodes[k]))
-            anchors = sorted({c for k in ks for c in options[k]})
-            choices = self._choices(ks, anchors)
-            names = tuple(self.param_names[k][0] for k in ks)
-            choices = _apply_pins(names, choices, ks, self, anchors, pins)
-            groups.append(Group(tuple(ks), names, tuple(choices), tuple(anchors)))
-        groups.sort(key=lambda g: g.anchors[0])
-        _check_pins_known(pins, groups, self)
-        return groups
-
-    def _choices(self, keys, anchors):
-        """Layouts of `keys` that every consumer can run with; all-Replicate first."""
-        per_consumer = []
-        for c in anchors:
-            slots = [[slot for slot, k in enumerate(self.ins[c]) if self.param_key.get(k) == key] for key in keys]
-            combos = set()
-            for s in self.strats[c]:
-                combos.add(tuple(s.inputs[sl[0]] if sl else None for sl in slots))
-            per_consumer.append(combos)
-        candidates = set()
-        for combos in per_consumer:
-            candidates |= combos
-        out = []
-        for cand in candidates:
-            if any(isinstance(x, Partial) for x in cand):
-                continue                     # a parameter is stored whole or split, never as a summand
-            full = tuple(REPLICATE if x is None else x for x in cand)
-            if all(any(all(a is None or a == b for a, b in zip(co, full)) for co in combos) for combos in per_consumer):
-                if full not in out:
-                    out.append(full)
-        rep = tuple(REPLICATE for _ in keys)
-        out.sort(key=lambda ch: (ch != rep, str(ch)))
-        if not out or out[0] != rep:
-            out.insert(0, rep)
-        return out
-
-
-def _fix_layouts(prob, layouts: dict) -> list:
-    """Keep, in every group, only the choice that gives each parameter its layout in `layouts`
-    (name -> placement: a module already built, planned again for another call signature); a
-    layout no choice offers, or a split parameter the graph gives no choice, is a ShardingError."""
-    def wanted(k):
-        found = {layouts[n] for n in prob.param_names[k] if n in layouts}
-        return found.pop() if len(found) == 1 else (REPLICATE if not found else None)
-    out = []
-    for grp in prob.groups:
-        want = tuple(wanted(k) for k in grp.params)
-        if want not in grp.choices:
-            shown = {n: str(w) for n, w in zip(grp.names, want)}
-            raise ShardingError(f"this call needs other layouts for {shown}: the ops that use them here "
-                                f"({', '.join(prob.nodes[a].name for a in grp.anchors[:4])}) cannot run with "
-                                "the layouts the module's parameters already have")
-        out.append(Group(grp.params, grp.names, (want,), grp.anchors))
-    grouped = {k for grp in prob.groups for k in grp.params}
-    for k, names in prob.param_names.items():
-        if k not in grouped and not isinstance(wanted(k), Replicate):
-            raise ShardingError(f"this call cannot keep parameter {names[0]} {list(prob.param_obj[k].shape)} split as "
-                                f"{wanted(k)}: no op of its graph can use it split")
-    return out
 
 
 def _structure(n: fx.Node, module) -> tuple | None:
@@ -509,85 +415,3 @@ def fetch_attr(gm, target: str):
     return obj
 
 
-def owner_of(name: str) -> str:
-    """The module qualified name owning parameter `name`."""
-    return name.rpartition(".")[0]
-
-
-def _apply_pins(names, choices, keys, prob, anchors, pins):
-    owners = sorted({owner_of(n) for k in keys for n in prob.param_names[k]})   # same order on every rank
-    pinned = [o for o in owners if o in pins]
-    if not pinned:
-        return choices
-    out = list(choices)
-    for o in pinned:
-        want = pins[o]
-        if want not in (None, 0, 1, -1):
-            raise ShardingError(f"pin for {o!r} is {want!r}; a TorchShard dim is None, 0, 1 or -1")
-        keep = []
-        for ch in out:
-            dims = _dims_for_choice(prob, keys, ch, anchors, o)
-            if want is None and all(isinstance(pl, Replicate) for pl in ch):
-                keep.append(ch)
-            elif want is not None and dims and all(d == want or (d in (1, -1) and want in (1, -1)) for d in dims):
-                keep.append(ch)
-        if not keep:
-            shapes = {n: tuple(prob.param_obj[k].shape) for k in keys for n in prob.param_names[k]}
-            raise ShardingError(
-                f"cannot pin {o!r} to dim {want}: no layout of {shapes} splits that way into "
-                f"{prob.p} shards (sizes must divide by {prob.p}, or split at torch.chunk's boundaries with no "
-                f"rank empty where every op using them allows unequal shards) and agrees with the other pins on "
-                f"these parameters ({ {k: v for k, v in pins.items() if k in owners} })")
-        out = keep
-    return out
-
-
-def module_of(prob, i: int) -> str:
-    """Qualified name of the module that ran node i: a call_module's target, the innermost
-    module of the node's nn_module_stack, or else its parameter's owner (or the node name)."""
-    n = prob.nodes[i]
-    if n.op == "call_module":
-        return n.target
-    stack = n.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        if path:
-            return path
-    for k in prob.ins[i]:
-        if k in prob.param_key:
-            return prob.nodes[k].target.rpartition(".")[0]
-    return n.name
-
-
-def _dims_for_choice(prob, keys, choice, anchors, owner):
-    """TorchShard dims the anchors run by module `owner` would have under `choice` (a weight
-    tied between `wte` and `head` is pinned per module: the lookup 0, the projection -1)."""
-    place = dict(zip(keys, choice))
-    dims = []
-    own = [c for c in anchors if module_of(prob, c) == owner] or anchors
-    for c in own:
-        for s in prob.strats[c]:
-            ok = all(prob.param_key.get(k) not in place or s.inputs[slot] == place[prob.param_key[k]]
-                     for slot, k in enumerate(prob.ins[c]))
-            if ok and s.dim is not None:
-                dims.append(s.dim)
-                break
-    return dims
-
-
-def _check_pins_known(pins, groups, prob):
-    known = {owner_of(n) for names in prob.param_names.values() for n in names}
-    decided = {owner_of(n) for g in groups for k in g.params for n in prob.param_names[k]}
-    for name, want in pins.items():
-        if name not in known:
-            sample = ", ".join(sorted(known)[:8])
-            raise ShardingError(f"pin names {name!r}, which owns no parameter of the model; known: {sample}, ...")
-        if want not in (None, 0, 1, -1):
-            raise ShardingError(f"pin for {name!r} is {want!r}; a TorchShard dim is None, 0, 1 or -1")
-        if want is not None and name not in decided:      # no layout but Replicate: the pin cannot hold
-            shapes = {n: tuple(prob.param_obj[k].shape) for k, names in prob.param_names.items()
-                      for n in dict.fromkeys(names) if owner_of(n) == name}
-            raise ShardingError(
-                f"cannot pin {name!r} to dim {want}: no layout of {shapes} splits into {prob.p} shards "
-                f"(sizes must divide by {prob.p}, or split at torch.chunk's boundaries with no rank empty where "
-                f"every op using them allows unequal shards; and the ops using them need a sharding rule)")

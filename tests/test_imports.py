@@ -30,7 +30,7 @@ LAYERS = [
     ("rules", ["rules", "rules.registry", "rules.attention", "rules.conv", "rules.linear", "rules.loss",
                "rules.norm", "rules.pointwise", "rules.shape"]),
     ("cost", ["cost"]),
-    ("problem", ["problem"]),
+    ("problem", ["decisions", "problem"]),
     ("search and planner", ["search", "planner"]),
     ("rewrite", ["verify", "rewrite", "blocks"]),
     ("call signatures", ["signatures"]),

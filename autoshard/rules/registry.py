@@ -185,33 +185,26 @@ def partial_grad_strategy(info: NodeInfo) -> OpStrategy | None:
     since a gradient is linear in the output's gradient (the sum of every rank's backward of
     its summand is the backward of the sum). What an Rp input (K and V computed for replicated
     K/V heads) runs on until it is sliced; None where no output is a floating tensor."""
-    out = _partial_grad_like(info.val(info.node))
-    if not _has_rp(out):
+    v = info.val(info.node)
+    if not any(t.is_floating_point() for t in _tensors(v)):
         return None
     ins = tuple(REPLICATE if info.is_tensor(n) else None for n in info.inputs)
     grads = tuple(PARTIAL if r is not None else None for r in ins)
-    return OpStrategy("replicate_pg", out, ins, grads)
+    return OpStrategy("replicate_pg", _replicate_like(v, partial_grad=True), ins, grads)
 
 
-def _partial_grad_like(v):
+def _tensors(v) -> list:
     if isinstance(v, torch.Tensor):
-        return REPLICATE_PG if v.is_floating_point() else REPLICATE
-    if isinstance(v, (tuple, list)):
-        return tuple(_partial_grad_like(x) for x in v)
-    return None
+        return [v]
+    return [t for x in v for t in _tensors(x)] if isinstance(v, (tuple, list)) else []
 
 
-def _has_rp(out) -> bool:
-    if isinstance(out, tuple):
-        return any(_has_rp(o) for o in out)
-    return isinstance(out, ReplicatePartialGrad)
-
-
-def _replicate_like(v):
+def _replicate_like(v, partial_grad: bool = False):
+    """Replicate for every tensor of an op's value (`partial_grad`: REPLICATE_PG for floating ones)."""
     if isinstance(v, torch.Tensor):
-        return REPLICATE
+        return REPLICATE_PG if partial_grad and v.is_floating_point() else REPLICATE
     if isinstance(v, (tuple, list)):
-        return tuple(_replicate_like(x) for x in v)
+        return tuple(_replicate_like(x, partial_grad) for x in v)
     return None
 
 
