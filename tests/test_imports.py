@@ -32,7 +32,7 @@ LAYERS = [
     ("cost", ["cost"]),
     ("problem", ["decisions", "problem"]),
     ("search and planner", ["search", "planner"]),
-    ("rewrite", ["verify", "rewrite", "blocks"]),
+    ("rewrite", ["verify", "local_ops", "rewrite", "blocks"]),
     ("call signatures", ["signatures"]),
     ("loading and checkpoints", ["loading", "checkpoint", "checkpoint.checksums", "checkpoint.reader", "checkpoint.writer",
                                  "checkpoint.verify", "checkpoint.state",
