@@ -25,7 +25,6 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
-from .capture import has_meta
 from .errors import LoadError
 from .placements import Replicate, Shard, fill_boxes, local_shape
 

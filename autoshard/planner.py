@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from . import search as _search
-from .capture import dynamic_dims
+from .shapes import dynamic_dims
 from .cost import CostModel, flops, ring_bytes
 from .errors import ShardingError
 from .placements import Replicate, Shard, local_numel, padded, splits

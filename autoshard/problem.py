@@ -22,7 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import rules
-from .capture import DYNAMIC
+from .shapes import DYNAMIC
 from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
 from .decisions import decision_groups, fix_layouts
 from .placements import REPLICATE, Partial, Replicate, Shard, local_numel

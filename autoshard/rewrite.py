@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import collectives as C
-from .capture import dynamic_dims, placeholder_inputs
+from .shapes import dynamic_dims, placeholder_inputs
 from .cost import fused_backward, redistribute
 from .errors import ShardingError
 from .local_ops import FRESH_OUTPUT_OPS, LocalOps, target_of, unit_kw

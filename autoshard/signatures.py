@@ -23,7 +23,8 @@ from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
 from .blocks import add_variant, keep_blocks
-from .capture import apart, placeholder_inputs
+from .capture import apart
+from .shapes import placeholder_inputs
 from .errors import ShardingError, first_line
 from .rewrite import InputCheck
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import collectives as C
-from .capture import keeping_scalars, placeholder_inputs, reads_scalar, stand_in_scalar
+from .shapes import keeping_scalars, placeholder_inputs, reads_scalar, stand_in_scalar
 from .errors import ShardingError, first_line
 from .nn import functional as PF
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..capture import dynamic_dims
+from ..shapes import dynamic_dims
 from ..placements import (PARTIAL, REPLICATE, REPLICATE_PG, Partial, Placement, Replicate, ReplicatePartialGrad, Shard,
                           ShardGathered, divides, splits)
 
