@@ -106,7 +106,9 @@ def redistribute(src, dst) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         return ("all_gather",), ()
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         return (), ("all_gather",)
-    if src.dim == dst.dim:                  # other boundaries on the same dim (whole heads): gather, cut
+    if src.dim == dst.dim or (src.chunks, src.unit, dst.chunks, dst.unit) != (1, 1, 1, 1):
+        # other boundaries on the same dim (whole heads), or a strided / whole-unit shard, which an
+        # all-to-all's equal contiguous blocks cannot hold: gathered, then cut
         return ("all_gather",), ("all_gather",)
     return ("all_to_all",), ("all_to_all",)
 

@@ -138,6 +138,11 @@ class Rewriter(LocalOps):
                 return self.call(C.slice_partial, (x, dst.dim, dst.chunks), {"group": key, **unit_kw(dst)})
             return x
         kinds = redistribute(src, dst)[0]
+        if isinstance(src, Shard) and isinstance(dst, Shard):
+            if kinds == ("all_to_all",) and not (self.uneven_size(x.name, src) or self.uneven_size(x.name, dst)):
+                return self.call(C.all_to_all, (x, src.dim, dst.dim), {"group": key})
+            whole = self.forward(x, src, Replicate())                    # gathered, then sliced
+            return self.call(C.scatter_to, (whole, dst.dim, dst.chunks), {"group": key, **unit_kw(dst)})
         if kinds == ("all_reduce",):
             return self.call(C.reduce_from, (x,), {"group": key})
         if kinds == ("reduce_scatter",):
@@ -146,13 +151,6 @@ class Rewriter(LocalOps):
             size = self.uneven_size(x.name, src)
             return self.call(C.gather_from, (x, src.dim, src.chunks),
                              {"group": key, **({"size": size} if size else {}), **unit_kw(src)})
-        if kinds == ("all_to_all",) or (isinstance(src, Shard) and isinstance(dst, Shard)):
-            if src.chunks != 1 or dst.chunks != 1:
-                raise ShardingError(f"{x.name}: all-to-all between strided shards {src} -> {dst} is not supported")
-            if self.uneven_size(x.name, src) or self.uneven_size(x.name, dst) or src.dim == dst.dim:
-                whole = self.forward(x, src, Replicate())                # gathered, then sliced
-                return self.call(C.scatter_to, (whole, dst.dim, 1), {"group": key, **unit_kw(dst)})
-            return self.call(C.all_to_all, (x, src.dim, dst.dim), {"group": key})
         if isinstance(src, Replicate) and isinstance(dst, Shard):
             return self.call(C.scatter_to, (x, dst.dim, dst.chunks), {"group": key, **unit_kw(dst)})
         return x

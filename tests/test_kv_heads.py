@@ -102,3 +102,50 @@ def test_layouts_are_stored_as_plain_shards_and_replicas():
     assert not any(k in gm._autoshard_layouts for k in kv)
     assert gm.get_parameter("model.layers.0.self_attn.k_proj.weight").shape == (8, 64)
     assert str(REPLICATE_PG) == "Rp" and str(ShardGathered(0)) == "S(0)g"
+
+
+def _gemma_case(rank, p):
+    """Gemma, a family no other test names: one kv head of head_dim 32 beside 4 query heads, a
+    vocabulary of 301, at 4 ranks (before the strided-shard fix in `cost.redistribute` its plan
+    priced an all-to-all of a rotary's strided shard that the rewrite could not run)."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.GemmaConfig(vocab_size=301, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=1, head_dim=32, use_cache=False)
+    model = transformers.GemmaForCausalLM(cfg).float().train()
+    ids = torch.randint(cfg.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
+    kw = {"input_ids": ids, "labels": ids}
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", cost_model=LATENCY_FREE)
+    plan = gm._autoshard_plan
+    assert "column_gather_pg" in _kv_strategies(plan), plan.report()
+    with count_comm() as c:
+        out = gm(**kw)
+        out.loss.backward()
+    want = ref(**kw)
+    want.loss.backward()
+    close_to_scale(out.loss, want.loss, f"gemma at {p}: loss")
+    got = autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False))
+    for k, g in grads(ref, remove_duplicate=False).items():
+        torch.testing.assert_close(got[k], g, rtol=1e-5, atol=1e-5 * g.abs().max().item() + 1e-7,
+                                   msg=lambda m: f"gemma at {p}: grad of {k}: {m}")
+    assert c.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (c.bytes, plan.comm_bytes)
+    ids2 = torch.randint(cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))   # another shape
+    close_to_scale(gm(input_ids=ids2, labels=ids2).loss, ref(input_ids=ids2, labels=ids2).loss, "gemma 1 x 9")
+    return True
+
+
+def test_gemma_one_kv_head(dist4):
+    assert all(dist4.run(_gemma_case, timeout=300))
+
+
+def test_strided_and_whole_unit_shards_move_by_gather_and_cut():
+    """An all-to-all moves equal contiguous blocks; a strided shard (the rotary's halves of a
+    head_dim split) or a whole-unit one reaches another dim by a gather and a cut, in the cost
+    model as in the rewrite (`Rewriter.forward`)."""
+    from autoshard.cost import redistribute
+    both = (("all_gather",), ("all_gather",))
+    assert redistribute(Shard(3, 2), Shard(1)) == both
+    assert redistribute(Shard(1), Shard(3, 2)) == both
+    assert redistribute(Shard(2, unit=8), Shard(1)) == both
+    assert redistribute(Shard(2), Shard(1)) == (("all_to_all",), ("all_to_all",))
