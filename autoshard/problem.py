@@ -25,7 +25,7 @@ from . import rules
 from .shapes import DYNAMIC
 from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
 from .decisions import decision_groups, fix_layouts
-from .placements import REPLICATE, Partial, Replicate, Shard, local_numel
+from .placements import REPLICATE, Partial, Replicate, Shard, is_even, local_numel
 from .rules.registry import NodeInfo, OpStrategy
 
 INF = math.inf
@@ -202,6 +202,19 @@ class Problem:
                 return True
         return False
 
+    def even(self, j: int, *placements) -> bool:
+        """Whether tensor j's shards are of equal sizes under every one of `placements`."""
+        v = self.val[j]
+        return not _tensor(v) or all(is_even(v.shape, pl, self.p) for pl in placements)
+
+    def redistribution(self, j: int, src, req):
+        """`cost.redistribute` for tensor j: an all-to-all needs equal blocks, so between shards of
+        unequal sizes it is a gather and a cut (as the rewrite moves them)."""
+        r = redistribute(src, req)
+        if r == (("all_to_all",), ("all_to_all",)) and not self.even(j, src, req):
+            return ("all_gather",), ("all_gather",)
+        return r
+
     def edge_cost(self, j: int, src, req, grad, shared: bool = False) -> float:
         """Cost of one consumer edge from tensor j (before de-duplication across consumers);
         `shared`: j is made whole anyway (`whole_anyway`), so an edge needing it whole pays no
@@ -210,14 +223,14 @@ class Problem:
             return INF       # a sharded parameter is used as stored (no ZeRO-style gathers)
         shared = shared and isinstance(req, Replicate)
         param = self.kind[j] == "param"
-        key = (src, req, grad, self.nbytes[j], self.needs_grad[j], shared, param)
+        key = (src, req, grad, self.nbytes[j], self.needs_grad[j], shared, param, self.even(j, src, req))
         c = self._edge_cache.get(key)
         if c is None:
             rp = partial_grad_edge(src, req, grad, param)
             if rp is not NotImplemented:
                 c = INF if rp is None else sum(self.cost.comm_time(k, self.nbytes[j], self.p)
                                                for k in rp[0] + (rp[1] if self.needs_grad[j] else ()))
-            elif (r := redistribute(src, req)) is None:
+            elif (r := self.redistribution(j, src, req)) is None:
                 c = INF
             else:
                 back = ("reduce_scatter",) if not shared and fused_backward(r[0], grad, req) else \
@@ -347,7 +360,7 @@ class Problem:
         out = []
         param = self.kind[j] == "param"
         for req, per_grad in by_req.items():
-            r = redistribute(src, req)
+            r = self.redistribution(j, src, req)
             if r is None:
                 return None
             fwd, dual = r

@@ -149,3 +149,19 @@ def test_strided_and_whole_unit_shards_move_by_gather_and_cut():
     assert redistribute(Shard(1), Shard(3, 2)) == both
     assert redistribute(Shard(2, unit=8), Shard(1)) == both
     assert redistribute(Shard(2), Shard(1)) == (("all_to_all",), ("all_to_all",))
+
+
+def test_unequal_shards_move_by_gather_and_cut():
+    """Shards of unequal sizes (7 features on 4 ranks) cannot be exchanged in an all-to-all's
+    equal blocks: the plan prices the gather and cut the rewrite runs; equal ones keep the
+    all-to-all."""
+    import torch.nn as nn
+    from autoshard.capture import capture
+    from autoshard.planner import chunk_candidates, unit_candidates
+    from autoshard.search import Problem
+
+    gm = capture(nn.Linear(8, 7), (torch.randn(4, 8, 8),)).gm
+    prob = Problem(gm, 4, CostModel(), chunk_candidates(gm), unit_candidates(gm))
+    j = next(i for i, n in enumerate(prob.nodes) if n.op == "call_function" and prob.val[i].shape == (4, 8, 7))
+    assert prob.redistribution(j, Shard(2), Shard(1)) == (("all_gather",), ("all_gather",))
+    assert prob.redistribution(j, Shard(1), Shard(0)) == (("all_to_all",), ("all_to_all",))
