@@ -22,7 +22,7 @@ from .errors import ShardingError
 from .nn import functional as PF
 from .nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, TrainOnly
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
-from .placements import Replicate, Shard, chunk_sizes, layout_of
+from .placements import Partial, Replicate, Shard, chunk_sizes, layout_of
 from .rules.conv import CONV_OPS, conv_groups
 from .rules.norm import LAYER_NORMS, norm_params, var_args
 from .rules.registry import node_arg
@@ -87,6 +87,8 @@ class LocalOps:
             t = target_of(n)
             if d.strategy == "row" and isinstance(d.output, Replicate):
                 self._row_with_bias(n, t)
+            elif d.strategy == "row" and isinstance(d.output, Partial):
+                self._bias_share(n, t)
             elif d.strategy == "grouped" and t in CONV_OPS:
                 self._local_groups(n, t)
             elif d.strategy == "vocab" and t in EMBEDDING_OPS:
@@ -195,6 +197,25 @@ class LocalOps:
         with self.graph.inserting_before(n):
             y = self.call(C.reduce_from, (y,), {"group": self.key, "inplace": True})     # y: the matmul's own
         self.replace(n, add, (y, b))
+
+    def _bias_share(self, n, t):
+        """A row-parallel op left Partial adds bias / p on every rank (`PF.bias_share`): the sum
+        over the ranks adds the bias once, and the bias gets its whole gradient on every rank."""
+        if t in LINEAR_OPS or t in CONV_OPS:
+            pos, name = 2, "bias"
+        elif t in (aten.addmm.default, torch.addmm):
+            pos, name = 0, "input"
+        else:
+            return
+        b = node_arg(n, pos, name)
+        if not isinstance(b, fx.Node):
+            return
+        with self.graph.inserting_before(n):
+            share = self.call(PF.bias_share, (b, self.p))
+        if pos < len(n.args):
+            n.update_arg(pos, share)
+        else:
+            n.update_kwarg(name, share)
 
     def _local_groups(self, n, t):
         """A grouped convolution split on channels: this rank holds groups / p whole groups."""

@@ -102,7 +102,9 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
 
 
 def _run(prob, search):
-    return _search.exact(prob) if search == "exact" else _search.greedy(prob)
+    state = _search.exact(prob) if search == "exact" else _search.greedy(prob)
+    state.reduce_early()
+    return state
 
 
 def _state_bytes(prob, state) -> float:

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .placements import REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard
+from .placements import PARTIAL, REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard
 from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers build)
 
 WINDOW_DEPTH = 10        # ops a window looks ahead of its anchors
@@ -226,6 +226,39 @@ class State:
         for j, c in tnew.items():
             self.tcost[j] = c
         self.total += delta
+
+    def reduce_early(self) -> None:
+        """Settle a tie the per-node choice breaks late: an op of one tensor input that keeps it
+        Partial (a dropout of a row layer's output) while every reader of its result needs the sum whole
+        takes its input whole instead, so the all-reduce comes before it, as in Megatron's
+        row-parallel layer (whose fresh output is then summed in place), wherever that costs no
+        more. A result some reader sums while Partial (the two branches of a parallel block)
+        stays Partial."""
+        prob, place, sidx = self.prob, self.place, self.sidx
+        for i in range(len(prob.nodes)):
+            if prob.kind[i] != "op" or not isinstance(place[i], Partial) or not prob.strats[i] or sidx[i] == 0 \
+                    or not isinstance(prob.strats[i][0].output, Replicate) or not prob.users[i]:
+                continue
+            s, whole = prob.strats[i][sidx[i]], prob.strats[i][0]
+            if [r for r in s.inputs if r is not None] != [PARTIAL] or any(r != w for r, w in zip(
+                    s.inputs, whole.inputs) if not isinstance(r, Partial)):
+                continue            # one Partial input passed through (a dropout, a cast): nothing else changes
+            if not all(prob.strats[u] and all(isinstance(s.inputs[k], Replicate)
+                                               for s in (prob.strats[u][sidx[u]],)
+                                               for k, j in enumerate(prob.ins[u]) if j == i)
+                       for u in prob.users[i]):
+                continue
+            tensors = {prob.root[j] for j in (i, *prob.ins[i])}
+            before = prob.node_cost[i][sidx[i]] + sum(prob.tensor_cost(j, place, sidx) for j in tensors)
+            old = sidx[i], place[i]
+            sidx[i], place[i] = 0, self._out(i, 0, place)
+            after = prob.node_cost[i][0] + sum(prob.tensor_cost(j, place, sidx) for j in tensors)
+            if after > before + 1e-12 * max(1.0, abs(before)):
+                sidx[i], place[i] = old
+                continue
+            self.total += after - before
+            for j in tensors:
+                self.tcost[j] = prob.tensor_cost(j, place, sidx)
 
     def set_choices(self, choices: dict[int, int]) -> float:
         delta, ov = self.trial({g: c for g, c in choices.items() if c != self.choice[g]})

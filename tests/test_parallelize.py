@@ -27,6 +27,7 @@ import autoshard
 from autoshard import distributed as ad
 from autoshard.collectives import count_comm
 from autoshard.placements import cat_along
+from autoshard.local_ops import FRESH_OUTPUT_OPS
 from autoshard.errors import CaptureError, ProcessGroupError, ShardingError
 from autoshard.nn import functional as PF
 from launcher import _free_port
@@ -204,7 +205,8 @@ def _dropout_honoured(gm, ref, args, p):
     dist.all_gather(every, train.contiguous())
     assert all(torch.equal(e, every[0]) for e in every), "train-mode outputs differ between ranks"
     drops = [d for d in gm._autoshard_plan.nodes.values() if d.op == "Dropout"]
-    whole = bool(drops) and all(isinstance(d.output, autoshard.Replicate) for d in drops)
+    # a Partial input (a row layer's summands) draws the whole tensor's mask, as a replicated one does
+    whole = bool(drops) and all(isinstance(d.output, (autoshard.Replicate, autoshard.Partial)) for d in drops)
     if whole:
         _close(train, run(ref, True), "train-mode loss (same dropout masks)")
     return dict(dropout_whole=whole)
@@ -331,8 +333,10 @@ def test_rank_without_process_group_builds_that_ranks_module():
         else:                                                       # replicated: the model's own tensor
             assert all(piece.data_ptr() == full.data_ptr() for piece in pieces), key
     assert "autoshard_collectives" in shards[0].code                # collectives are named graph nodes
-    reduces = [n for n in shards[0].graph.nodes if n.target is autoshard.collectives.reduce_from]
-    assert reduces and all(n.kwargs.get("inplace") for n in reduces)  # row matmul / lookup outputs: no copy
+    gpt, ids = _build("gpt_loss")[:2]
+    reduces = [n for gm in (shards[0], autoshard.parallelize(gpt, 2, ids, rank=0)) for n in gm.graph.nodes
+               if n.target is autoshard.collectives.reduce_from and n.args[0].target in FRESH_OUTPUT_OPS]
+    assert reduces and all(n.kwargs.get("inplace") for n in reduces)    # row matmul / lookup outputs: no copy
     with pytest.raises(ProcessGroupError, match="needs a process group"):
         shards[0](*args)                                            # running it needs the group
     with pytest.raises(ProcessGroupError, match=r"needs an initialised process group .* or rank="):

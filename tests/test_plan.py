@@ -307,7 +307,11 @@ def test_plan_fields():
     assert plan.world_size == 2 and plan.search == "greedy" and plan.tracer == "fx"
     assert plan.search_seconds > 0 and plan.step_time == plan.comm_time + plan.compute_time
     assert plan.params_per_rank * 2 < plan.params_total + 2 * 4 * H            # all but row biases split
-    assert {r.node for r in plan.redistributions} == {"layer_norm", "layer_norm_1"}     # Megatron's two copies (ln1, mlp_ln)
+    # Megatron's two copies (ln1, mlp_ln) and its two all-reduces, of the row layers' outputs (each
+    # left Partial by its layer, with bias / p a rank) before their dropouts
+    got = {r.node: (r.forward, r.backward) for r in plan.redistributions}
+    assert got == {"layer_norm": ((), ("all_reduce",)), "layer_norm_1": ((), ("all_reduce",)),
+                   "linear_3": (("all_reduce",), ()), "linear_5": (("all_reduce",), ())}, plan.report()
     with pytest.raises(Exception):
         plan.world_size = 3                                                   # frozen
 

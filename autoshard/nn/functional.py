@@ -20,7 +20,7 @@ from .common import check_dim
 from .cross_entropy import vocab_parallel_cross_entropy
 
 __all__ = ["parallel_linear", "parallel_embedding", "parallel_cross_entropy", "masked_embedding",
-           "vocab_parallel_cross_entropy"]
+           "vocab_parallel_cross_entropy", "bias_share"]
 
 
 def _is_column_sharded(x) -> bool:
@@ -83,6 +83,24 @@ def parallel_linear(input, weight, bias=None, dim=None, group=None):
     out = F.linear(copy_to(_column_input(input, weight, group), group=group), weight, bias)
     register_parallel_attribute(out, -1)
     return out
+
+
+class _BiasShare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, bias, world_size):
+        return bias / world_size
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def bias_share(bias, world_size: int):
+    """This rank's share of a bias added to a row-parallel output left Partial: bias / p, so the
+    ranks' summands add it once. Its gradient is the output gradient's sum, which every rank
+    holds whole (the gradient of a sum is each summand's), so it is passed back as it is: the
+    replicated bias gets its full gradient on every rank with no collective."""
+    return _BiasShare.apply(bias, world_size)
 
 
 def _global_padding_idx(padding_idx, num_embeddings: int):

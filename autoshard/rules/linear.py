@@ -2,7 +2,10 @@
 
 Column: input Replicate (its gradient comes back Partial), weight split on its output dim,
 output sharded on the last dim. Row: input sharded on the last dim, weight split on its
-input dim, output Partial; with a bias the op reduces itself and adds the bias once.
+input dim, output Partial; with a bias the op either reduces itself and adds the bias once, or
+stays Partial with each rank adding bias / p (`nn.functional.bias_share`: the bias's gradient is
+the whole output gradient every rank holds, so no collective), so that two row-parallel results
+can be summed before one all-reduce (parallel attention and MLP with biases: GPT-NeoX, Phi-2).
 """
 import torch
 import torch.nn.functional as F
@@ -35,18 +38,23 @@ def column_row(info: NodeInfo, x, w, b, *, x_dim: int, out_dim: int, w_out_dim: 
         found.append(info.req(m, "column", Shard(out_dim, unit=u), compute=1 / p, dim=-1, uneven=True))
     for u in info.units(info.shape(w)[w_in_dim]):
         m = {x: Shard(x_dim, unit=u), w: Shard(w_in_dim, unit=u)}
-        if b is None:
-            found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0, uneven=True))
-        else:
-            found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0, uneven=True,
-                                  comm=[("all_reduce", _bytes(info))]))
+        found += _row(info, m, b, uneven=True)
     for k in (1, *info.chunk_candidates):     # k > 1: the input is k pieces, each split (a cat of shards)
         m = {x: Shard(x_dim, k), w: Shard(w_in_dim, k)}
-        if b is None:
-            found.append(info.req(m, "row", PARTIAL, compute=1 / p, dim=0, uneven=k == 1))
-        else:
-            found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0, uneven=k == 1,
-                                  comm=[("all_reduce", _bytes(info))]))
+        found += _row(info, m, b, uneven=k == 1)
+    return found
+
+
+def _row(info: NodeInfo, m: dict, b, *, uneven: bool) -> list:
+    """Row strategies on split input features (`m`): the output Partial (a bias, if any, added as
+    bias / p on every rank, its gradient whole), and with a bias also reduced inside the op with
+    the bias added once after the all-reduce (what a consumer that needs the sum whole reads)."""
+    p = info.world_size
+    found = [info.req(m, "row", PARTIAL, compute=1 / p, dim=0, uneven=uneven,
+                      grads=None if b is None else {b: REPLICATE})]
+    if b is not None:
+        found.append(info.req(m, "row", REPLICATE, compute=1 / p, dim=0, uneven=uneven,
+                              comm=[("all_reduce", _bytes(info))]))
     return found
 
 

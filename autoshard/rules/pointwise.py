@@ -54,13 +54,13 @@ UNARY_LINEAR = [
     torch.Tensor.detach, aten.detach.default, aten.contiguous.default,
 ]
 UNARY = [
-    F.gelu, F.relu, F.silu, torch.tanh, torch.sigmoid, torch.exp, torch.rsqrt, torch.sqrt, torch.abs, F.dropout,
+    F.gelu, F.relu, F.silu, torch.tanh, torch.sigmoid, torch.exp, torch.rsqrt, torch.sqrt, torch.abs,
     torch.relu, F.tanh, F.sigmoid, torch.Tensor.relu, torch.Tensor.tanh, torch.Tensor.sigmoid, torch.Tensor.exp,
     torch.Tensor.rsqrt, torch.Tensor.sqrt, torch.Tensor.pow, torch.pow, torch.Tensor.abs, torch.cos, torch.sin,
     torch.Tensor.cos, torch.Tensor.sin, torch.Tensor.masked_fill, torch.masked_fill,
-    torch.Tensor.triu, torch.Tensor.tril, F.softplus, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout,
+    torch.Tensor.triu, torch.Tensor.tril, F.softplus, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid,
     nn.Identity, aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
-    aten.dropout.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.rsqrt.default, aten.sqrt.default,
+    aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.rsqrt.default, aten.sqrt.default,
     aten.exp.default, aten.cos.default, aten.sin.default, aten.abs.default, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.where.self, torch.where, aten.native_dropout.default,
     aten.erf.default, torch.erf,
@@ -71,6 +71,19 @@ PRODUCTS = [operator.mul, operator.imul, torch.mul, torch.Tensor.mul, torch.Tens
             aten.mul_.Tensor, aten.mul.Scalar]
 QUOTIENTS = [operator.truediv, torch.div, torch.Tensor.div, torch.Tensor.div_, aten.div.Tensor,
              aten.div.Scalar, aten.div.Tensor_mode]
+
+
+# dropout multiplies by a mask: on a Partial tensor it is linear when every rank draws the same
+# mask, which the rewrite's ParallelDropout does for every tensor that is not split (it draws from
+# the replicated stream), so summands stay summands (two row-parallel outputs, each dropped out,
+# summed before one all-reduce)
+DROPOUTS = [F.dropout, torch.dropout, nn.Dropout, aten.dropout.default]
+
+
+@register_rule(*DROPOUTS)
+def _dropout(info):
+    x = info.node.args[0] if info.node.args else info.inputs[0]
+    return elementwise(info, [[x]] if x in info.inputs else [])
 
 
 @register_rule(*UNARY_LINEAR)

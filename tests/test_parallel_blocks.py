@@ -1,0 +1,106 @@
+"""Parallel attention and MLP (GPT-J, GPT-NeoX, Falcon, Phi-2: `x + attn(ln(x)) + mlp(ln(x))`):
+the two row-parallel outputs, each with a bias and a dropout, are summed while still Partial and
+all-reduced once a layer (each rank adds bias / p; a dropout on a Partial tensor draws the same
+mask on every rank), as Megatron does: one forward all-reduce a layer, not two.
+
+Plans in one process; gloo ranks at world 2, 3 and 4 in train mode with dropout on and
+`dropout_masks="single_process"`, against the single-process model under the same seed (loss
+and every gradient), and in eval mode.
+"""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import autoshard  # noqa: E402
+from autoshard.collectives import count_comm  # noqa: E402
+from refs import close_to_scale, grads  # noqa: E402
+
+H, HEADS, T = 64, 4, 32
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, dropout=0.1):
+        super().__init__()
+        self.ln = nn.LayerNorm(H)
+        self.qkv, self.dense = nn.Linear(H, 3 * H), nn.Linear(H, H)
+        self.fc1, self.fc2 = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, T_, C = x.shape
+        h = self.ln(x)
+        q, k, v = (t.view(B, T_, HEADS, C // HEADS).transpose(1, 2) for t in self.qkv(h).split(C, -1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T_, C)
+        # the branches first, the residual last, as GPT-J, GPT-NeoX, Falcon and Phi-2 write it
+        # (`x + a + m` adds a Partial to a whole tensor first: each branch is reduced on its own)
+        return self.drop(self.dense(a)) + self.drop(self.fc2(F.gelu(self.fc1(h)))) + x
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks=2, dropout=0.1):
+        super().__init__()
+        self.blocks = nn.ModuleList([ParallelBlock(dropout) for _ in range(blocks)])
+        self.head = nn.Linear(H, 16)
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), y.flatten())
+
+
+def _inputs(seed=0, batch=32):          # 1024 tokens: bytes, not latency, decide the plan
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, T, H, generator=g), torch.randint(16, (batch, T), generator=g)
+
+
+def _activation_all_reduces(plan, batch=32):
+    """Forward all-reduces of the residual stream (batch x T x H floats): the layers' own."""
+    return [r.node for r in plan.redistributions if r.forward == ("all_reduce",) and r.nbytes == batch * T * H * 4]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_two_row_parallel_outputs_are_reduced_once(p):
+    plan = autoshard.plan(Stack(), p, _inputs())
+    for b in range(2):
+        assert plan.dims[f"blocks.{b}.dense"] == 0 and plan.dims[f"blocks.{b}.fc2"] == 0, plan.dims
+    assert len(_activation_all_reduces(plan)) == 2, plan.report()      # one a layer
+    assert not any(k == "all_reduce" for d in plan.nodes.values() for k, _ in d.comm), plan.report()
+
+
+def _case(rank, p):
+    torch.manual_seed(3)
+    model = Stack().train()
+    ref = copy.deepcopy(model)
+    x, y = _inputs(1)
+    gm = autoshard.parallelize(model, p, (x, y), dropout_masks="single_process")
+    torch.manual_seed(11)
+    want = ref(x, y)
+    autoshard.manual_seed(11)
+    with count_comm() as c:
+        loss = gm(x, y)
+    close_to_scale(loss, want, f"train loss at {p}")
+    loss.backward()
+    want.backward()
+    got = autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False))
+    expected = grads(ref, remove_duplicate=False)
+    top = max(g.abs().max().item() for g in expected.values())
+    for k, g in expected.items():
+        torch.testing.assert_close(got[k], g, rtol=1e-5, atol=1e-5 * g.abs().max().item() + 1e-6 * top,
+                                   msg=lambda m: f"grad of {k} at {p}: {m}")
+    gm.eval(), ref.eval()
+    close_to_scale(gm(x, y), ref(x, y), f"eval loss at {p}")
+    return sum(e.kind == "all_reduce" and e.direction == "forward" and e.op == "reduce_from" for e in c.events)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_parallel_blocks_are_exact_with_dropout(world, request):
+    counts = request.getfixturevalue(f"dist{world}").run(_case, timeout=240)
+    if world != 3:               # 64 features do not split evenly at 3: the plan may differ there
+        assert counts[0] == 2, counts
