@@ -134,8 +134,8 @@ def apply_pins(names, choices, keys, prob, anchors, pins):
             shapes = {n: tuple(prob.param_obj[k].shape) for k in keys for n in prob.param_names[k]}
             raise ShardingError(
                 f"cannot pin {o!r} to dim {want}: no layout of {shapes} splits that way into "
-                f"{prob.p} shards (sizes must divide by {prob.p}, or split at torch.chunk's boundaries with no "
-                f"rank empty where every op using them allows unequal shards) and agrees with the other pins on "
+                f"{prob.p} shards (sizes must divide by {prob.p}, or hold at least one unit a rank "
+                f"where every op using them allows unequal shards) and agrees with the other pins on "
                 f"these parameters ({ {k: v for k, v in pins.items() if k in owners} })")
         out = keep
     return out
@@ -188,5 +188,5 @@ def check_pins_known(pins, groups, prob):
                       for n in dict.fromkeys(names) if owner_of(n) == name}
             raise ShardingError(
                 f"cannot pin {name!r} to dim {want}: no layout of {shapes} splits into {prob.p} shards "
-                f"(sizes must divide by {prob.p}, or split at torch.chunk's boundaries with no rank empty where "
+                f"(sizes must divide by {prob.p}, or hold at least one unit a rank where "
                 f"every op using them allows unequal shards; and the ops using them need a sharding rule)")

@@ -7,8 +7,11 @@ of q, k and v.  Dims are always stored non-negative.
 
 A contiguous shard (`chunks=1`) of a dim that does not divide by the degree follows
 `torch.chunk`'s boundaries, as DTensor does: every rank holds ceil(n/p) but the last ones, which
-hold what is left (50257 on 4 ranks: 12565, 12565, 12565, 12562). Splits that would leave a rank
-empty are refused (`splits`). A layout table (a module's `_autoshard_layouts`) records such a
+hold what is left (50257 on 4 ranks: 12565, 12565, 12565, 12562). Where those boundaries would
+leave a rank empty (12 heads on 8 ranks: torch.chunk makes 6 chunks of 2), the split is balanced
+instead: the first n mod p ranks hold one more (2, 2, 2, 2, 1, 1, 1, 1), which is Megatron's
+and vLLM's way with heads; such a shard is no DTensor (`dtensor_boundaries`). Fewer units than
+ranks are refused (`splits`). A layout table (a module's `_autoshard_layouts`) records such a
 shard with its global size (`Shard(d, size=n)`), since a rank's shard alone no longer tells it.
 `unit=u` cuts the dim in whole units of u elements (heads of a projection's output features: 14
 heads of 64 on 4 ranks hold 4, 4, 4 and 2 heads, not 3.5 each); it is only set where the units
@@ -122,12 +125,27 @@ PARTIAL = Partial()
 def chunk_sizes(n: int, world_size: int, unit: int = 1) -> list[int]:
     """Every rank's size of a dim of `n` split over `world_size` ranks at torch.chunk's
     boundaries: ceil(n/p) each, the last ranks what is left (equal shares when p divides n);
-    with `unit`, in whole units of that many elements. One rule for every split, so that a dim
-    of heads and the features it is viewed from have the same boundaries."""
+    where those would leave a rank empty (12 on 8: six chunks of 2), balanced instead: the first
+    n mod p ranks one more (2, 2, 2, 2, 1, 1, 1, 1). With `unit`, in whole units of that many
+    elements. One rule for every split, so that a dim of heads and the features it is viewed
+    from have the same boundaries; the first rank's share is always the largest."""
     units = int(n) // unit
     c = -(-units // world_size)
+    if units >= world_size and (world_size - 1) * c >= units:
+        base, extra = divmod(units, world_size)
+        return [(base + (r < extra)) * unit for r in range(world_size)]
     return [max(0, min(c, units - r * c)) * unit for r in range(world_size)]
 
+
+def dtensor_boundaries(shape, placement, world_size: int) -> bool:
+    """Whether a `placement` of a tensor of `shape` cuts it where DTensor's `Shard` does: a
+    contiguous shard in elements at torch.chunk's boundaries (so a DTensor, or DCP's DTensor
+    resharding, can hold it). A strided shard, a shard in whole units (heads) and a balanced
+    split (where torch.chunk would leave a rank empty) cannot."""
+    if not isinstance(placement, Shard) or placement.chunks != 1 or placement.unit != 1:
+        return False
+    n = int(shape[placement.dim])
+    return (world_size - 1) * -(-n // world_size) < n
 
 def chunk_start(n: int, rank: int, world_size: int, unit: int = 1) -> int:
     """Where rank `rank`'s block of a dim of `n` starts (torch.chunk's boundaries)."""
@@ -140,7 +158,7 @@ def unit_of(placement) -> int:
 
 def splits(shape, placement: Placement, world_size: int) -> bool:
     """Whether `placement` can hold a tensor of `shape`, shards allowed to differ in size
-    (`chunks=1`, torch.chunk's boundaries, no rank left empty); `divides` asks for equal ones."""
+    (`chunks=1`, `chunk_sizes`' boundaries, no rank left empty); `divides` asks for equal ones."""
     if not isinstance(placement, Shard):
         return True
     if placement.dim >= len(shape):

@@ -197,7 +197,7 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         if prob.kind[i] == "output":
             for j in prob.ins[i]:
                 if isinstance(prob.val[j], torch.Tensor):
-                    returned[prob.nodes[j].name] = prob.returned(state.place[j])
+                    returned[prob.nodes[j].name] = prob.returned(state.place[j], prob.val[j].shape)
     layouts, total, per_rank, seen = {}, 0, 0, set()
     for key, obj in prob.param_obj.items():
         pl = state.placement_of_param(key)

@@ -25,10 +25,13 @@ from . import rules
 from .shapes import DYNAMIC
 from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
 from .decisions import decision_groups, fix_layouts
-from .placements import REPLICATE, Partial, Replicate, Shard, is_even, local_numel
+from .placements import REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, is_even, local_numel
 from .rules.registry import NodeInfo, OpStrategy
 
 INF = math.inf
+# the weight of the largest rank's excess state over the ranks' mean in the memory term: small, so
+# that a split in whole heads is priced by what it saves in communication, not by its largest rank
+IMBALANCE = 0.01
 aten = torch.ops.aten
 
 # ops whose output is their one tensor input with the same elements in the same (row-major)
@@ -198,7 +201,7 @@ class Problem:
         that needs j whole then shares that collective (class_comms)."""
         for a in self.returned_above[j]:
             src = place[a]
-            if isinstance(self.returned(src), Replicate) and isinstance(src, (Shard, Partial)):
+            if isinstance(self.returned(src, self.val[a].shape), Replicate) and isinstance(src, (Shard, Partial)):
                 return True
         return False
 
@@ -271,12 +274,13 @@ class Problem:
             return INF
         return sum(self.cost.comm_time(k, self.nbytes[m], self.p) for m, _, _, f, b, _, _ in comms for k in f + b)
 
-    def returned(self, src):
-        """The placement the graph's output takes of a tensor held as `src`: whole, or with
-        outputs="sharded" an ordinary shard as it is (a strided shard, which a DTensor's Shard
-        cannot describe, is gathered; a Partial one all-reduced)."""
-        if self.outputs == "sharded" and isinstance(src, Shard) and src.chunks == 1 and src.unit == 1:
-            return src          # (a shard in whole heads has other boundaries than DTensor's: gathered)
+    def returned(self, src, shape):
+        """The placement the graph's output takes of a tensor of `shape` held as `src`: whole,
+        or with outputs="sharded" a shard at DTensor's boundaries as it is (a strided shard, one
+        in whole heads or a balanced one, which a DTensor's Shard cannot describe, is gathered;
+        a Partial one all-reduced)."""
+        if self.outputs == "sharded" and dtensor_boundaries(shape, src, self.p):
+            return src
         return REPLICATE
 
     def class_comms(self, r: int, place, sidx):
@@ -353,7 +357,7 @@ class Problem:
                 if k == j and s.inputs[slot] is not None:
                     req, grad = s.inputs[slot], s.grad(slot)
                     if self.kind[c] == "output":         # its gradient comes back as it is returned
-                        req = grad = self.returned(src)
+                        req = grad = self.returned(src, self.val[j].shape)
                     consumers = by_req.setdefault(req, {}).setdefault(grad, [])
                     if c not in consumers:
                         consumers.append(c)
@@ -381,10 +385,17 @@ class Problem:
         return out
 
     def param_cost(self, key: int, placement) -> float:
+        """The memory term of a parameter held as `placement`: its state's mean over the ranks
+        (the whole tensor, or 1/p of it for any split), plus IMBALANCE of the largest rank's
+        excess over it. Shards of unequal sizes (heads that do not divide) cost about what the
+        ranks hold together, so their communication decides, and of two splits the more even
+        one wins a tie; the largest rank's state is what `memory_budget` and the report check."""
         hit = self._param_memo.get((key, placement))
         if hit is None:
             obj = self.param_obj[key]
-            nb = local_numel(obj.shape, placement, self.p) * obj.element_size()
+            mean = obj.numel() / (self.p if isinstance(placement, Shard) else 1)
+            largest = local_numel(obj.shape, placement, self.p)
+            nb = (mean + IMBALANCE * (largest - mean)) * obj.element_size()
             hit = self._param_memo[(key, placement)] = self.cost.memory_cost(nb)
         return hit
 

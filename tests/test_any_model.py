@@ -34,12 +34,12 @@ class NoDivide(nn.Module):
 
 
 class LocalSplit(nn.Module):
-    """9 does not split over 4 ranks (torch.chunk's boundaries would leave a rank empty): the first
+    """3 does not split over 4 ranks (fewer features than ranks): the first
     layer goes row-parallel on a locally split input."""
 
     def __init__(self):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(256, 9), nn.Linear(9, 36)
+        self.fc1, self.fc2 = nn.Linear(256, 3), nn.Linear(3, 36)
 
     def forward(self, x):
         return self.fc2(F.relu(self.fc1(x)))

@@ -24,7 +24,7 @@ def test_boxes_rebuild_each_rank_piece(shape, pl, p):
 
 def test_boxes_errors():
     with pytest.raises(ValueError, match="does not divide"):
-        boxes((6, 4), Shard(0), 0, 4)          # torch.chunk's boundaries would leave rank 3 empty
+        boxes((3, 4), Shard(0), 0, 4)          # fewer rows than ranks: one would be empty
     with pytest.raises(ValueError, match="does not divide"):
         boxes((10, 4), Shard(0, 2), 0, 4)      # a strided shard must divide
     with pytest.raises(ValueError, match="Partial"):
@@ -32,16 +32,19 @@ def test_boxes_errors():
 
 
 def test_uneven_sizes_follow_torch_chunk():
-    """torch.chunk's boundaries (DTensor's): ceil(n/p) each, the last ranks what is left."""
+    """torch.chunk's boundaries (DTensor's): ceil(n/p) each, the last ranks what is left; where
+    those leave a rank empty (10 on 8: five chunks of 2), balanced: the first n mod p one more."""
     from autoshard.placements import chunk_sizes, global_shape, layout_of, local_shape, splits
     for n in (257, 50257, 10, 7, 64):
         for p in (2, 3, 4, 8):
             if n < p:
+                assert not splits((n,), Shard(0), p)
                 continue
             want = [c.numel() for c in torch.arange(n).chunk(p)]
-            got = [s for s in chunk_sizes(n, p) if s]
-            assert got == want, (n, p)
-            assert splits((n,), Shard(0), p) == (len(want) == p)
+            if len(want) < p:
+                want = [n // p + (r < n % p) for r in range(p)]
+            assert chunk_sizes(n, p) == want, (n, p)
+            assert splits((n,), Shard(0), p)
     assert local_shape((257, 4), Shard(0), 3) == (86, 4) and local_shape((257, 4), Shard(0), 3, rank=2) == (85, 4)
     assert layout_of((257, 4), Shard(0), 3) == Shard(0, 1, 257) and layout_of((258, 4), Shard(0), 3) == Shard(0)
     assert global_shape((85, 4), Shard(0, 1, 257), 3) == (257, 4) and global_shape((86, 4), Shard(0), 3) == (258, 4)

@@ -205,7 +205,7 @@ def test_pin_single_layout_that_is_not_the_cheapest_is_applied():
 
         def forward(self, x):
             return self.fc2(torch.relu(self.fc1(x)))
-    # at p = 8 only fc1's input dim divides (12 would leave a rank empty): the pin leaves exactly one (row) layout
+    # at p = 8 fc1's input dim divides and its 12 outputs split unevenly: the pin leaves exactly one (row) layout
     plan = autoshard.plan(meta(Odd), 8, x_in(), pin={"fc1": 0})
     assert plan.dims["fc1"] == 0 and plan.layouts["fc1.weight"] == Shard(1)
 
@@ -214,8 +214,8 @@ def test_pin_single_layout_that_is_not_the_cheapest_is_applied():
 class Odd(nn.Module):
     def __init__(self):
         super().__init__()
-        # 12 does not split over 8 ranks even unevenly (torch.chunk's boundaries: 2 x 6 and two empty)
-        self.fc1, self.fc2, self.odd = nn.Linear(H, 12), nn.Linear(12, H), nn.Linear(12, 12)
+        # 6 does not split over 8 ranks even unevenly (fewer features than ranks)
+        self.fc1, self.fc2, self.odd = nn.Linear(H, 6), nn.Linear(6, H), nn.Linear(6, 6)
 
     def forward(self, x):
         return self.fc2(self.odd(torch.relu(self.fc1(x))))
@@ -260,7 +260,7 @@ def test_undividable_module_stays_replicated_with_a_note():
     plan = autoshard.plan(meta(Odd), 8, x_in())
     assert plan.dims["odd"] is None
     assert any("odd.weight" in n and "do not divide by 8" in n for n in plan.notes)
-    assert "note: odd.weight [12, 12] stays replicated" in plan.report()
+    assert "note: odd.weight [6, 6] stays replicated" in plan.report()
 
 
 # ----------------------------------------------------------------------------- report

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from ..placements import Replicate, boxes, fill_boxes, global_shape
+from ..placements import Replicate, boxes, dtensor_boundaries, fill_boxes, global_shape
 from ..state_dict import group_of, layouts
 
 # DCP reads .size()/.device of the ShardedTensors we hand it and each read warns that ShardedTensor
@@ -74,7 +74,7 @@ class _Layout:
         if layout is None:
             return local
         shape = self.global_shape(key, local.shape)
-        if layout.chunks == 1 and layout.unit == 1:       # DTensor's boundaries: torch.chunk's
+        if dtensor_boundaries(shape, layout, self.p):     # DTensor's boundaries: torch.chunk's
             from torch.distributed.tensor import DTensor, Shard as DShard
             return DTensor.from_local(local, self.mesh(local.device), [DShard(layout.dim)], run_check=False,
                                       shape=torch.Size(shape), stride=_contiguous_stride(shape))

@@ -90,12 +90,11 @@ class NodeInfo:
 
     def units(self, size: int) -> tuple:
         """Units (head sizes) a dim of `size` may be split in where they do not divide evenly
-        over the ranks: each gives the whole-unit shard `Shard(d, unit=u)` (torch.chunk's
-        boundaries over size/u units, none empty)."""
+        over the ranks: each gives the whole-unit shard `Shard(d, unit=u)` (`chunk_sizes`'
+        boundaries over size/u units: at least one a rank)."""
         p = self.world_size
         return tuple(u for u in self.unit_candidates
-                     if 1 < u < size and size % u == 0 and (size // u) % p
-                     and (p - 1) * -(-(size // u) // p) < size // u)
+                     if 1 < u < size and size % u == 0 and (size // u) % p and size // u >= p)
 
     def fewer_units(self, size: int) -> bool:
         """Whether a dim of `size` holds fewer whole units (heads) than ranks for some unit the
@@ -220,7 +219,7 @@ def _fits(placement, v, p, dynamic, uneven=False) -> bool:
 
 def valid(info: NodeInfo, s: OpStrategy) -> bool:
     """Every shard of every input and output divides evenly over the degree (or, for a strategy
-    marked `uneven`, splits at torch.chunk's boundaries with no rank empty), and no dim whose
+    marked `uneven`, splits at `chunk_sizes`' boundaries with no rank empty), and no dim whose
     size follows the inputs (batch, sequence) is split: the plan must hold for every size."""
     p = info.world_size
     if not _fits(s.output, info.val(info.node), p, dynamic_dims(info.node), s.uneven):
