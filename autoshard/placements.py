@@ -130,11 +130,16 @@ def chunk_sizes(n: int, world_size: int, unit: int = 1) -> list[int]:
     elements. One rule for every split, so that a dim of heads and the features it is viewed
     from have the same boundaries; the first rank's share is always the largest."""
     units = int(n) // unit
-    c = -(-units // world_size)
-    if units >= world_size and (world_size - 1) * c >= units:
+    if units >= world_size and not _chunk_fills(units, world_size):
         base, extra = divmod(units, world_size)
         return [(base + (r < extra)) * unit for r in range(world_size)]
+    c = -(-units // world_size)
     return [max(0, min(c, units - r * c)) * unit for r in range(world_size)]
+
+
+def _chunk_fills(n: int, world_size: int) -> bool:
+    """Whether torch.chunk's boundaries (ceil(n/p) each) give every one of p ranks a part of n."""
+    return (world_size - 1) * -(-n // world_size) < n
 
 
 def dtensor_boundaries(shape, placement, world_size: int) -> bool:
@@ -144,8 +149,8 @@ def dtensor_boundaries(shape, placement, world_size: int) -> bool:
     split (where torch.chunk would leave a rank empty) cannot."""
     if not isinstance(placement, Shard) or placement.chunks != 1 or placement.unit != 1:
         return False
-    n = int(shape[placement.dim])
-    return (world_size - 1) * -(-n // world_size) < n
+    return _chunk_fills(int(shape[placement.dim]), world_size)
+
 
 def chunk_start(n: int, rank: int, world_size: int, unit: int = 1) -> int:
     """Where rank `rank`'s block of a dim of `n` starts (torch.chunk's boundaries)."""
