@@ -3,9 +3,10 @@ the two row-parallel outputs, each with a bias and a dropout, are summed while s
 all-reduced once a layer (each rank adds bias / p; a dropout on a Partial tensor draws the same
 mask on every rank), as Megatron does: one forward all-reduce a layer, not two.
 
-Plans in one process; gloo ranks at world 2, 3 and 4 in train mode with dropout on and
+Plans in one process; gloo ranks at world 3 and 4 in train mode with dropout on and
 `dropout_masks="single_process"`, against the single-process model under the same seed (loss
-and every gradient), and in eval mode.
+and every gradient), and in eval mode; a tiny Hugging Face Phi the same way at world 4, its bytes
+counted at run time against the plan's.
 """
 import copy
 import os
@@ -104,3 +105,42 @@ def test_parallel_blocks_are_exact_with_dropout(world, request):
     counts = request.getfixturevalue(f"dist{world}").run(_case, timeout=240)
     if world != 3:               # 64 features do not split evenly at 3: the plan may differ there
         assert counts[0] == 2, counts
+
+
+def _phi_case(rank, p):
+    """A tiny Hugging Face Phi (parallel attention and MLP, biases everywhere, residual dropout
+    on) in train mode with single-process masks: the loss and every gradient as one process
+    computes them, and the two branches of each layer summed before one all-reduce."""
+    import transformers
+    from hf_models import build_model, example_kwargs
+    cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+               max_position_embeddings=64, partial_rotary_factor=0.5, resid_pdrop=0.1, embd_pdrop=0.0,
+               attention_dropout=0.0, tie_word_embeddings=False)
+    model = build_model(transformers.PhiConfig, transformers.PhiForCausalLM, cfg).train()
+    ref = copy.deepcopy(model)
+    kw = example_kwargs(256, batch=4, seq=32)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", dropout_masks="single_process")
+    torch.manual_seed(11)
+    want = ref(**kw).loss
+    autoshard.manual_seed(11)
+    with count_comm() as c:
+        loss = gm(**kw).loss
+        loss.backward()
+    close_to_scale(loss, want, f"phi train loss at {p}")
+    want.backward()
+    got = autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False))
+    expected = grads(ref, remove_duplicate=False)
+    top = max(g.abs().max().item() for g in expected.values())
+    for k, g in expected.items():
+        torch.testing.assert_close(got[k], g, rtol=1e-5, atol=1e-5 * g.abs().max().item() + 1e-6 * top,
+                                   msg=lambda m: f"phi grad of {k} at {p}: {m}")
+    plan = gm._autoshard_plan
+    layer = 4 * 32 * 64 * 4
+    return sum(r.forward == ("all_reduce",) and r.nbytes == layer for r in plan.redistributions), \
+        (c.bytes, plan.comm_bytes)
+
+
+def test_hugging_face_phi_reduces_each_layer_once(dist4):
+    for per_layer, (counted, planned) in dist4.run(_phi_case, timeout=300):
+        assert counted == pytest.approx(planned, rel=1e-9)
+        assert per_layer == 2, per_layer          # one forward all-reduce of the residual stream a layer
