@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError, ProcessGroupError
+from .placements import chunk_sizes, global_shape, is_even, pad_along
 from .state_dict import group_of, layouts
 
 __all__ = ["attach", "save_pretrained", "saved_keys", "parse_size", "WEIGHTS_NAME", "INDEX_NAME"]
@@ -129,9 +130,7 @@ def _entries(gm, keys, p: int) -> list:
             raise CheckpointError(f"save_pretrained: {key!r} is on the meta device (no values to write); "
                                   "parallelize with load= or without a meta model")
         layout = table.get(key)
-        shape = list(t.shape)
-        if layout is not None:
-            shape[layout.dim] *= p
+        shape = list(t.shape) if layout is None else list(global_shape(t.shape, layout, p))
         out.append((key, t, layout, shape, t.dtype))
     return out
 
@@ -179,9 +178,17 @@ def _write(f, t: torch.Tensor) -> None:
 
 def _write_gathered(f, buf: torch.Tensor, layout, shape) -> None:
     """Write the full tensor whose rank pieces are `buf[r]` (Shard(dim, chunks) each) without
-    assembling it: row-major order is [outer, chunk, rank, rows of the block, inner]."""
+    assembling it: row-major order is [outer, chunk, rank, rows of the block, inner]. Pieces of
+    unequal sizes come padded to the largest (`_padded`) and are cropped here."""
     p, dim, chunks = buf.size(0), layout.dim, layout.chunks
     outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+    if not is_even(shape, layout, p):
+        sizes = chunk_sizes(shape[dim], p, layout.unit)
+        v = buf.view(p, outer, sizes[0], inner)
+        step = max(1, SLAB_BYTES // max(shape[dim] * inner * buf.element_size(), 1))
+        for o in range(0, outer, step):                                   # a slab of outer indices
+            _write(f, torch.cat([v[r, o:o + step, :n] for r, n in enumerate(sizes)], 1))
+        return
     block = shape[dim] // (p * chunks)
     v = buf.view(p, outer, chunks, block, inner)
     row = chunks * p * block * inner * buf.element_size()            # bytes of one outer index
@@ -194,6 +201,14 @@ def _write_gathered(f, buf: torch.Tensor, layout, shape) -> None:
             for c in range(chunks):
                 for r in range(p):
                     _write(f, v[r, o, c])                              # contiguous: no copy
+
+
+def _padded(local: torch.Tensor, layout, shape, p: int) -> torch.Tensor:
+    """This rank's piece grown with zeros to the largest rank's size where pieces differ (an odd
+    vocabulary, heads that do not divide), so every rank sends a buffer of one shape."""
+    if is_even(shape, layout, p):
+        return local
+    return pad_along(local, layout.dim, chunk_sizes(shape[layout.dim], p, layout.unit)[0])
 
 
 def _gather_to(local: torch.Tensor, pg, p: int, rank: int, dst: int):
@@ -315,7 +330,7 @@ def _write_directory(gm, entries, files, path, tmp, rank, p, pg, dst) -> None:
                         except Exception as e:  # noqa: BLE001
                             failure = e
                     continue
-                buf = _gather_to(local, pg, p, rank, dst)
+                buf = _gather_to(_padded(local, layout, shape, p), pg, p, rank, dst)
                 if out is not None and failure is None:
                     try:
                         _write_gathered(out, buf, layout, shape)

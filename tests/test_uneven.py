@@ -301,3 +301,31 @@ def test_balanced_boundaries():
     assert [b.offsets[0] for r in range(4) for b in boxes((6, 4), Shard(0), r, 4)] == [0, 2, 4, 5]
     assert dtensor_boundaries((257,), Shard(0), 3) and not dtensor_boundaries((6,), Shard(0), 4)
     assert not dtensor_boundaries((64,), Shard(0, unit=8), 3) and not dtensor_boundaries((64,), Shard(0, 2), 2)
+
+
+# ----------------------------------------------------------------------------- save_pretrained
+
+def _save_pretrained_case(rank, p, root):
+    import hf_models
+    model, kw = hf_models.qwen2(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
+                                intermediate_size=6, vocab_size=257, seq=32)
+    mlp = "model.layers.0.mlp."                       # 6 features at 4 ranks: a balanced 2, 2, 1, 1
+    gm = autoshard.parallelize(model, p, kw, tracer="export", outputs="sharded",
+                               pin={mlp + "gate_proj": -1, mlp + "up_proj": -1, mlp + "down_proj": 0})
+    gm(**kw).loss.backward()
+    gm.save_pretrained(root)
+    layouts = {k: v for k, v in gm._autoshard_layouts.items() if isinstance(v, autoshard.Shard)}
+    return autoshard.collect_state_dict(gm, gm.state_dict()), layouts
+
+
+def test_save_pretrained_writes_uneven_shards_whole(dist4, tmp_path):
+    """A vocabulary of 257 (65, 65, 65, 62 rows) and an MLP of 6 features (2, 2, 1, 1) at 4 ranks:
+    the directory save_pretrained writes loads in one process with every tensor the module's
+    (the pieces of unequal sizes used to be written padded: a 260-row embedding)."""
+    import transformers
+    full, layouts = dist4.run(_save_pretrained_case, str(tmp_path), timeout=300)[0]
+    assert any(v.size == 257 for v in layouts.values()), layouts                   # the odd vocabulary
+    assert any(v.size == 6 for v in layouts.values()), layouts                     # the balanced split
+    loaded = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path)).state_dict()
+    for k, v in full.items():
+        assert torch.equal(loaded[k], v), k
