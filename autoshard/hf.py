@@ -185,9 +185,15 @@ def _write_gathered(f, buf: torch.Tensor, layout, shape) -> None:
     if not is_even(shape, layout, p):
         sizes = chunk_sizes(shape[dim], p, layout.unit)
         v = buf.view(p, outer, sizes[0], inner)
-        step = max(1, SLAB_BYTES // max(shape[dim] * inner * buf.element_size(), 1))
-        for o in range(0, outer, step):                                   # a slab of outer indices
-            _write(f, torch.cat([v[r, o:o + step, :n] for r, n in enumerate(sizes)], 1))
+        row = shape[dim] * inner * buf.element_size()                    # bytes of one outer index
+        if row <= SLAB_BYTES and outer > 1:
+            step = max(1, SLAB_BYTES // max(row, 1))
+            for o in range(0, outer, step):                               # a slab of outer indices
+                _write(f, torch.cat([v[r, o:o + step, :n] for r, n in enumerate(sizes)], 1))
+        else:
+            for o in range(outer):
+                for r, n in enumerate(sizes):
+                    _write(f, v[r, o, :n])                                 # contiguous: no copy
         return
     block = shape[dim] // (p * chunks)
     v = buf.view(p, outer, chunks, block, inner)

@@ -239,26 +239,28 @@ class State:
             if prob.kind[i] != "op" or not isinstance(place[i], Partial) or not prob.strats[i] or sidx[i] == 0 \
                     or not isinstance(prob.strats[i][0].output, Replicate) or not prob.users[i]:
                 continue
-            s, whole = prob.strats[i][sidx[i]], prob.strats[i][0]
-            if [r for r in s.inputs if r is not None] != [PARTIAL] or any(r != w for r, w in zip(
-                    s.inputs, whole.inputs) if not isinstance(r, Partial)):
-                continue            # one Partial input passed through (a dropout, a cast): nothing else changes
-            if not all(prob.strats[u] and all(isinstance(s.inputs[k], Replicate)
-                                               for s in (prob.strats[u][sidx[u]],)
-                                               for k, j in enumerate(prob.ins[u]) if j == i)
-                       for u in prob.users[i]):
+            if [r for r in prob.strats[i][sidx[i]].inputs if r is not None] != [PARTIAL]:
+                continue            # one Partial input passed through (a dropout, a cast), nothing else
+            if not all(self._reads_whole(u, i) for u in prob.users[i]):
                 continue
             tensors = {prob.root[j] for j in (i, *prob.ins[i])}
             before = prob.node_cost[i][sidx[i]] + sum(prob.tensor_cost(j, place, sidx) for j in tensors)
             old = sidx[i], place[i]
             sidx[i], place[i] = 0, self._out(i, 0, place)
-            after = prob.node_cost[i][0] + sum(prob.tensor_cost(j, place, sidx) for j in tensors)
+            new = {j: prob.tensor_cost(j, place, sidx) for j in tensors}
+            after = prob.node_cost[i][0] + sum(new.values())
             if after > before + 1e-12 * max(1.0, abs(before)):
                 sidx[i], place[i] = old
                 continue
             self.total += after - before
-            for j in tensors:
-                self.tcost[j] = prob.tensor_cost(j, place, sidx)
+            for j, c in new.items():
+                self.tcost[j] = c
+
+    def _reads_whole(self, u: int, i: int) -> bool:
+        """Whether node u's strategy reads tensor i whole (Replicate) in every slot it reads it."""
+        strats = self.prob.strats[u]
+        return bool(strats) and all(isinstance(strats[self.sidx[u]].inputs[k], Replicate)
+                                    for k, j in enumerate(self.prob.ins[u]) if j == i)
 
     def set_choices(self, choices: dict[int, int]) -> float:
         delta, ov = self.trial({g: c for g, c in choices.items() if c != self.choice[g]})

@@ -29,6 +29,16 @@ def close_to_scale(actual, expected, what):
                                msg=lambda m: f"{what}: {m}")
 
 
+def close_grads(got, want, what):
+    """The same gradient names, each gradient within 1e-5 of its own scale plus fp32 noise of the
+    largest gradient (`got`, `want`: {name: gradient}); `what` in the message."""
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    top = max(g.abs().max().item() for g in want.values())
+    for k, g in want.items():
+        torch.testing.assert_close(got[k], g, rtol=1e-5, atol=1e-5 * g.abs().max().item() + 1e-6 * top,
+                                   msg=lambda m: f"{what}: grad of {k}: {m}")
+
+
 def grads(module, remove_duplicate=True):
     """{parameter name: gradient} of the parameters that have one (tied aliases too with
     remove_duplicate=False)."""
