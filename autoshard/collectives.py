@@ -22,7 +22,7 @@ import torch.fx
 
 from .errors import ProcessGroupError
 from .groups import get_group, is_initialized, tensor_parallel_mesh
-from .placements import cat_along, checked_dim, chunk_sizes, pad_along, split_along
+from .placements import block_sizes, blocks_of, cat_along, checked_dim, pad_along, piece_sizes, split_along
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "gather_from", "reduce_scatter", "all_gather",
            "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]
@@ -159,40 +159,39 @@ def _stacked_gather(x, group):
     return out
 
 
-def _gather(x, dim, chunks, group, size=None, unit=1, op="gather_from", direction="forward"):
+def _gather(x, dim, chunks, group, size=None, unit=1, op="gather_from", direction="forward", parts=None):
     """Full tensor from every rank's Shard(dim, chunks) piece; `size`, the full size of `dim`
-    where shards differ (torch.chunk's boundaries, in `unit`s): each is padded to the largest
-    and cropped."""
+    where shards differ (torch.chunk's boundaries, in `unit`s, of equal blocks or of `parts`):
+    each is padded to the largest and cropped."""
     p = dist.get_world_size(group)
     dim = checked_dim(dim, x.dim())
-    sizes = None if size is None or size % (p * unit) == 0 else chunk_sizes(size, p, unit)
+    sizes = None if size is None else piece_sizes(size, p, chunks, unit, parts)
+    if sizes is not None and sizes[0] == sizes[-1]:
+        sizes = None                                 # equal pieces: nothing to pad
     stacked = _stacked_gather(x if sizes is None else pad_along(x, dim, sizes[0]), group)
     _record(op, "all_gather", direction, stacked.nbytes, stacked.size(0))
     pieces = stacked.unbind(0)
     if sizes is not None:
         pieces = [piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)]
-    return cat_along(pieces, dim, chunks)
+    return cat_along(pieces, dim, chunks, parts, unit)
 
 
-def _scatter(x, dim, chunks, group, unit=1):
+def _scatter(x, dim, chunks, group, unit=1, parts=None):
     """This rank's Shard(dim, chunks) piece of the full `x` (no communication; torch.chunk's
     boundaries, in `unit`s, where the size does not divide)."""
-    pieces = split_along(x, dim, dist.get_world_size(group), chunks, uneven=True, unit=unit)
+    pieces = split_along(x, dim, dist.get_world_size(group), chunks, uneven=True, unit=unit, parts=parts)
     return pieces[dist.get_rank(group)].contiguous()
 
 
-def _reduce_scatter(x, dim, chunks, group, unit=1, op="reduce_scatter", direction="forward"):
+def _reduce_scatter(x, dim, chunks, group, unit=1, op="reduce_scatter", direction="forward", parts=None):
     """This rank's Shard(dim, chunks) piece of the sum of `x` over the group (an uneven split
     reduces equal pieces padded to the largest and crops its own)."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     dim = checked_dim(dim, x.dim())
-    size = x.size(dim)
-    if chunks == 1 and size % (p * unit):
-        sizes = chunk_sizes(size, p, unit)
-        padded = torch.cat([pad_along(piece, dim, sizes[0]) for piece in x.split(sizes, dim)], dim)
-        own = _reduce_scatter(padded, dim, 1, group, 1, op, direction)
-        return own.narrow(dim, 0, sizes[rank]).contiguous()
-    pieces = split_along(x, dim, p, chunks)
+    pieces = split_along(x, dim, p, chunks, uneven=True, unit=unit, parts=parts)
+    own, largest = pieces[rank].size(dim), pieces[0].size(dim)
+    if any(piece.size(dim) != largest for piece in pieces):        # uneven: padded to the largest
+        pieces = [pad_along(piece, dim, largest) for piece in pieces]
     stacked = torch.stack(pieces)
     out = pieces[0].new_empty(pieces[0].shape)
     if not _try_single("reduce_scatter", group,
@@ -200,7 +199,7 @@ def _reduce_scatter(x, dim, chunks, group, unit=1, op="reduce_scatter", directio
         dist.all_reduce(stacked, group=group)
         out = stacked[rank].clone()
     _record(op, "reduce_scatter", direction, stacked.nbytes, p)
-    return out
+    return out if own == out.size(dim) else out.narrow(dim, 0, own).contiguous()
 
 
 def _all_to_all(x, src_dim, dst_dim, group, op="all_to_all", direction="forward"):
@@ -243,64 +242,72 @@ class _ReduceFrom(torch.autograd.Function):
 
 class _ScatterTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, unit):
-        out = _scatter(x, dim, chunks, group, unit)          # checks dim first
+    def forward(ctx, x, dim, chunks, group, unit, parts):
+        out = _scatter(x, dim, chunks, group, unit, parts)          # checks dim first
         ctx.args = (dim, chunks, group, x.size(dim), unit)
+        ctx.parts = parts
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, *ctx.args, op="scatter_to", direction="backward"), None, None, None, None
+        return _gather(grad, *ctx.args, op="scatter_to", direction="backward", parts=ctx.parts), None, None, None, \
+            None, None
 
 
 class _SlicePartial(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, unit):
-        out = _scatter(x, dim, chunks, group, unit)
-        ctx.args = (x.shape, dim, chunks, unit, dist.get_world_size(group), dist.get_rank(group))
+    def forward(ctx, x, dim, chunks, group, unit, parts):
+        out = _scatter(x, dim, chunks, group, unit, parts)
+        ctx.args = (x.shape, dim, chunks, unit, parts, dist.get_world_size(group), dist.get_rank(group))
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        shape, dim, chunks, unit, p, rank = ctx.args
+        shape, dim, chunks, unit, parts, p, rank = ctx.args
         full = grad.new_zeros(shape)
-        for block, piece in zip(full.chunk(chunks, dim), grad.chunk(chunks, dim)):   # views of `full`
-            split_along(block, dim, p, 1, uneven=True, unit=unit)[rank].copy_(piece)
-        return full, None, None, None, None
+        sizes = block_sizes(shape[dim], p, chunks, unit, parts)                      # [block][rank]
+        blocks = full.split(blocks_of(shape[dim], chunks, parts), dim)              # views of `full`
+        for block, piece, share in zip(blocks, grad.split([s[rank] for s in sizes], dim), sizes):
+            block.narrow(dim, sum(share[:rank]), share[rank]).copy_(piece)
+        return full, None, None, None, None, None
 
 
 class _GatherFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, size, unit):
-        ctx.args = (dim, chunks, group, unit)
-        return _gather(x, dim, chunks, group, size, unit, op="gather_from")
+    def forward(ctx, x, dim, chunks, group, size, unit, parts):
+        ctx.args = (dim, chunks, group, unit, parts)
+        return _gather(x, dim, chunks, group, size, unit, op="gather_from", parts=parts)
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter(grad, *ctx.args), None, None, None, None, None
+        return _scatter(grad, *ctx.args), None, None, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, unit):
-        out = _reduce_scatter(x, dim, chunks, group, unit, op="reduce_scatter")
+    def forward(ctx, x, dim, chunks, group, unit, parts):
+        out = _reduce_scatter(x, dim, chunks, group, unit, op="reduce_scatter", parts=parts)
         ctx.args = (dim, chunks, group, x.size(dim), unit)
+        ctx.parts = parts
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, *ctx.args, op="reduce_scatter", direction="backward"), None, None, None, None
+        return _gather(grad, *ctx.args, op="reduce_scatter", direction="backward", parts=ctx.parts), None, None, \
+            None, None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, size, unit):
+    def forward(ctx, x, dim, chunks, group, size, unit, parts):
         ctx.args = (dim, chunks, group, unit)
-        return _gather(x, dim, chunks, group, size, unit, op="all_gather")
+        ctx.parts = parts
+        return _gather(x, dim, chunks, group, size, unit, op="all_gather", parts=parts)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, *ctx.args, op="all_gather", direction="backward"), None, None, None, None, None
+        return _reduce_scatter(grad, *ctx.args, op="all_gather", direction="backward", parts=ctx.parts), None, None, \
+            None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -356,46 +363,52 @@ def reduce_from(x, group=None, inplace=False):
     return x if p == 1 else _ReduceFrom.apply(x, pg, inplace)
 
 
+def _tuple(parts):
+    """`parts` as a tuple (an FX graph may carry it as a list), or None."""
+    return None if parts is None else tuple(int(q) for q in parts)
+
+
 @_fx_leaf
-def scatter_to(x, dim, chunks=1, group=None, unit=1):
+def scatter_to(x, dim, chunks=1, group=None, unit=1, parts=None):
     """fwd: keep this rank's Shard(dim, chunks) piece (torch.chunk's boundaries, in `unit`s of
-    that many elements, where the size does not divide); bwd: all-gather the gradient."""
+    that many elements, where the size does not divide; `parts`: blocks of those sizes); bwd:
+    all-gather the gradient."""
     pg, p = _resolve(group)
-    return x if p == 1 else _ScatterTo.apply(x, dim, chunks, pg, unit)
+    return x if p == 1 else _ScatterTo.apply(x, dim, chunks, pg, unit, _tuple(parts))
 
 
 @_fx_leaf
-def slice_partial(x, dim, chunks=1, group=None, unit=1):
+def slice_partial(x, dim, chunks=1, group=None, unit=1, parts=None):
     """fwd: keep this rank's Shard(dim, chunks) piece, as scatter_to; bwd: the gradient's piece
     in place in zeros of the full shape, no communication. The ranks' gradients are then
     summands of the whole one (Partial): the slice of a tensor whose gradient stays Partial
     (`ReplicatePartialGrad`: replicated K/V heads sliced to the heads this rank's queries read)."""
     pg, p = _resolve(group)
-    return x if p == 1 else _SlicePartial.apply(x, dim, chunks, pg, unit)
+    return x if p == 1 else _SlicePartial.apply(x, dim, chunks, pg, unit, _tuple(parts))
 
 
 @_fx_leaf
-def gather_from(x, dim, chunks=1, group=None, size=None, unit=1):
+def gather_from(x, dim, chunks=1, group=None, size=None, unit=1, parts=None):
     """fwd: all-gather Shard(dim, chunks) pieces; bwd: keep this rank's piece of the gradient.
     `size`: the full size of `dim` when the pieces differ in size (torch.chunk's boundaries, in
     `unit`s of that many elements)."""
     pg, p = _resolve(group)
-    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg, size, unit)
+    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg, size, unit, _tuple(parts))
 
 
 @_fx_leaf
-def reduce_scatter(x, dim, chunks=1, group=None, unit=1):
+def reduce_scatter(x, dim, chunks=1, group=None, unit=1, parts=None):
     """fwd: reduce-scatter (sum, keep Shard(dim, chunks) piece); bwd: all-gather the gradient."""
     pg, p = _resolve(group)
-    return x if p == 1 else _ReduceScatter.apply(x, dim, chunks, pg, unit)
+    return x if p == 1 else _ReduceScatter.apply(x, dim, chunks, pg, unit, _tuple(parts))
 
 
 @_fx_leaf
-def all_gather(x, dim, chunks=1, group=None, size=None, unit=1):
+def all_gather(x, dim, chunks=1, group=None, size=None, unit=1, parts=None):
     """fwd: all-gather Shard(dim, chunks) pieces (`size`, `unit` as in gather_from); bwd:
     reduce-scatter the (Partial) gradient."""
     pg, p = _resolve(group)
-    return x if p == 1 else _AllGather.apply(x, dim, chunks, pg, size, unit)
+    return x if p == 1 else _AllGather.apply(x, dim, chunks, pg, size, unit, _tuple(parts))
 
 
 @_fx_leaf

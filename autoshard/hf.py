@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError, ProcessGroupError
-from .placements import chunk_sizes, global_shape, is_even, pad_along
+from .placements import block_sizes, global_shape, is_even, local_shape, pad_along
 from .state_dict import group_of, layouts
 
 __all__ = ["attach", "save_pretrained", "saved_keys", "parse_size", "WEIGHTS_NAME", "INDEX_NAME"]
@@ -179,21 +179,22 @@ def _write(f, t: torch.Tensor) -> None:
 def _write_gathered(f, buf: torch.Tensor, layout, shape) -> None:
     """Write the full tensor whose rank pieces are `buf[r]` (Shard(dim, chunks) each) without
     assembling it: row-major order is [outer, chunk, rank, rows of the block, inner]. Pieces of
-    unequal sizes come padded to the largest (`_padded`) and are cropped here."""
+    unequal sizes come padded to the largest (`_padded`) and are cropped here, block by block."""
     p, dim, chunks = buf.size(0), layout.dim, layout.chunks
     outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
     if not is_even(shape, layout, p):
-        sizes = chunk_sizes(shape[dim], p, layout.unit)
-        v = buf.view(p, outer, sizes[0], inner)
+        sizes = block_sizes(shape[dim], p, chunks, layout.unit, layout.parts)     # [block][rank]
+        v = buf.view(p, outer, sum(s[0] for s in sizes), inner)
+        parts = [(r, sum(b[r] for b in sizes[:c]), s[r]) for c, s in enumerate(sizes) for r in range(p)]
         row = shape[dim] * inner * buf.element_size()                    # bytes of one outer index
         if row <= SLAB_BYTES and outer > 1:
             step = max(1, SLAB_BYTES // max(row, 1))
             for o in range(0, outer, step):                               # a slab of outer indices
-                _write(f, torch.cat([v[r, o:o + step, :n] for r, n in enumerate(sizes)], 1))
+                _write(f, torch.cat([v[r, o:o + step, a:a + n] for r, a, n in parts], 1))
         else:
             for o in range(outer):
-                for r, n in enumerate(sizes):
-                    _write(f, v[r, o, :n])                                 # contiguous: no copy
+                for r, a, n in parts:
+                    _write(f, v[r, o, a:a + n])                            # contiguous: no copy
         return
     block = shape[dim] // (p * chunks)
     v = buf.view(p, outer, chunks, block, inner)
@@ -214,7 +215,7 @@ def _padded(local: torch.Tensor, layout, shape, p: int) -> torch.Tensor:
     vocabulary, heads that do not divide), so every rank sends a buffer of one shape."""
     if is_even(shape, layout, p):
         return local
-    return pad_along(local, layout.dim, chunk_sizes(shape[layout.dim], p, layout.unit)[0])
+    return pad_along(local, layout.dim, local_shape(shape, layout, p)[layout.dim])
 
 
 def _gather_to(local: torch.Tensor, pg, p: int, rank: int, dst: int):

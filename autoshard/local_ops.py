@@ -10,6 +10,7 @@ half of `rewrite.Rewriter` that does this, after the collectives are in place.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -22,7 +23,7 @@ from .errors import ShardingError
 from .nn import functional as PF
 from .nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, TrainOnly
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
-from .placements import Partial, Replicate, Shard, chunk_sizes, layout_of
+from .placements import Partial, Replicate, Shard, blocks_of, layout_of, piece_sizes, shares
 from .rules.conv import CONV_OPS, conv_groups
 from .rules.norm import LAYER_NORMS, norm_params, var_args
 from .rules.registry import node_arg
@@ -34,7 +35,8 @@ LINEAR_OPS = {F.linear, aten.linear.default}
 EMBEDDING_OPS = {F.embedding: (0, 1), aten.embedding.default: (1, 0)}       # op -> (index arg, weight arg)
 CROSS_ENTROPY_OPS = {F.cross_entropy, aten.cross_entropy_loss.default}
 VIEW_OPS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, aten.view.default, aten.reshape.default,
-            aten._unsafe_view.default, torch.Tensor.expand, aten.expand.default}
+            aten._unsafe_view.default, torch.Tensor.expand, aten.expand.default, torch.broadcast_to,
+            aten.broadcast_to.default}
 SPLIT_OPS = {torch.Tensor.split, torch.split, aten.split.Tensor, aten.split_with_sizes.default}
 SIZE_OPS = {torch.Tensor.size, aten.sym_size.int}
 # dropout ops (input, p, train/training): replaced by ParallelDropout, as nn.Dropout leaf modules are
@@ -64,14 +66,19 @@ def global_size(x, dim: int, world_size: int, d=None, full=None):
 
 
 @fx.wrap
-def local_size(size: int, rank: int, world_size: int, unit: int = 1) -> int:
-    """This rank's share of a size computed at run time (torch.chunk's boundaries, in `unit`s)."""
-    return chunk_sizes(size, world_size, unit)[rank]
+def local_size(size: int, rank: int, world_size: int, unit: int = 1, chunks: int = 1, parts=None) -> int:
+    """This rank's share of a size computed at run time (torch.chunk's boundaries, in `unit`s, in
+    each of `chunks` blocks, equal or of the sizes `parts`)."""
+    return piece_sizes(size, world_size, chunks, unit, parts)[rank]
 
 
-def unit_kw(placement) -> dict:
-    """The `unit=` keyword of a collective for a shard cut in whole units (heads), else none."""
-    return {"unit": placement.unit} if isinstance(placement, Shard) and placement.unit != 1 else {}
+def shard_kw(placement) -> dict:
+    """The `unit=` / `parts=` keywords of a collective for a shard cut in whole units (heads) or
+    into blocks of unequal sizes, else none."""
+    if not isinstance(placement, Shard):
+        return {}
+    return {**({"unit": placement.unit} if placement.unit != 1 else {}),
+            **({"parts": list(placement.parts)} if placement.parts is not None else {})}
 
 
 
@@ -309,21 +316,26 @@ class LocalOps:
         s = sizes[d]
         if isinstance(s, fx.Node):
             with self.graph.inserting_before(n):
-                sizes[d] = self.call(local_size, (s, self.rank, self.p, out.unit))
+                sizes[d] = self.call(local_size, (s, self.rank, self.p, out.unit, out.chunks, out.parts))
         elif s != -1:
-            if s % out.unit or min(chunk_sizes(s, self.p, out.unit)) == 0:
-                raise ShardingError(f"{n.format_node()}: size {s} of sharded dim {d} leaves a rank empty at "
-                                    f"degree {self.p} (in units of {out.unit})")
-            sizes[d] = chunk_sizes(s, self.p, out.unit)[self.rank]
+            try:
+                sizes[d] = piece_sizes(s, self.p, out.chunks, out.unit, out.parts)[self.rank]
+            except ValueError as e:
+                raise ShardingError(f"{n.format_node()}: sharded dim {d} as {out}: {e}") from None
         n.args = (n.args[0], sizes) if packed else (n.args[0], *sizes)
 
     def _local_blocks(self, n):
-        """A slice taking whole blocks of a strided shard: the same blocks of this rank's pieces
-        (every block is split evenly, so the bounds divide by the degree)."""
-        size = self.val(n.args[0].name).shape
+        """A slice taking whole blocks of a strided shard `Shard(d, k)`: the same blocks of this
+        rank's piece, which holds its share of each block (`block_sizes`: the block / p, or whole
+        heads where they do not divide)."""
+        src_name = self.old[n.name].args[0].name          # as captured (a rewrite may have replaced it)
+        size = self.val(src_name).shape
         d, start, stop, step = sliced_dim(n, len(size))
         start, stop, _ = slice(start, stop).indices(size[d])
-        local = slice(start // self.p, stop // self.p)       # the bounds as captured, for this rank
+        src = self.placement(src_name)
+        ends = list(itertools.accumulate(blocks_of(size[d], src.chunks, src.parts), initial=0))
+        local_ends = list(itertools.accumulate((s[self.rank] for s in shares(size[d], src, self.p)), initial=0))
+        local = slice(local_ends[ends.index(start)], local_ends[ends.index(stop)])   # this rank's bounds
         if n.target is aten.slice.Tensor:
             n.args = (n.args[0], d, local.start, local.stop, *n.args[4:])
         else:          # a getitem: its bounds may be nodes (x.shape[-1]), replaced by their local ints
@@ -332,11 +344,15 @@ class LocalOps:
             n.args = (n.args[0], idx)
 
     def _local_split(self, n):
+        """A split of a strided shard into its blocks (`unfuse`): each block's size becomes this
+        rank's share of it (the block / p, or whole heads where they do not divide)."""
+        unit = self.plan.nodes[n.name].output[0].unit
+
         def local(s):
             if isinstance(s, int):
-                return s // self.p
+                return piece_sizes(s, self.p, 1, unit)[self.rank]
             with self.graph.inserting_before(n):          # a size computed at run time
-                return self.call(operator.floordiv, (s, self.p))
+                return self.call(local_size, (s, self.rank, self.p, unit))
         size = n.args[1]
         size = [local(s) for s in size] if isinstance(size, (list, tuple)) else local(size)
         n.args = (n.args[0], size, *n.args[2:])

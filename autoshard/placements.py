@@ -16,6 +16,13 @@ shard with its global size (`Shard(d, size=n)`), since a rank's shard alone no l
 `unit=u` cuts the dim in whole units of u elements (heads of a projection's output features: 14
 heads of 64 on 4 ranks hold 4, 4, 4 and 2 heads, not 3.5 each); it is only set where the units
 do not divide by the degree (else the split is the even one).
+A strided shard in whole units cuts every block so (`block_sizes`): GPT-2's fused q/k/v of 12
+heads of 64 on 8 ranks is `Shard(d, 3, unit=64)`, each rank holding 2 or 1 heads of q, of k and
+of v (2, 2, 2, 2, 1, 1, 1, 1); a strided shard in elements stays even.
+Blocks of unequal sizes (`parts`, the sizes in elements) are a fused projection whose parts
+differ: grouped attention's q / k / v in one weight (40 query and 10 kv heads of 128 on 2 ranks:
+`Shard(d, 3, parts=(5120, 1280, 1280))`, 20 query heads and 5 kv heads a rank, matching heads),
+each block cut as above.
 
 `ReplicatePartialGrad` ("Rp") is a Replicate whose gradient may stay Partial: every rank holds
 the whole tensor, and in backward each rank holds a summand of its gradient. It is how fewer
@@ -56,33 +63,38 @@ class ReplicatePartialGrad(Replicate):
 
 @dataclass(frozen=True)
 class Shard:
-    """Rank r holds block r of `dim` (of every one of `chunks` blocks, when chunks > 1)."""
+    """Rank r holds block r of `dim` (of every one of `chunks` blocks, when chunks > 1; the
+    blocks are equal, or of the sizes `parts` lists)."""
 
     dim: int
     chunks: int = 1
     size: int | None = None      # the global size of `dim` where it does not divide (layout tables)
     unit: int = 1                # elements per indivisible unit of `dim` (a head's features)
+    parts: tuple | None = None   # the blocks' sizes where they differ (a grouped q/k/v: q, k, v features)
 
     def __post_init__(self):
         if self.dim < 0:
             raise ValueError(f"Shard dim must be normalised to >= 0, got {self.dim}")
         if self.chunks < 1:
             raise ValueError(f"Shard chunks must be >= 1, got {self.chunks}")
-        if (self.size is not None or self.unit != 1) and self.chunks != 1:
-            raise ValueError(f"an uneven Shard (size={self.size}, unit={self.unit}) must be contiguous "
-                             f"(chunks=1), got {self.chunks}")
         if self.unit < 1:
             raise ValueError(f"Shard unit must be >= 1, got {self.unit}")
+        if self.parts is not None and (len(self.parts) != self.chunks or min(self.parts) < 1):
+            raise ValueError(f"Shard parts {self.parts} must be {self.chunks} positive block sizes")
+        if self.parts is not None and len(set(self.parts)) == 1:
+            object.__setattr__(self, "parts", None)          # equal blocks: the plain strided shard
 
     def __str__(self) -> str:
-        if self.unit != 1:
-            return f"S({self.dim})/{self.unit}"
-        return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim})x{self.chunks}"
+        s = f"S({self.dim})" if self.chunks == 1 else f"S({self.dim})x{self.chunks}"
+        if self.parts is not None:
+            s = f"S({self.dim})x({','.join(str(q) for q in self.parts)})"
+        return s if self.unit == 1 else f"{s}/{self.unit}"
 
     def __repr__(self) -> str:
         size = "" if self.size is None else f", size={self.size}"
         unit = "" if self.unit == 1 else f", unit={self.unit}"
-        return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit})"
+        parts = "" if self.parts is None else f", parts={self.parts}"
+        return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit}{parts})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -102,7 +114,7 @@ class ShardGathered(Shard):
 def stored(placement):
     """How a parameter of `placement` is held and saved: the plain Shard / Replicate it is."""
     if isinstance(placement, ShardGathered):
-        return Shard(placement.dim, placement.chunks, placement.size, placement.unit)
+        return Shard(placement.dim, placement.chunks, placement.size, placement.unit, placement.parts)
     if isinstance(placement, ReplicatePartialGrad):
         return REPLICATE
     return placement
@@ -137,6 +149,51 @@ def chunk_sizes(n: int, world_size: int, unit: int = 1) -> list[int]:
     return [max(0, min(c, units - r * c)) * unit for r in range(world_size)]
 
 
+def blocks_of(n: int, chunks: int = 1, parts=None) -> list[int] | None:
+    """The sizes of the blocks a dim of `n` is cut into: `parts`, or `chunks` equal ones (None
+    where they do not fit `n`)."""
+    if parts is not None:
+        return list(parts) if sum(parts) == n and len(parts) == chunks else None
+    return [n // chunks] * chunks if n % chunks == 0 else None
+
+
+def block_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None) -> list[list[int]] | None:
+    """Every rank's share of each block of a dim of `n` (`sizes[block][rank]`: `chunk_sizes` of the
+    block, in `unit`s), or None where `Shard(d, chunks, unit=unit, parts=parts)` cannot hold it:
+    a block that is no whole number of units, a rank left empty, or a strided shard in elements
+    (`unit=1`) whose blocks do not divide. A rank's piece is its share of every block: GPT-2's
+    fused q/k/v of 12 heads on 8 ranks is `Shard(d, 3, unit=64)`, each block cut 2, 2, 2, 2, 1, 1,
+    1, 1 heads; a grouped q/k/v of 40 query and 10 kv heads of 128 on 2 ranks is
+    `Shard(d, 3, parts=(5120, 1280, 1280))`, 20 query heads and 5 of k and of v each."""
+    blocks = blocks_of(int(n), chunks, parts)
+    if blocks is None:
+        return None
+    out = []
+    for block in blocks:
+        if block % unit or (chunks > 1 and unit == 1 and block % world_size):
+            return None
+        sizes = chunk_sizes(block, world_size, unit)
+        if min(sizes) == 0:
+            return None
+        out.append(sizes)
+    return out
+
+
+def piece_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None) -> list[int]:
+    """Every rank's size along the split dim of `Shard(d, chunks, unit=unit, parts=parts)` of a
+    dim of `n` (its share of every block); a ValueError where that shard cannot hold `n`."""
+    sizes = block_sizes(n, world_size, chunks, unit, parts)
+    if sizes is None:
+        raise ValueError(f"size {n} does not divide into {parts or chunks} chunk(s) x {world_size} ranks"
+                         + (f" in units of {unit}" if unit > 1 else "") + " without leaving a rank empty")
+    return [sum(block[r] for block in sizes) for r in range(world_size)]
+
+
+def shares(n: int, placement, world_size: int) -> list[list[int]] | None:
+    """`block_sizes` of a dim of `n` held with the Shard `placement`."""
+    return block_sizes(n, world_size, placement.chunks, placement.unit, placement.parts)
+
+
 def _chunk_fills(n: int, world_size: int) -> bool:
     """Whether torch.chunk's boundaries (ceil(n/p) each) give every one of p ranks a part of n."""
     return (world_size - 1) * -(-n // world_size) < n
@@ -163,21 +220,22 @@ def unit_of(placement) -> int:
 
 def splits(shape, placement: Placement, world_size: int) -> bool:
     """Whether `placement` can hold a tensor of `shape`, shards allowed to differ in size
-    (`chunks=1`, `chunk_sizes`' boundaries, no rank left empty); `divides` asks for equal ones."""
+    (`block_sizes`: `chunk_sizes`' boundaries in every block, no rank left empty); `divides` asks
+    for equal ones."""
     if not isinstance(placement, Shard):
         return True
     if placement.dim >= len(shape):
         return False
-    n = int(shape[placement.dim])
-    if placement.chunks > 1:
-        return n % (world_size * placement.chunks) == 0
-    return n % placement.unit == 0 and min(chunk_sizes(n, world_size, placement.unit)) > 0
+    return shares(shape[placement.dim], placement, world_size) is not None
 
 
 def is_even(shape, placement: Placement, world_size: int) -> bool:
-    """Whether every rank holds an equal shard (always true of Replicate and Partial)."""
+    """Whether every rank holds an equal shard of equal blocks (always true of Replicate and
+    Partial): the layout every collective and writer handles without padding or block sizes."""
     if not isinstance(placement, Shard):
         return True
+    if placement.parts is not None:            # blocks of unequal sizes: the general layout
+        return False
     return int(shape[placement.dim]) % (world_size * placement.chunks * placement.unit) == 0
 
 
@@ -188,11 +246,12 @@ def local_shape(shape, placement: Placement, world_size: int, rank: int | None =
     if not isinstance(placement, Shard):
         return shape
     d = placement.dim
-    if not splits(shape, placement, world_size):
-        raise ValueError(
-            f"size {shape[d]} of dim {d} does not divide into {placement.chunks} chunk(s) x {world_size} ranks"
-            + ("" if placement.chunks > 1 else " without leaving a rank empty"))
-    sizes = chunk_sizes(shape[d], world_size, placement.unit)
+    if d >= len(shape):
+        raise ValueError(f"dim {d} of {placement} is out of range for shape {shape}")
+    try:
+        sizes = piece_sizes(shape[d], world_size, placement.chunks, placement.unit, placement.parts)
+    except ValueError as e:
+        raise ValueError(f"dim {d}: {e}") from None
     return shape[:d] + (sizes[0 if rank is None else rank],) + shape[d + 1:]
 
 
@@ -216,6 +275,9 @@ def divides(shape, placement: Placement, world_size: int) -> bool:
     """Whether `placement` can hold a tensor of `shape` on `world_size` ranks with equal shards."""
     if not isinstance(placement, Shard):
         return True
+    if placement.parts is not None:
+        sizes = maybe_local_shape(shape, placement, world_size, 0), maybe_local_shape(shape, placement, world_size, -1)
+        return sizes[0] is not None and sizes[0] == sizes[1]
     return placement.dim < len(shape) and shape[placement.dim] % (world_size * placement.chunks) == 0
 
 
@@ -225,13 +287,13 @@ def padded(nbytes: float, shape, placement: Placement, world_size: int) -> float
     if not isinstance(placement, Shard) or placement.dim >= len(shape) or is_even(shape, placement, world_size):
         return nbytes
     n = int(shape[placement.dim])
-    return nbytes * chunk_sizes(n, world_size, placement.unit)[0] * world_size / n
+    return nbytes * local_shape(shape, placement, world_size)[placement.dim] * world_size / n
 
 
 def layout_of(shape, placement: Placement, world_size: int):
     """`placement` as a layout table records it: with the global size where shards differ."""
     if isinstance(placement, Shard) and not is_even(shape, placement, world_size):
-        return Shard(placement.dim, 1, int(shape[placement.dim]), placement.unit)
+        return Shard(placement.dim, placement.chunks, int(shape[placement.dim]), placement.unit, placement.parts)
     return placement
 
 
@@ -273,17 +335,13 @@ def boxes(shape, placement: Placement, rank: int, world_size: int) -> tuple[Box,
     if not isinstance(placement, Shard):
         return (Box(zeros, shape, zeros),)
     local = local_shape(shape, placement, world_size, rank)
-    d, k = placement.dim, placement.chunks
-    if k == 1:
-        start = chunk_start(shape[d], rank, world_size, placement.unit)
-        return (Box(zeros[:d] + (start,) + zeros[d + 1:], local, zeros),)
-    piece = local[d] // k
-    block = shape[d] // k
-    out = []
-    for c in range(k):
-        start = c * block + rank * piece
-        out.append(Box(zeros[:d] + (start,) + zeros[d + 1:], local[:d] + (piece,) + local[d + 1:],
-                       zeros[:d] + (c * piece,) + zeros[d + 1:]))
+    d = placement.dim
+    out, start, at = [], 0, 0
+    for block, sizes in zip(blocks_of(shape[d], placement.chunks, placement.parts), shares(shape[d], placement, world_size)):
+        piece = sizes[rank]
+        out.append(Box(zeros[:d] + (start + sum(sizes[:rank]),) + zeros[d + 1:], local[:d] + (piece,) + local[d + 1:],
+                       zeros[:d] + (at,) + zeros[d + 1:]))
+        start, at = start + block, at + piece
     return tuple(out)
 
 
@@ -306,16 +364,25 @@ def checked_dim(dim: int, ndim: int, what: str = "tensor") -> int:
 
 
 def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = "tensor",
-                uneven: bool = False, unit: int = 1) -> list:
+                uneven: bool = False, unit: int = 1, parts=None) -> list:
     """Split `x` along `dim` into the `n` rank pieces of Shard(dim, chunks): views when chunks=1.
 
     With chunks > 1 the dim is `chunks` equal blocks, each split over the ranks, and piece r is
-    the concatenation of rank r's part of every block. With `uneven` a contiguous split of a
-    size that does not divide follows torch.chunk's boundaries (`chunk_sizes`, in `unit`s)."""
+    the concatenation of rank r's part of every block. With `uneven` a size that does not divide
+    is cut at `block_sizes`' boundaries (torch.chunk's, in `unit`s, in every block); `parts`
+    gives blocks of unequal sizes (always cut so)."""
     dim = checked_dim(dim, x.dim(), what)
     size = x.size(dim)
-    if uneven and chunks == 1 and size % (n * unit) and size % unit == 0 and min(chunk_sizes(size, n, unit)) > 0:
-        return list(x.split(chunk_sizes(size, n, unit), dim))
+    if parts is not None or (uneven and size % (n * chunks * unit)):
+        sizes = block_sizes(size, n, chunks, unit, parts)
+        if sizes is not None and chunks == 1:
+            return list(x.split(sizes[0], dim))
+        if sizes is not None:                       # each block cut at its boundaries
+            blocks = [b.split(s, dim) for b, s in zip(x.split(blocks_of(size, chunks, parts), dim), sizes)]
+            return [torch.cat([b[r] for b in blocks], dim) for r in range(n)]
+        if parts is not None:
+            raise ShardingError(f"{what} of shape {tuple(x.shape)}: size {size} of dim {dim} does not split "
+                                f"into blocks {parts} x {n} ranks" + (f" in units of {unit}" if unit > 1 else ""))
     if size % (n * chunks):
         raise ShardingError(
             f"{what} of shape {tuple(x.shape)}: size {size} of dim {dim} does not divide into "
@@ -336,10 +403,15 @@ def pad_along(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim)
 
 
-def cat_along(pieces, dim: int, chunks: int = 1) -> torch.Tensor:
-    """Inverse of `split_along`: the full tensor from the rank pieces in rank order."""
+def cat_along(pieces, dim: int, chunks: int = 1, parts=None, unit: int = 1) -> torch.Tensor:
+    """Inverse of `split_along`: the full tensor from the rank pieces in rank order (a rank's
+    piece is its share of every block: equal sub-pieces, or its shares of `parts`)."""
     dim = checked_dim(dim, pieces[0].dim())
     if chunks == 1:
         return torch.cat(list(pieces), dim)
-    blocks = [p.chunk(chunks, dim) for p in pieces]
+    if parts is not None:
+        sizes = block_sizes(sum(parts), len(pieces), chunks, unit, parts)
+        blocks = [p.split([s[r] for s in sizes], dim) for r, p in enumerate(pieces)]
+    else:
+        blocks = [p.chunk(chunks, dim) for p in pieces]
     return torch.cat([blocks[r][c] for c in range(chunks) for r in range(len(pieces))], dim)

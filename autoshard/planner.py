@@ -52,6 +52,34 @@ def chunk_candidates(gm: fx.GraphModule) -> tuple:
     return tuple(sorted(ks))
 
 
+def part_candidates(gm: fx.GraphModule) -> tuple:
+    """Sizes of the unequal parts a tensor's dim is cut into: by slices whose bounds cut it (a
+    grouped q/k/v projection sliced into q, k and v: (q, kv, kv) features), or by a split with
+    unequal sizes. A strided shard in blocks of those sizes keeps every part split."""
+    cuts, found = {}, set()
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        if n.target in (torch.ops.aten.slice.Tensor, operator.getitem) and isinstance(n.args[0], fx.Node):
+            src = n.args[0].meta.get("val")
+            cut = sliced_dim(n, src.dim()) if isinstance(src, torch.Tensor) else None
+            if cut is not None and cut[3] in (None, 1) and all(isinstance(b, (int, type(None))) for b in cut[1:3]):
+                size = int(src.shape[cut[0]])
+                a, b, _ = slice(cut[1], cut[2]).indices(size)
+                if 0 < b - a < size:
+                    cuts.setdefault((n.args[0], cut[0]), {0, size}).update((a, b))
+        elif n.target in (torch.split, torch.ops.aten.split_with_sizes.default, "split") and len(n.args) > 1 \
+                and isinstance(n.args[1], (list, tuple)) and all(isinstance(q, int) for q in n.args[1]):
+            if len(set(n.args[1])) > 1:
+                found.add(tuple(n.args[1]))
+    for c in cuts.values():
+        c = sorted(c)
+        parts = tuple(b - a for a, b in zip(c, c[1:]))
+        if len(parts) > 1 and len(set(parts)) > 1:
+            found.add(parts)
+    return tuple(sorted(found))
+
+
 def unit_candidates(gm: fx.GraphModule) -> tuple:
     """Sizes of the units reshapes cut a dim into or merge from (a head's features: [.., 896] <->
     [.., 14, 64] gives 64): where those units do not divide over the ranks, a split in whole
@@ -85,8 +113,7 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     check_outputs(outputs)
     t0 = time.perf_counter()
     prob = _search.Problem(gm, world_size, cost, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
-                           layouts=layouts,
-                           outputs=outputs)
+                           layouts=layouts, outputs=outputs, part_candidates=part_candidates(gm))
     if not prob.param_obj:
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
     if cost.memory_budget is None or layouts is not None:
@@ -118,8 +145,7 @@ def _fit_budget(gm, p, cost, pin, search, outputs):
     weight = 1e-15
     while True:
         prob = _search.Problem(gm, p, replace(cost, memory_weight=weight), chunk_candidates(gm), unit_candidates(gm),
-                               pins=pin or {},
-                               outputs=outputs)
+                               pins=pin or {}, outputs=outputs, part_candidates=part_candidates(gm))
         state = _run(prob, search)
         if _state_bytes(prob, state) <= cost.memory_budget or weight > 1e-3:
             return state, prob

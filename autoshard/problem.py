@@ -75,7 +75,7 @@ class Problem:
     """A captured graph as arrays the search can evaluate quickly."""
 
     def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(), unit_candidates=(),
-                 pins: dict | None = None, layouts: dict | None = None, outputs: str = "full"):
+                 pins: dict | None = None, layouts: dict | None = None, outputs: str = "full", part_candidates=()):
         self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
         self.nodes = list(gm.graph.nodes)
         self.idx = {n: i for i, n in enumerate(self.nodes)}
@@ -129,7 +129,8 @@ class Problem:
                 hit = memo.get(key) if key is not None else None
                 if hit is None:
                     hit = rules.strategies(NodeInfo(n, world_size, module, tuple(chunk_candidates),
-                                                    unit_candidates=tuple(unit_candidates)))
+                                                    unit_candidates=tuple(unit_candidates),
+                                                    part_candidates=tuple(part_candidates)))
                     if key is not None:
                         memo[key] = hit
                 found, covered = hit

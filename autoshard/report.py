@@ -6,7 +6,7 @@ import math
 from tabulate import tabulate
 
 from .cost import ring_bytes
-from .placements import Replicate, chunk_sizes, is_even, local_shape
+from .placements import Replicate, is_even, local_shape
 from .problem import fetch_attr
 
 
@@ -53,7 +53,7 @@ def format_plan(plan) -> str:
             if is_even(t.shape, pl, p):
                 local.append(str(list(ls)))
             else:               # shards differ: every rank's size of the split dim, in rank order
-                sizes = "/".join(str(s) for s in chunk_sizes(t.shape[pl.dim], p))
+                sizes = "/".join(str(local_shape(t.shape, pl, p, r)[pl.dim]) for r in range(p))
                 local.append(str([sizes if i == pl.dim else s for i, s in enumerate(ls)]).replace("'", ""))
             mem += math.prod(ls) * t.element_size()
         owner = (d.module or params[0].rpartition(".")[0]) if params else ""   # a tied weight: the user

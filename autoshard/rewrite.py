@@ -20,7 +20,7 @@ from . import collectives as C
 from .shapes import dynamic_dims, placeholder_inputs
 from .cost import fused_backward, redistribute
 from .errors import ShardingError
-from .local_ops import FRESH_OUTPUT_OPS, LocalOps, target_of, unit_kw
+from .local_ops import FRESH_OUTPUT_OPS, LocalOps, shard_kw, target_of
 from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, layout_of, split_along, stored
 from .problem import fetch_attr
 from .state_dict import register_parallel_attribute
@@ -31,7 +31,8 @@ def shard_tensor(t: torch.Tensor, placement, rank: int, p: int) -> torch.Tensor:
     """This rank's shard of `t` (one contiguous copy of the shard only)."""
     if not isinstance(placement, Shard):
         return t
-    piece = split_along(t.detach(), placement.dim, p, placement.chunks, uneven=True, unit=placement.unit)[rank]
+    piece = split_along(t.detach(), placement.dim, p, placement.chunks, uneven=True, unit=placement.unit,
+                        parts=placement.parts)[rank]
     # a view (a dim-0 block is contiguous already) would keep the whole tensor alive: copy it once
     return piece if piece._base is None else piece.clone(memory_format=torch.contiguous_format)
 
@@ -135,24 +136,24 @@ class Rewriter(LocalOps):
         key = self.key
         if isinstance(src, ReplicatePartialGrad):        # whole, its gradient left Partial: a slice at most
             if isinstance(dst, Shard):
-                return self.call(C.slice_partial, (x, dst.dim, dst.chunks), {"group": key, **unit_kw(dst)})
+                return self.call(C.slice_partial, (x, dst.dim, dst.chunks), {"group": key, **shard_kw(dst)})
             return x
         kinds = redistribute(src, dst)[0]
         if isinstance(src, Shard) and isinstance(dst, Shard):
             if kinds == ("all_to_all",) and not (self.uneven_size(x.name, src) or self.uneven_size(x.name, dst)):
                 return self.call(C.all_to_all, (x, src.dim, dst.dim), {"group": key})
             whole = self.forward(x, src, Replicate())                    # gathered, then sliced
-            return self.call(C.scatter_to, (whole, dst.dim, dst.chunks), {"group": key, **unit_kw(dst)})
+            return self.call(C.scatter_to, (whole, dst.dim, dst.chunks), {"group": key, **shard_kw(dst)})
         if kinds == ("all_reduce",):
             return self.call(C.reduce_from, (x,), {"group": key})
         if kinds == ("reduce_scatter",):
-            return self.call(C.reduce_scatter, (x, dst.dim, dst.chunks), {"group": key, **unit_kw(dst)})
+            return self.call(C.reduce_scatter, (x, dst.dim, dst.chunks), {"group": key, **shard_kw(dst)})
         if kinds == ("all_gather",):
             size = self.uneven_size(x.name, src)
             return self.call(C.gather_from, (x, src.dim, src.chunks),
-                             {"group": key, **({"size": size} if size else {}), **unit_kw(src)})
+                             {"group": key, **({"size": size} if size else {}), **shard_kw(src)})
         if isinstance(src, Replicate) and isinstance(dst, Shard):
-            return self.call(C.scatter_to, (x, dst.dim, dst.chunks), {"group": key, **unit_kw(dst)})
+            return self.call(C.scatter_to, (x, dst.dim, dst.chunks), {"group": key, **shard_kw(dst)})
         return x
 
     def insert_redistributions(self):
@@ -181,12 +182,12 @@ class Rewriter(LocalOps):
                     src = entries[0].src                 # gathered; the Partial gradient reduce-scattered
                     size = self.uneven_size(x.name, src)
                     moved = self.call(C.all_gather, (x, src.dim, src.chunks),
-                                      {"group": self.key, **({"size": size} if size else {}), **unit_kw(src)})
+                                      {"group": self.key, **({"size": size} if size else {}), **shard_kw(src)})
                 elif via is None:
                     moved = self.forward(x, entries[0].src, dst)
                 elif isinstance(dst, Shard):             # a slice of the all-reduced sum of it (or of its view parent)
                     whole = self._view_of(moved_of[(via, Replicate())], via, name, nodes)
-                    moved = self.call(C.scatter_to, (whole, dst.dim, dst.chunks), {"group": self.key, **unit_kw(dst)})
+                    moved = self.call(C.scatter_to, (whole, dst.dim, dst.chunks), {"group": self.key, **shard_kw(dst)})
                 else:
                     moved = self._view_of(moved_of[(via, dst)], via, name, nodes)
                 moved_of[(name, dst)] = moved

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .errors import ShardingError
 from .groups import get_data_parallel_group, get_group
-from .placements import Shard, cat_along, chunk_sizes, global_shape, pad_along, split_along
+from .placements import Shard, cat_along, global_shape, pad_along, piece_sizes, split_along
 
 __all__ = ["slice", "collect_state_dict", "relocate_state_dict", "get_parallel_dim",
            "register_parallel_dim", "register_parallel_attribute",
@@ -162,7 +162,7 @@ def collect_state_dict(model, state_dict, prefix: str = "", *, dst=None, group=N
 def _gather_entry(value, layout, pg, p, dst, rank):
     """The full tensor of `layout` from every rank's `value` (shards of unequal sizes travel
     padded to the largest and are cropped)."""
-    sizes = None if layout.size is None else chunk_sizes(layout.size, p, layout.unit)
+    sizes = None if layout.size is None else piece_sizes(layout.size, p, layout.chunks, layout.unit, layout.parts)
     if sizes is not None and value.size(layout.dim) != sizes[rank]:
         raise ShardingError(f"collect_state_dict: a {tuple(value.shape)} shard on rank {rank}, but {layout.size} "
                             f"rows on {p} ranks give it {sizes[rank]} along dim {layout.dim}")
@@ -179,7 +179,7 @@ def _gather_entry(value, layout, pg, p, dst, rank):
             return None
     if sizes is not None:
         pieces = [piece.narrow(layout.dim, 0, n) for piece, n in zip(pieces, sizes)]
-    return cat_along(pieces, layout.dim, layout.chunks)
+    return cat_along(pieces, layout.dim, layout.chunks, layout.parts, layout.unit)
 
 
 def relocate_state_dict(model, state_dict, prefix: str = "", group=None):
@@ -194,7 +194,7 @@ def relocate_state_dict(model, state_dict, prefix: str = "", group=None):
         _expect_shape("relocate_state_dict", key, value, global_shape(local.shape, layout, p),
                       f"the full tensor of a {layout} shard of {tuple(local.shape)} on {p} ranks")
         piece = split_along(value, layout.dim, p, layout.chunks, what=f"state dict entry {key!r}",
-                            uneven=layout.size is not None, unit=layout.unit)[rank]
+                            uneven=layout.size is not None, unit=layout.unit, parts=layout.parts)[rank]
         out[key] = piece.clone(memory_format=torch.contiguous_format)
     return out
 

@@ -22,7 +22,7 @@ from .placements import cat_along, split_along
 
 
 def _gather(p, rank):
-    def fn(x, dim, chunks=1, group=None, size=None, unit=1):
+    def fn(x, dim, chunks=1, group=None, size=None, unit=1, parts=None):
         if size is None:
             return cat_along([x] * p, dim, chunks)
         shape = list(x.shape)
@@ -32,8 +32,8 @@ def _gather(p, rank):
 
 
 def _scatter(p, rank):
-    return lambda x, dim, chunks=1, group=None, unit=1: split_along(x, dim, p, chunks, what="tensor", uneven=True,
-                                                                    unit=unit)[rank]
+    return lambda x, dim, chunks=1, group=None, unit=1, parts=None: split_along(
+        x, dim, p, chunks, what="tensor", uneven=True, unit=unit, parts=parts)[rank]
 
 
 def _all_to_all(p, rank):

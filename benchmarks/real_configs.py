@@ -3,7 +3,7 @@
 
     python benchmarks/real_configs.py                          # every configuration, degrees 2, 4, 8
     python benchmarks/real_configs.py --only llama3-8b,gpt2    # a few (names: --list)
-    python benchmarks/real_configs.py --degrees 4 --no-layers  # one degree, no 4-layer plans
+    python benchmarks/real_configs.py --degrees 4 --no-layers --no-depth  # one degree, 2-layer plans only
 
 What is measured. Each configuration below is typed in from the published config.json of its
 Hugging Face checkpoint (vocabulary, widths, heads, key/value heads, head_dim, tied embeddings,
@@ -34,7 +34,9 @@ h the hidden size, V the vocabulary, L = 2 layers:
 Reported per (configuration, p, outputs): comm / Megatron, the ratio of the two; the layers' share,
 (comm(L=4) - comm(L=2)) / Megatron bytes of 2 layers (8 all-reduces of T x h, or 4 for parallel
 layers), the same call planned on a 4-layer build of the configuration: what two more layers cost,
-free of the embedding, head, loss and logits; params per rank / (total / p). Configurations whose
+free of the embedding, head, loss and logits; comm / Megatron at the published depth, the same call
+planned on a build with the published number of layers (the embedding, head, loss and logits then
+weigh what they weigh in a real step; `--no-depth` skips it); params per rank / (total / p). Configurations whose
 head counts do not divide by p have no head-parallel Megatron plan at that degree (Megatron refuses
 them); a vocabulary that does not divide by p Megatron pads (to a multiple of 128 p, a negligible
 change in bytes). The formula (unpadded V) is still the bar for them, and the note names the
@@ -154,12 +156,28 @@ CONFIGS: dict[str, Spec] = {
         parallel_attn=True, new_decoder_architecture=False, bias=False, alibi=False, layer_norm_epsilon=1e-5,
         tie_word_embeddings=True, bos_token_id=11, eos_token_id=11), parallel=True,
         remark="71 heads, multi-query, fused query_key_value"),
+    "falcon-40b": Spec("tiiuae/falcon-40b", "FalconConfig", dict(
+        vocab_size=65024, hidden_size=8192, num_hidden_layers=60, num_attention_heads=128, num_kv_heads=8,
+        new_decoder_architecture=True, parallel_attn=True, bias=False, alibi=False, layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True, bos_token_id=11, eos_token_id=11), parallel=True, norms=2,
+        remark="128 heads in 8 groups, q/k/v fused per group"),
     "phi3-mini": Spec("microsoft/Phi-3-mini-4k-instruct", "Phi3Config", dict(
         vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, hidden_act="silu", max_position_embeddings=4096,
         original_max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=2047,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
         remark="fused qkv_proj and gate_up_proj"),
+    "phi3-medium": Spec("microsoft/Phi-3-medium-4k-instruct", "Phi3Config", dict(
+        vocab_size=32064, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40, num_attention_heads=40,
+        num_key_value_heads=10, hidden_act="silu", max_position_embeddings=4096,
+        original_max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=2047,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
+        remark="grouped q/k/v fused in qkv_proj (40 / 10 heads)"),
+    "starcoderbase-1b": Spec("bigcode/starcoderbase-1b", "GPTBigCodeConfig", dict(
+        vocab_size=49152, n_positions=8192, n_embd=2048, n_layer=24, n_head=16, n_inner=8192, multi_query=True,
+        activation_function="gelu_pytorch_tanh", layer_norm_epsilon=1e-5, scale_attn_weights=True,
+        bos_token_id=0, eos_token_id=0), layers_key="n_layer",
+        remark="multi-query: q and one kv head fused in c_attn (2048, 128, 128)"),
     "phi-2": Spec("microsoft/phi-2", "PhiConfig", dict(
         vocab_size=51200, hidden_size=2560, intermediate_size=10240, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, hidden_act="gelu_new", max_position_embeddings=2048, layer_norm_eps=1e-5,
@@ -193,7 +211,9 @@ def build(spec: Spec, layers: int):
 def heads(cfg) -> tuple[int, int]:
     n = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None)
-    if kv is None and getattr(cfg, "multi_query", False):
+    if kv is None and getattr(cfg, "new_decoder_architecture", False):
+        kv = cfg.num_kv_heads                     # Falcon-40B's groups
+    elif kv is None and getattr(cfg, "multi_query", False):
         kv = 1
     return n, kv if kv is not None else n
 
@@ -251,7 +271,7 @@ def timed_plan(model, p: int, mode: str):
 
 # ----------------------------------------------------------------------------- running
 
-def run_config(name: str, spec: Spec, degrees, with_layers: bool, log) -> tuple[dict, list[dict]]:
+def run_config(name: str, spec: Spec, degrees, with_layers: bool, log, with_depth: bool = True) -> tuple[dict, list[dict]]:
     info = {"hf_id": spec.hf_id, "config_class": spec.config, "model_class": None, "published": spec.kwargs,
             "layers_built": LAYERS, "attn_implementation": spec.attn, "parallel_layers": spec.parallel,
             "remark": spec.remark}
@@ -259,6 +279,8 @@ def run_config(name: str, spec: Spec, degrees, with_layers: bool, log) -> tuple[
     try:
         cfg, model = build(spec, LAYERS)
         cfg4, model4 = build(spec, 2 * LAYERS) if with_layers else (None, None)
+        depth = spec.kwargs[spec.layers_key]
+        cfgD, modelD = build(spec, depth) if with_depth else (None, None)
     except Exception as exc:                                     # noqa: BLE001
         info["build_error"] = first_line(exc)
         log(f"{name}: build failed: {info['build_error']}")
@@ -300,11 +322,22 @@ def run_config(name: str, spec: Spec, degrees, with_layers: bool, log) -> tuple[
                     row["comm_bytes_4_layers"] = plan4.comm_bytes
                     row["layers_share"] = (plan4.comm_bytes - plan.comm_bytes) / ref["two_layers"]
                 del plan4
+            if modelD is not None:                       # the published depth: what a user's step moves
+                planD, secsD, errD = timed_plan(modelD, p, mode)
+                row["plan_seconds_depth"] = secsD
+                if errD is not None:
+                    notes.append(f"{depth}-layer plan failed: " + first_line(errD))
+                else:
+                    refD = megatron(h, vocab, depth, p, mode, spec.parallel, spec.norms)
+                    row.update(depth=depth, comm_bytes_depth=planD.comm_bytes, megatron_depth=refD["total"],
+                               ratio_depth=planD.comm_bytes / refD["total"])
+                del planD
             row["note"] = "; ".join(notes)
             rows.append(row)
             log(f"{name:13s} p={p} {mode:7s} " + (
                 f"comm {row['comm_bytes'] / 2**20:9.1f} MiB  Megatron {ref['total'] / 2**20:9.1f} MiB  "
                 f"ratio {row['ratio']:.3f}  layers {fmt(row.get('layers_share'))}  params {row['params_ratio']:.3f}"
+                f"  at L={row.get('depth', '-')} {fmt(row.get('ratio_depth'), 3)}"
                 if "ratio" in row else "") + f"  {secs:.1f} s  {row['note']}")
             del plan
     return info, rows
@@ -316,14 +349,15 @@ def fmt(x, digits=2) -> str:
 
 def table(rows, configs) -> str:
     head = ["configuration", "p", "outputs", "comm MiB", "Megatron MiB", "comm/Megatron", "layers' share",
-            "params/(1/p)", "plan s", "note"]
+            "published depth: L, comm/Megatron", "params/(1/p)", "plan s", "note"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         par = " ‡" if configs.get(r["config"], {}).get("parallel_layers") else ""
         cells = [r["config"] + par, str(r["p"]), r["outputs"],
                  fmt(r["comm_bytes"] / 2**20, 1) if "comm_bytes" in r else "-",
                  fmt(r["megatron"]["total"] / 2**20, 1) if "megatron" in r else "-",
-                 fmt(r.get("ratio"), 3), fmt(r.get("layers_share"), 3), fmt(r.get("params_ratio"), 3),
+                 fmt(r.get("ratio"), 3), fmt(r.get("layers_share"), 3),
+                 f"{r['depth']}: {r['ratio_depth']:.3f}" if "ratio_depth" in r else "-", fmt(r.get("params_ratio"), 3),
                  fmt(r.get("plan_seconds"), 1), (r.get("note") or "").replace("|", "\\|")]
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
@@ -332,7 +366,9 @@ def table(rows, configs) -> str:
                "+ with outputs=full one all-gather of T x V. ‡ parallel attention + MLP (Falcon parallel_attn, "
                "Phi-2): (2L+2) all-reduces of T x h instead, GPT-NeoX (a norm per branch) (3L+2). layers' share = "
                "(comm(4 layers) - comm(2 layers)) / Megatron bytes of 2 layers. params/(1/p) = params per rank "
-               "/ (unique parameters / p). \"not divisible by p\": heads / kv heads (Megatron has no head-parallel plan) "
+               "/ (unique parameters / p). published depth: the same plan and formula at the published number of "
+               "layers (the embedding, head and loss then weigh what they do in a real step). "
+               "\"not divisible by p\": heads / kv heads (Megatron has no head-parallel plan) "
                "or vocab (Megatron pads it).")
     return "\n".join(out)
 
@@ -370,6 +406,7 @@ def main(argv=None) -> int:
     ap.add_argument("--degrees", default="2,4,8", help="comma-separated tensor-parallel degrees")
     ap.add_argument("--json", default=None, help=f"output JSON (default {RESULTS / 'real_configs.json'})")
     ap.add_argument("--no-layers", action="store_true", help="skip the 4-layer plans (no layers' share)")
+    ap.add_argument("--no-depth", action="store_true", help="skip the plans at the published depth")
     ap.add_argument("--flag", type=float, default=1.25,
                     help="print the largest collectives of rows whose comm/Megatron or layers' share exceeds this")
     ap.add_argument("--list", action="store_true", help="list the configurations and exit")
@@ -387,7 +424,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     configs, rows = {}, []
     for name in names:
-        info, rs = run_config(name, CONFIGS[name], degrees, not args.no_layers, lambda s: print(s, flush=True))
+        info, rs = run_config(name, CONFIGS[name], degrees, not args.no_layers, lambda s: print(s, flush=True),
+                              not args.no_depth)
         configs[name] = info
         rows.extend(rs)
     total = time.perf_counter() - t0
@@ -403,7 +441,7 @@ def main(argv=None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     res = {"env": env(), "settings": {"batch": BATCH, "seq": SEQ, "tokens": TOKENS, "bytes_per_element": BYTES,
                                       "layers": LAYERS, "degrees": degrees, "modes": list(MODES),
-                                      "layers_share": not args.no_layers},
+                                      "layers_share": not args.no_layers, "published_depth": not args.no_depth},
            "formula": "Megatron ring bytes per rank per step: (4L+2) [parallel layers: (2L+2)] all_reduce of "
                       "T*h*4 + 3 all_reduce of T*4 + (outputs=full) all_gather of T*V*4",
            "configs": configs, "rows": rows, "total_seconds": total}

@@ -7,10 +7,12 @@ stays Partial with each rank adding bias / p (`nn.functional.bias_share`: the bi
 the whole output gradient every rank holds, so no collective), so that two row-parallel results
 can be summed before one all-reduce (parallel attention and MLP with biases: GPT-NeoX, Phi-2).
 """
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
-from .registry import PARTIAL, REPLICATE, REPLICATE_PG, NodeInfo, Shard, ShardGathered, register_rule
+from .registry import PARTIAL, REPLICATE, REPLICATE_PG, NodeInfo, Shard, ShardGathered, may_differ, register_rule
 
 aten = torch.ops.aten
 
@@ -26,22 +28,13 @@ def column_row(info: NodeInfo, x, w, b, *, x_dim: int, out_dim: int, w_out_dim: 
     linear layers and convolutions."""
     p = info.world_size
     found = []
-    for k in (1, *info.chunk_candidates):
-        m = {x: REPLICATE, w: Shard(w_out_dim, k)}
+    for pl in info.shards(w_out_dim, info.shape(w)[w_out_dim]):     # k > 1: a fused projection's blocks
+        m = {x: REPLICATE, w: pl}
         if b is not None:
-            m[b] = Shard(0, k)
-        found.append(info.req(m, "column", Shard(out_dim, k), compute=1 / p, dim=-1, uneven=k == 1))
-    for u in info.units(info.shape(w)[w_out_dim]):        # whole heads per rank
-        m = {x: REPLICATE, w: Shard(w_out_dim, unit=u)}
-        if b is not None:
-            m[b] = Shard(0, unit=u)
-        found.append(info.req(m, "column", Shard(out_dim, unit=u), compute=1 / p, dim=-1, uneven=True))
-    for u in info.units(info.shape(w)[w_in_dim]):
-        m = {x: Shard(x_dim, unit=u), w: Shard(w_in_dim, unit=u)}
-        found += _row(info, m, b, uneven=True)
-    for k in (1, *info.chunk_candidates):     # k > 1: the input is k pieces, each split (a cat of shards)
-        m = {x: Shard(x_dim, k), w: Shard(w_in_dim, k)}
-        found += _row(info, m, b, uneven=k == 1)
+            m[b] = replace(pl, dim=0)
+        found.append(info.req(m, "column", replace(pl, dim=out_dim), compute=1 / p, dim=-1, uneven=may_differ(pl)))
+    for pl in info.shards(w_in_dim, info.shape(w)[w_in_dim]):       # k > 1: the input is k pieces, each split
+        found += _row(info, {x: replace(pl, dim=x_dim), w: pl}, b, uneven=may_differ(pl))
     return found
 
 

@@ -10,15 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, register_rule
+from .registry import PARTIAL, REPLICATE, NodeInfo, may_differ, register_rule
 
 aten = torch.ops.aten
-
-
-def _shards(info: NodeInfo, d: int):
-    """Shard(d, k) for every chunk count the graph uses, and Shard(d, unit=u) for its head sizes."""
-    return [Shard(d, k) for k in (1, *info.chunk_candidates)] + \
-        [Shard(d, unit=u) for u in info.units(info.out_shape[d])]
 
 
 def elementwise(info: NodeInfo, partial_inputs=None):
@@ -32,15 +26,15 @@ def elementwise(info: NodeInfo, partial_inputs=None):
     for d, size in enumerate(out):
         if size == 1:
             continue
-        for pl in _shards(info, d):
+        for pl in info.shards(d, size):
             mapping = {}
             for n in tensors:
                 s = info.shape(n)
                 a = d - (len(out) - len(s))
                 if a >= 0 and s[a] == size:
-                    mapping[n] = Shard(a, pl.chunks, unit=pl.unit)
+                    mapping[n] = replace(pl, dim=a)
             if mapping:
-                found.append(info.req(mapping, f"shard({d})", pl, uneven=pl.chunks == 1))
+                found.append(info.req(mapping, f"shard({d})", pl, uneven=may_differ(pl)))
     for group in partial_inputs or ():
         if group and all(n in tensors for n in group):
             found.append(info.req({n: PARTIAL for n in group}, "partial", PARTIAL))

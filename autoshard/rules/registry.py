@@ -72,6 +72,7 @@ class NodeInfo:
     chunk_candidates: tuple = ()
     inputs: list = field(default_factory=list)
     unit_candidates: tuple = ()        # sizes of indivisible units the graph cuts features into (head dims)
+    part_candidates: tuple = ()        # sizes of unequal parts the graph cuts a dim into (q, k, v features)
 
     def __post_init__(self):
         self.inputs = list(self.node.all_input_nodes)
@@ -95,6 +96,31 @@ class NodeInfo:
         p = self.world_size
         return tuple(u for u in self.unit_candidates
                      if 1 < u < size and size % u == 0 and (size // u) % p and size // u >= p)
+
+    def shards(self, d: int, size: int) -> list:
+        """Every Shard of dim `d` (of `size`) the rules offer: contiguous, strided in k blocks for
+        each chunk count the graph uses (a fused q/k/v: k = 3), and in whole units where the units
+        do not divide over the ranks, of the dim or of each of its k blocks (GPT-2's fused q/k/v
+        of 12 heads on 8 ranks: `Shard(d, 3, unit=64)`)."""
+        found = [Shard(d, k) for k in (1, *self.chunk_candidates)]
+        for k in (1, *self.chunk_candidates):
+            if size % k == 0:
+                found += [Shard(d, k, unit=u) for u in self.units(size // k)]
+        return found + self.part_shards(d, size)
+
+    def part_shards(self, d: int, size: int) -> list:
+        """Shards of dim `d` in blocks of unequal sizes (a grouped q/k/v: q, k and v features),
+        each block split evenly, or in whole units where some block's units do not divide."""
+        p, found = self.world_size, []
+        for parts in self.part_candidates:
+            if sum(parts) != size:
+                continue
+            if all(q % p == 0 for q in parts):
+                found.append(Shard(d, len(parts), parts=parts))
+            for u in self.unit_candidates:
+                if u > 1 and all(q % u == 0 and q // u >= p for q in parts) and any((q // u) % p for q in parts):
+                    found.append(Shard(d, len(parts), unit=u, parts=parts))
+        return found
 
     def fewer_units(self, size: int) -> bool:
         """Whether a dim of `size` holds fewer whole units (heads) than ranks for some unit the
@@ -120,6 +146,13 @@ class NodeInfo:
                                      (REPLICATE if isinstance(r, Partial) else r))
                    for n, r in zip(self.inputs, ins))
         return OpStrategy(name, output, ins, gr, compute, tuple(comm), dim, uneven)
+
+
+def may_differ(placement: Shard) -> bool:
+    """Whether a rule's local form holds `placement` with shards of unequal sizes: contiguous
+    ones (torch.chunk's boundaries) and those in whole units; a strided shard in elements stays
+    even (`placements.block_sizes`)."""
+    return placement.chunks == 1 or placement.unit > 1
 
 
 def _all_replicate(output) -> bool:

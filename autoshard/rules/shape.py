@@ -2,15 +2,17 @@
 
 A sharded dim survives a reshape when it is the outermost dim of its group of merged or split
 dims (contiguous blocks stay contiguous); strided shards (chunks > 1) only pass through
-dims that are kept as they are.
+dims that are kept as they are, and are taken apart by a split or slices along their blocks.
 """
 import builtins
+import itertools
 import math
 import operator
+from dataclasses import replace
 
 import torch
 
-from .registry import PARTIAL, NodeInfo, Shard, norm_dim, register_rule, register_shape_op
+from .registry import PARTIAL, NodeInfo, Shard, may_differ, norm_dim, register_rule, register_shape_op
 
 aten = torch.ops.aten
 
@@ -51,13 +53,9 @@ def mapped(info: NodeInfo, src, dim_map: dict, *, partial=True):
     """Strategies moving a shard of input `src` along `dim_map` {in dim: (out dim, passthrough)}."""
     found = []
     for d_in, (d_out, passthrough) in dim_map.items():
-        for k in (1, *info.chunk_candidates) if passthrough else (1,):
-            found.append(info.req({src: Shard(d_in, k)}, f"shard({d_out})", Shard(d_out, k),
-                                  uneven=passthrough and k == 1))
-        if passthrough:
-            for u in info.units(info.shape(src)[d_in]):
-                found.append(info.req({src: Shard(d_in, unit=u)}, f"shard({d_out})", Shard(d_out, unit=u),
-                                      uneven=True))
+        for pl in info.shards(d_in, info.shape(src)[d_in]) if passthrough else (Shard(d_in),):
+            found.append(info.req({src: pl}, f"shard({d_out})", replace(pl, dim=d_out),
+                                  uneven=passthrough and may_differ(pl)))
     if partial:
         found.append(info.req({src: PARTIAL}, "partial", PARTIAL))
     return found
@@ -99,7 +97,8 @@ def _view(info):
     return mapped(info, src, view_map(info.shape(src), info.out_shape)) + whole_units(info, src)
 
 
-@register_rule(torch.Tensor.expand, torch.Tensor.expand_as, aten.expand.default)
+@register_rule(torch.Tensor.expand, torch.Tensor.expand_as, aten.expand.default, torch.broadcast_to,
+               aten.broadcast_to.default)
 def _expand(info):
     src = info.inputs[0]
     s, o = info.shape(src), info.out_shape
@@ -161,8 +160,17 @@ def _split(info):
                 found.append(info.req({src: Shard(d, k)}, f"shard({d})", tuple(Shard(d, k) for _ in range(n)),
                                       uneven=k == 1))
     equal = len({tuple(o.shape) for o in outs}) == 1
-    if equal and n > 1:  # a strided shard of n blocks splits into n ordinary shards
+    if equal and n > 1:  # a strided shard of n blocks splits into n ordinary shards (in whole units)
         found.append(info.req({src: Shard(dim, n)}, f"unfuse({dim})", tuple(Shard(dim) for _ in range(n))))
+        for u in info.units(shape[dim] // n):
+            found.append(info.req({src: Shard(dim, n, unit=u)}, f"unfuse({dim})",
+                                  tuple(Shard(dim, unit=u) for _ in range(n)), uneven=True))
+    elif n > 1:          # blocks of unequal sizes (a grouped q/k/v split into q, k and v)
+        parts = tuple(int(o.shape[dim]) for o in outs)
+        for pl in info.part_shards(dim, shape[dim]):
+            if pl.parts == parts:
+                found.append(info.req({src: pl}, f"unfuse({dim})", tuple(Shard(dim, unit=pl.unit) for _ in range(n)),
+                                      uneven=True))
     found.append(info.req({src: PARTIAL}, "partial", tuple(PARTIAL for _ in range(n))))
     return found
 
@@ -249,6 +257,18 @@ def blocks_taken(info: NodeInfo, src) -> list:
         taken = block_slice(shape[d], start, stop, step, k)
         if taken is not None:
             found.append(info.req({src: Shard(d, k)}, f"blocks({d})", Shard(d, taken[1])))
+            for u in info.units(shape[d] // k):          # blocks in whole heads
+                found.append(info.req({src: Shard(d, k, unit=u)}, f"blocks({d})", Shard(d, taken[1], unit=u),
+                                      uneven=True))
+    if step not in (None, 1) or not all(isinstance(b, (int, type(None))) for b in (start, stop)):
+        return found
+    a, b, _ = slice(start, stop).indices(shape[d])
+    for pl in info.part_shards(d, shape[d]):            # blocks of unequal sizes (grouped q / k / v)
+        ends = list(itertools.accumulate(pl.parts, initial=0))
+        if a in ends and b in ends and a < b:
+            i, j = ends.index(a), ends.index(b)
+            out = Shard(d, j - i, unit=pl.unit, parts=pl.parts[i:j] if j - i > 1 else None)
+            found.append(info.req({src: pl}, f"blocks({d})", out, uneven=True))
     return found
 
 
@@ -261,6 +281,23 @@ def _getitem(info):
     if m is None:
         return []
     return mapped(info, src, {a: (b, True) for a, b in m.items()}) + blocks_taken(info, src)
+
+
+@register_rule(aten.index.Tensor)
+def _index(info):
+    """`x[..., idx, :]` (advanced indexing, `aten.index.Tensor`): a shard of a dim the index does
+    not touch passes through (Falcon's `qkv[:, :, :, [-2]]` keeps a split of its groups); the
+    index tensors stay whole."""
+    src = info.node.args[0]
+    indices = list(info.node.args[1])
+    nd = len(info.shape(src))
+    used = [i for i, ix in enumerate(indices) if ix is not None]
+    if not used or used != list(range(used[0], used[-1] + 1)):
+        return []                  # indices apart: their dims move to the front
+    idx_nd = max(len(info.shape(ix)) if info.is_tensor(ix) else 0 for ix in (indices[i] for i in used))
+    shift = idx_nd - len(used)
+    keep = {d: (d if d < used[0] else d + shift, True) for d in range(nd) if d not in used}
+    return mapped(info, src, keep, partial=True)
 
 
 @register_rule(aten.slice.Tensor, aten.select.int)
