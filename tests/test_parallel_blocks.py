@@ -6,7 +6,8 @@ mask on every rank), as Megatron does: one forward all-reduce a layer, not two.
 Plans in one process; gloo ranks at world 3 and 4 in train mode with dropout on and
 `dropout_masks="single_process"`, against the single-process model under the same seed (loss
 and every gradient), and in eval mode; a tiny Hugging Face Phi the same way at world 4, its bytes
-counted at run time against the plan's.
+counted at run time against the plan's; a tiny Falcon of the new decoder architecture (q, k and v
+fused per kv group, K and V indexed out and broadcast) at world 2 and 4, split by groups.
 """
 import copy
 import os
@@ -136,3 +137,42 @@ def test_hugging_face_phi_reduces_each_layer_once(dist4):
     for per_layer, (counted, planned) in dist4.run(_phi_case, timeout=300):
         assert counted == pytest.approx(planned, rel=1e-9)
         assert per_layer == 2, per_layer          # one forward all-reduce of the residual stream a layer
+
+
+def _falcon_case(rank, p):
+    """A tiny Falcon of the new decoder architecture (Falcon-40B's: q, k and v of each of 4 kv
+    groups fused per group, viewed as [.., groups, heads per group + 2, head_dim], K and V taken by
+    `qkv[:, :, :, [-2]]` (aten.index) and broadcast to the query heads): the groups split over the
+    ranks, the indexing and the broadcast run on each rank's groups, and the loss and every
+    gradient equal one process's. Wide layers and few tokens, so that splitting the layers (not
+    gathering their weights) is what the cost model picks."""
+    import transformers
+    from hf_models import build_model, example_kwargs
+    cfg = dict(vocab_size=256, hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_kv_heads=4,
+               new_decoder_architecture=True, multi_query=True, parallel_attn=True, bias=False, alibi=False,
+               attention_dropout=0.0, hidden_dropout=0.0, max_position_embeddings=64)
+    model = build_model(transformers.FalconConfig, transformers.FalconForCausalLM, cfg)
+    ref = copy.deepcopy(model)
+    kw = example_kwargs(256, batch=2, seq=24)
+    gm = autoshard.parallelize(model, p, kw, tracer="export")
+    plan = gm._autoshard_plan
+    with count_comm() as c:
+        loss = gm(**kw).loss
+        loss.backward()
+    want = ref(**kw).loss
+    want.backward()
+    close_to_scale(loss, want, f"falcon loss at {p}")
+    close_grads(autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False)),
+                grads(ref, remove_duplicate=False), f"falcon at {p}")
+    split = {d.node: d.strategy for d in plan.nodes.values()
+             if d.op in ("index.Tensor", "broadcast_to.default", "scaled_dot_product_attention.default")
+             and d.module.endswith("self_attention")}
+    return split, (c.bytes, plan.comm_bytes)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_falcon_grouped_qkv_is_split_by_groups(world, request):
+    for split, (counted, planned) in request.getfixturevalue(f"dist{world}").run(_falcon_case, timeout=300):
+        assert counted == pytest.approx(planned, rel=1e-9)
+        assert len(split) == 10, split         # a layer: 2 index, 2 broadcast_to, 1 attention (x 2 layers)
+        assert all(s != "replicate" for s in split.values()), split     # every one on this rank's groups
