@@ -43,3 +43,16 @@ def grads(module, remove_duplicate=True):
     """{parameter name: gradient} of the parameters that have one (tied aliases too with
     remove_duplicate=False)."""
     return {n: p.grad for n, p in module.named_parameters(remove_duplicate=remove_duplicate) if p.grad is not None}
+
+
+def gathers_near(plan, module, hops=3):
+    """All-gathers of a module's outputs or of what is cut from them: the redistributions of the
+    module's own nodes and of the nodes up to `hops` uses below them (a fused projection's split
+    or slices, the views into heads, the transposes)."""
+    by_name = {n.name: n for n in plan.graph_module.graph.nodes}
+    near = frontier = {n for n, d in plan.nodes.items() if d.module == module}
+    assert near, (module, sorted({d.module for d in plan.nodes.values()}))
+    for _ in range(hops):
+        frontier = {u.name for n in frontier for u in by_name[n].users}
+        near = near | frontier
+    return [r for r in plan.redistributions if "all_gather" in r.forward and r.node in near]

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import autoshard  # noqa: E402
 from autoshard.collectives import count_comm  # noqa: E402
 from autoshard.placements import chunk_sizes  # noqa: E402
-from refs import close_grads, close_to_scale, grads  # noqa: E402
+from refs import close_grads, close_to_scale, gathers_near, grads  # noqa: E402
 from test_fused import FusedBlock, _x  # noqa: E402
 
 HEAD = 8          # head_dim of every model here
@@ -59,18 +59,6 @@ def _strided(layout, dim, size, sized):
             and layout.unit == HEAD and (layout.size == size if sized else layout.size in (None, size)))
 
 
-def _parts_gathered(plan, module):
-    """All-gathers of the fused projection's output or of one of its parts: the redistributions of
-    the module's own nodes and of the nodes up to three uses below them (the view of its output, the
-    split or the slices, their getitems, the views into heads)."""
-    by_name = {n.name: n for n in plan.graph_module.graph.nodes}
-    near = frontier = {n for n, d in plan.nodes.items() if d.module == module}
-    assert near, (module, sorted({d.module for d in plan.nodes.values()}))
-    for _ in range(3):
-        frontier = {u.name for n in frontier for u in by_name[n].users}
-        near = near | frontier
-    return [r for r in plan.redistributions if "all_gather" in r.forward and r.node in near]
-
 
 def _check_whole_heads(plan, modules, dim, h, layouts=None):
     """Every fused projection of `modules` planned column-wise, its weight and bias a strided shard in
@@ -83,7 +71,7 @@ def _check_whole_heads(plan, modules, dim, h, layouts=None):
             assert _strided(plan.layouts[key], d, size, sized=False), (key, plan.layouts[key])
             if layouts is not None:
                 assert _strided(layouts[key], d, size, sized=True), (key, layouts[key])
-        gathered = _parts_gathered(plan, m)
+        gathered = gathers_near(plan, m)
         assert not gathered, (m, gathered, plan.report())
     attention = {n: d.output for n, d in plan.nodes.items() if "scaled_dot_product_attention" in d.op}
     assert attention and all(isinstance(o, autoshard.Shard) for o in attention.values()), attention
