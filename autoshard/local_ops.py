@@ -23,7 +23,7 @@ from .errors import ShardingError
 from .nn import functional as PF
 from .nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, TrainOnly
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
-from .placements import Partial, Replicate, Shard, blocks_of, layout_of, piece_sizes, shares
+from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, layout_of, piece_sizes, shares
 from .rules.conv import CONV_OPS, conv_groups
 from .rules.norm import LAYER_NORMS, norm_params, var_args
 from .rules.registry import node_arg
@@ -128,10 +128,11 @@ class LocalOps:
             elif d.strategy.startswith("blocks("):
                 self._local_blocks(n)
 
-    def _gathered_heads(self, n):
-        """K/V of fewer heads than ranks, computed split: the output all-gathered whole (its
-        gradient reduce-scattered back), to be sliced by the heads this rank's queries read."""
-        dim = self.val(n.name).dim() - 1
+    def _gathered_heads(self, n, dim=None):
+        """K/V of fewer heads than ranks, computed split: the output all-gathered whole along `dim`
+        (the last by default; its gradient reduce-scattered back), to be sliced by the heads this
+        rank's queries read."""
+        dim = self.val(n.name).dim() - 1 if dim is None else dim
         size = self.uneven_size(n.name, Shard(dim))
         with self.graph.inserting_after(n):
             y = self.call(C.all_gather, (n, dim, 1), {"group": self.key, **({"size": size} if size else {})})
@@ -342,11 +343,14 @@ class LocalOps:
             idx = tuple(local if isinstance(e, slice) and e != slice(None) else e for e in
                         (n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)))
             n.args = (n.args[0], idx)
+        if isinstance(self.plan.nodes[n.name].output, ReplicatePartialGrad):    # a part of too few heads
+            self._gathered_heads(n, d)
 
     def _local_split(self, n):
         """A split of a strided shard into its blocks (`unfuse`): each block's size becomes this
         rank's share of it (the block / p, or whole heads where they do not divide)."""
-        unit = self.plan.nodes[n.name].output[0].unit
+        out = self.plan.nodes[n.name].output
+        unit = next(o.unit for o in out if isinstance(o, Shard))
 
         def local(s):
             if isinstance(s, int):
@@ -356,5 +360,9 @@ class LocalOps:
         size = n.args[1]
         size = [local(s) for s in size] if isinstance(size, (list, tuple)) else local(size)
         n.args = (n.args[0], size, *n.args[2:])
+        dim = node_arg(n, 2, "dim", 0) % self.val(self.old[n.name].args[0].name).dim()
+        for g in list(n.users):            # parts of too few heads: gathered whole where they are cut out
+            if g.target is operator.getitem and isinstance(out[g.args[1]], ReplicatePartialGrad):
+                self._gathered_heads(g, dim)
 
     # ------------------------------------------------------------------ driver

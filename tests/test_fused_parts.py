@@ -16,7 +16,9 @@ cut from the model's weight by hand, bytes counted equal to the plan's); state d
 relocate at 4; a DCP checkpoint saved at 4 loads at 2 (the parts layout again) and at 3 (whatever
 the planner picks); save_pretrained at 4 writes a directory that
 `transformers.Phi3ForCausalLM.from_pretrained` loads tensor for tensor. Every case that expects
-the parts layout asserts it, so a planner that falls back to gathering fails it.
+the parts layout asserts it, so a planner that falls back to gathering fails it. A multi-query
+GPT-BigCode (one kv head fused after the query heads) at world 2 and 4: the one-head parts are
+gathered where the split cuts them out, the query heads stay split.
 """
 import copy
 import os
@@ -32,7 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
 from autoshard.collectives import count_comm  # noqa: E402
-from autoshard.placements import chunk_sizes  # noqa: E402
+from autoshard.placements import REPLICATE_PG, chunk_sizes  # noqa: E402
 from refs import close_grads, close_to_scale, gathers_near, grads  # noqa: E402
 
 VOCAB = 256
@@ -312,3 +314,41 @@ def test_phi3_8_4_at_4_is_exact_and_checkpoints_across_degrees(dist2, dist3, dis
     loaded = model.state_dict()
     for k, v in saved.items():
         assert torch.equal(loaded[k], v), k
+
+
+# ----------------------------------------------------------------------------- a part of fewer heads than ranks
+
+def _bigcode_case(rank, p):
+    """A tiny multi-query GPT-BigCode (StarCoder's layout: `c_attn(x).split((h, hd, hd))`, one kv
+    head): q split in whole heads, the one-head k and v parts all-gathered where the split cuts them
+    out (their gradients reduce-scattered back) and read by every rank's query heads; loss and every
+    gradient as one process, bytes counted (the split's own gathers included) equal to the plan's.
+    Latency priced at 0 so that bytes decide at these small sizes, as they do at real ones."""
+    import transformers
+    from hf_models import build_model, example_kwargs
+    cfg = dict(vocab_size=256, n_positions=64, n_embd=256, n_layer=2, n_head=4, n_inner=512, multi_query=True,
+               attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    model = build_model(transformers.GPTBigCodeConfig, transformers.GPTBigCodeForCausalLM, cfg)
+    ref = copy.deepcopy(model)
+    kw = example_kwargs(256, batch=2, seq=64)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", latency=0.0)
+    plan = gm._autoshard_plan
+    with count_comm() as c:
+        loss = gm(**kw).loss
+        loss.backward()
+    want = ref(**kw).loss
+    want.backward()
+    close_to_scale(loss, want, f"bigcode loss at {p}")
+    close_grads(autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False)),
+                grads(ref, remove_duplicate=False), f"bigcode at {p}")
+    splits = [d.output for d in plan.nodes.values() if d.op == "split_with_sizes.default"]
+    layouts = [v for k, v in gm._autoshard_layouts.items() if k.endswith("c_attn.weight")]
+    return splits, layouts, (c.bytes, plan.comm_bytes)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_multi_query_kv_part_is_gathered_where_it_is_cut(world, request):
+    for splits, layouts, (counted, planned) in request.getfixturevalue(f"dist{world}").run(_bigcode_case, timeout=300):
+        assert counted == pytest.approx(planned, rel=1e-9)
+        assert len(layouts) == 2 and all(v.parts == (256, 64, 64) for v in layouts), layouts
+        assert len(splits) == 2 and all(s == (autoshard.Shard(3), REPLICATE_PG, REPLICATE_PG) for s in splits), splits

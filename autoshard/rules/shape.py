@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from .registry import PARTIAL, NodeInfo, Shard, may_differ, norm_dim, register_rule, register_shape_op
+from .registry import PARTIAL, REPLICATE_PG, NodeInfo, Shard, may_differ, norm_dim, register_rule, register_shape_op
 
 aten = torch.ops.aten
 
@@ -169,8 +169,7 @@ def _split(info):
         parts = tuple(int(o.shape[dim]) for o in outs)
         for pl in info.part_shards(dim, shape[dim]):
             if pl.parts == parts:
-                found.append(info.req({src: pl}, f"unfuse({dim})", tuple(Shard(dim, unit=pl.unit) for _ in range(n)),
-                                      uneven=True))
+                found.append(_parts_taken(info, src, pl, list(parts), list(outs), dim, f"unfuse({dim})"))
     found.append(info.req({src: PARTIAL}, "partial", tuple(PARTIAL for _ in range(n))))
     return found
 
@@ -267,9 +266,36 @@ def blocks_taken(info: NodeInfo, src) -> list:
         ends = list(itertools.accumulate(pl.parts, initial=0))
         if a in ends and b in ends and a < b:
             i, j = ends.index(a), ends.index(b)
-            out = Shard(d, j - i, unit=pl.unit, parts=pl.parts[i:j] if j - i > 1 else None)
-            found.append(info.req({src: pl}, f"blocks({d})", out, uneven=True))
+            if j - i == 1:
+                found.append(_parts_taken(info, src, pl, [pl.parts[i]], [info.val(info.node)], d, f"blocks({d})"))
+            else:
+                found.append(info.req({src: pl}, f"blocks({d})", Shard(d, j - i, unit=pl.unit, parts=pl.parts[i:j]),
+                                      uneven=True))
     return found
+
+
+def too_few_heads(info: NodeInfo, size: int) -> bool:
+    """Whether a part of `size` features holds fewer whole heads than ranks for every head size
+    that cuts it (the one kv head of a multi-query projection), so no rank's share of it is a
+    head: it is gathered whole where it is cut out."""
+    units = [u for u in info.unit_candidates if 1 < u <= size and size % u == 0]
+    return bool(units) and all(size // u < info.world_size for u in units)
+
+
+def _parts_taken(info: NodeInfo, src, pl, parts, outs, dim, name):
+    """A part (or the parts of a split) cut from `Shard(dim, parts=...)`: each its own shard, but
+    a part of fewer heads than ranks (`too_few_heads`) all-gathered whole with its gradient
+    Partial (`REPLICATE_PG`, reduce-scattered back), as a projection of that part alone would
+    ("column_gather_pg"): the gather is of the part, before anything grows it."""
+    placed, comm = [], []
+    for q, v in zip(parts, outs):
+        if too_few_heads(info, q):
+            placed.append(REPLICATE_PG)
+            comm += [("all_gather", v.numel() * v.element_size()), ("reduce_scatter", v.numel() * v.element_size())]
+        else:
+            placed.append(Shard(dim, unit=pl.unit))
+    output = tuple(placed) if isinstance(info.val(info.node), (tuple, list)) else placed[0]
+    return info.req({src: pl}, name, output, uneven=True, comm=comm)
 
 
 @register_rule(operator.getitem)
