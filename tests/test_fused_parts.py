@@ -352,3 +352,34 @@ def test_multi_query_kv_part_is_gathered_where_it_is_cut(world, request):
         assert counted == pytest.approx(planned, rel=1e-9)
         assert len(layouts) == 2 and all(v.parts == (256, 64, 64) for v in layouts), layouts
         assert len(splits) == 2 and all(s == (autoshard.Shard(3), REPLICATE_PG, REPLICATE_PG) for s in splits), splits
+
+
+def _split_kv_case(rank, p):
+    """Phi-3 with 20 query and 5 kv heads of 8 at 4 ranks: the kv heads do not split over 4
+    (1.25 heads a rank, Phi-3-medium's 10 kv heads at 4 and 8), so the k and v slices of the
+    fused output are gathered where they are cut out, while the query heads stay split (5 a
+    rank); loss and every gradient as one process, bytes equal to the plan's."""
+    import hf_models
+    model, kw = hf_models.phi3(vocab_size=256, seq=32, num_attention_heads=20, num_key_value_heads=5,
+                               hidden_size=160, intermediate_size=320, bos_token_id=1, eos_token_id=255)
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", latency=0.0)
+    plan = gm._autoshard_plan
+    with count_comm() as c:
+        loss = gm(**kw).loss
+        loss.backward()
+    want = ref(**kw).loss
+    want.backward()
+    close_to_scale(loss, want, f"phi3 20/5 at {p}: loss")
+    close_grads(autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False)),
+                grads(ref, remove_duplicate=False), f"phi3 20/5 at {p}")
+    cuts = sorted(str(d.output) for d in plan.nodes.values() if d.strategy.startswith("blocks("))
+    layouts = [v.parts for k, v in gm._autoshard_layouts.items() if k.endswith("qkv_proj.weight")]
+    return cuts, layouts, (c.bytes, plan.comm_bytes)
+
+
+def test_kv_heads_that_do_not_split_are_gathered_where_cut(dist4):
+    for cuts, layouts, (counted, planned) in dist4.run(_split_kv_case, timeout=300):
+        assert counted == pytest.approx(planned, rel=1e-9)
+        assert layouts == [(160, 40, 40)] * 2, layouts
+        assert cuts == ["Rp"] * 4 + ["S(2)"] * 2, cuts        # k and v gathered, q split, in both layers

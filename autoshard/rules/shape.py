@@ -274,22 +274,26 @@ def blocks_taken(info: NodeInfo, src) -> list:
     return found
 
 
-def too_few_heads(info: NodeInfo, size: int) -> bool:
-    """Whether a part of `size` features holds fewer whole heads than ranks for every head size
-    that cuts it (the one kv head of a multi-query projection), so no rank's share of it is a
-    head: it is gathered whole where it is cut out."""
+def split_off_heads(info: NodeInfo, size: int, pl: Shard) -> bool:
+    """Whether the ranks' shares of a part of `size` features, held as a block of `pl`, are
+    pieces of heads (the largest unit the graph cuts the part into): the one kv head of a
+    multi-query projection (64 of its 128 features a rank), Phi-3-medium's 10 kv heads on 4
+    ranks (2.5 heads a rank). No view into heads can read such a piece; the part is gathered
+    where it is cut out."""
     units = [u for u in info.unit_candidates if 1 < u <= size and size % u == 0]
-    return bool(units) and all(size // u < info.world_size for u in units)
+    if not units or pl.unit > 1:
+        return False                                  # no heads, or cut in whole ones
+    return (size // info.world_size) % max(units) != 0
 
 
 def _parts_taken(info: NodeInfo, src, pl, parts, outs, dim, name):
     """A part (or the parts of a split) cut from `Shard(dim, parts=...)`: each its own shard, but
-    a part of fewer heads than ranks (`too_few_heads`) all-gathered whole with its gradient
-    Partial (`REPLICATE_PG`, reduce-scattered back), as a projection of that part alone would
-    ("column_gather_pg"): the gather is of the part, before anything grows it."""
+    a part whose shares are pieces of heads (`split_off_heads`) all-gathered whole with its
+    gradient Partial (`REPLICATE_PG`, reduce-scattered back), as a projection of that part alone
+    would ("column_gather_pg"): the gather is of the part, before anything grows it."""
     placed, comm = [], []
     for q, v in zip(parts, outs):
-        if too_few_heads(info, q):
+        if split_off_heads(info, q, pl):
             placed.append(REPLICATE_PG)
             comm += [("all_gather", v.numel() * v.element_size()), ("reduce_scatter", v.numel() * v.element_size())]
         else:
