@@ -1,4 +1,4 @@
-"""Single-process references shared by the multi-process tests (independent of autoshard)."""
+"""Single-process references and checks shared by the multi-process tests."""
 import torch
 
 
@@ -56,3 +56,49 @@ def gathers_near(plan, module, hops=3):
         frontier = {u.name for n in frontier for u in by_name[n].users}
         near = near | frontier
     return [r for r in plan.redistributions if "all_gather" in r.forward and r.node in near]
+
+
+def hf_step_matches(gm, ref, kw, what):
+    """One step of a parallel Hugging Face causal LM `gm` and of the single-process `ref` on the
+    keyword inputs `kw`: the loss and every gradient (collected whole) must agree. Returns the
+    bytes the step's collectives counted, for comparing with the plan's."""
+    from autoshard.collectives import count_comm
+    with count_comm() as c:
+        loss = gm(**kw).loss
+        loss.backward()
+    want = ref(**kw).loss
+    want.backward()
+    close_to_scale(loss, want, f"{what}: loss")
+    grads_match(gm, ref, what)
+    return c.bytes
+
+
+def grads_match(gm, ref, what):
+    """Every gradient of the parallel module `gm`, collected whole, agrees with the single-process
+    `ref`'s (tied aliases included)."""
+    import autoshard
+    close_grads(autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False)),
+                grads(ref, remove_duplicate=False), what)
+
+
+def block_steps_match(gm, ref, x_of, what, seeds=(1, 2)):
+    """Steps of a parallel module `gm` and of the single-process `ref` on the batches
+    `x_of(seed)`, the output weighted by a fixed ramp: the loss and every gradient agree at each
+    step. Returns the bytes the first step's collectives counted."""
+    from autoshard.collectives import count_comm
+    measured = []
+    for seed in seeds:
+        x = x_of(seed)
+        gm.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        with count_comm() as c:
+            out = gm(x)
+            scale = torch.linspace(-1, 1, out.numel()).view(out.shape)
+            loss = (out * scale).sum()
+            loss.backward()
+        measured.append(c.bytes)
+        want = (ref(x) * scale).sum()
+        want.backward()
+        close_to_scale(loss, want, f"{what}, batch {seed}: loss")
+        grads_match(gm, ref, f"{what}, batch {seed}")
+    return measured[0]

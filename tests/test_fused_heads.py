@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import autoshard  # noqa: E402
 from autoshard.collectives import count_comm  # noqa: E402
 from autoshard.placements import chunk_sizes  # noqa: E402
-from refs import close_grads, close_to_scale, gathers_near, grads  # noqa: E402
+from refs import block_steps_match, close_to_scale, gathers_near, grads_match  # noqa: E402
 from test_fused import FusedBlock, _x  # noqa: E402
 
 HEAD = 8          # head_dim of every model here
@@ -116,10 +116,6 @@ def test_fused_block_with_six_heads_at_4_is_split_in_whole_heads(tracer):
 
 # ----------------------------------------------------------------------------- ranks: exactness
 
-def _check_grads(gm, ref, what):
-    close_grads(autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False)),
-                grads(ref, remove_duplicate=False), what)
-
 
 def _gpt2_case(rank, p, h, heads, outputs):
     """GPT-2 in train mode at degree p: the strided layout and each rank's columns (cut by hand from
@@ -150,7 +146,7 @@ def _gpt2_case(rank, p, h, heads, outputs):
         close_to_scale(res.logits.full_tensor(), want.logits, f"{what}: logits")
     else:
         close_to_scale(res.logits, want.logits, f"{what}: logits")
-    _check_grads(gm, ref, what)
+    grads_match(gm, ref, what)
     return dict(measured=c.bytes, plan=plan.comm_bytes)
 
 
@@ -174,21 +170,8 @@ def _block_case(rank, p):
     w = gm.get_parameter("qkv.weight")
     assert tuple(w.shape) == (_local_columns(48, p)[rank], 48), w.shape
     assert torch.equal(w.detach(), _piece(ref.qkv.weight.detach(), 0, 48, rank, p))
-    scale = torch.linspace(-1, 1, 2 * 32 * 48).view(2, 32, 48)
-    measured = []
-    for seed in (1, 2):
-        x = _x(seed)
-        gm.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        with count_comm() as c:
-            loss = (gm(x) * scale).sum()
-            loss.backward()
-        measured.append(c.bytes)
-        want = (ref(x) * scale).sum()
-        want.backward()
-        close_to_scale(loss, want, f"FusedBlock 6 heads at {p}: loss")
-        _check_grads(gm, ref, f"FusedBlock 6 heads at {p}, batch {seed}")
-    return dict(measured=measured[0], plan=plan.comm_bytes)
+    measured = block_steps_match(gm, ref, _x, f"FusedBlock 6 heads at {p}")
+    return dict(measured=measured, plan=plan.comm_bytes)
 
 
 def test_fused_block_with_six_heads_at_4_is_exact(dist4):

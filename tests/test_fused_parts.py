@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import autoshard  # noqa: E402
 from autoshard.collectives import count_comm  # noqa: E402
 from autoshard.placements import REPLICATE_PG, chunk_sizes  # noqa: E402
-from refs import close_grads, close_to_scale, gathers_near, grads  # noqa: E402
+from refs import block_steps_match, close_to_scale, gathers_near, grads_match, hf_step_matches  # noqa: E402
 
 VOCAB = 256
 
@@ -164,10 +164,6 @@ def test_phi3_with_fewer_kv_heads_than_ranks_falls_back():
 
 # ----------------------------------------------------------------------------- ranks: exactness
 
-def _check_grads(gm, ref, what):
-    close_grads(autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False)),
-                grads(ref, remove_duplicate=False), what)
-
 
 def _phi3_step(rank, p, heads, kv_heads, h, outputs, expect_parts):
     """Phi-3 in train mode at degree p: the parts layout and each rank's qkv rows (cut by hand from
@@ -204,7 +200,7 @@ def _phi3_step(rank, p, heads, kv_heads, h, outputs, expect_parts):
         close_to_scale(res.logits.full_tensor(), want.logits, f"{what}: logits")
     else:
         close_to_scale(res.logits, want.logits, f"{what}: logits")
-    _check_grads(gm, ref, what)
+    grads_match(gm, ref, what)
     return gm, ref, dict(measured=c.bytes, plan=plan.comm_bytes)
 
 
@@ -236,21 +232,8 @@ def _block_case(rank, p):
     assert tuple(w.shape) == (128 // p, 64) and tuple(b.shape) == (128 // p,), (w.shape, b.shape)
     assert torch.equal(w.detach(), _piece(ref.qkv.weight.detach(), parts, rank, p))
     assert torch.equal(b.detach(), _piece(ref.qkv.bias.detach(), parts, rank, p))
-    scale = torch.linspace(-1, 1, 2 * 16 * 64).view(2, 16, 64)
-    measured = []
-    for seed in (1, 2):                                     # the example's shape, another batch
-        x = _x(seed)
-        gm.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        with count_comm() as c:
-            loss = (gm(x) * scale).sum()
-            loss.backward()
-        measured.append(c.bytes)
-        want = (ref(x) * scale).sum()
-        want.backward()
-        close_to_scale(loss, want, f"GroupedBlock at {p}: loss")
-        _check_grads(gm, ref, f"GroupedBlock at {p}, batch {seed}")
-    return dict(measured=measured[0], plan=plan.comm_bytes)
+    measured = block_steps_match(gm, ref, _x, f"GroupedBlock at {p}")
+    return dict(measured=measured, plan=plan.comm_bytes)
 
 
 def test_grouped_block_at_2_is_exact(dist2):
@@ -333,17 +316,10 @@ def _bigcode_case(rank, p):
     kw = example_kwargs(256, batch=2, seq=64)
     gm = autoshard.parallelize(model, p, kw, tracer="export", latency=0.0)
     plan = gm._autoshard_plan
-    with count_comm() as c:
-        loss = gm(**kw).loss
-        loss.backward()
-    want = ref(**kw).loss
-    want.backward()
-    close_to_scale(loss, want, f"bigcode loss at {p}")
-    close_grads(autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False)),
-                grads(ref, remove_duplicate=False), f"bigcode at {p}")
+    counted = hf_step_matches(gm, ref, kw, f"bigcode at {p}")
     splits = [d.output for d in plan.nodes.values() if d.op == "split_with_sizes.default"]
     layouts = [v for k, v in gm._autoshard_layouts.items() if k.endswith("c_attn.weight")]
-    return splits, layouts, (c.bytes, plan.comm_bytes)
+    return splits, layouts, (counted, plan.comm_bytes)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -365,17 +341,10 @@ def _split_kv_case(rank, p):
     ref = copy.deepcopy(model)
     gm = autoshard.parallelize(model, p, kw, tracer="export", latency=0.0)
     plan = gm._autoshard_plan
-    with count_comm() as c:
-        loss = gm(**kw).loss
-        loss.backward()
-    want = ref(**kw).loss
-    want.backward()
-    close_to_scale(loss, want, f"phi3 20/5 at {p}: loss")
-    close_grads(autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False)),
-                grads(ref, remove_duplicate=False), f"phi3 20/5 at {p}")
+    counted = hf_step_matches(gm, ref, kw, f"phi3 20/5 at {p}")
     cuts = sorted(str(d.output) for d in plan.nodes.values() if d.strategy.startswith("blocks("))
     layouts = [v.parts for k, v in gm._autoshard_layouts.items() if k.endswith("qkv_proj.weight")]
-    return cuts, layouts, (c.bytes, plan.comm_bytes)
+    return cuts, layouts, (counted, plan.comm_bytes)
 
 
 def test_kv_heads_that_do_not_split_are_gathered_where_cut(dist4):

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
 from autoshard.collectives import count_comm  # noqa: E402
-from refs import close_grads, close_to_scale, grads  # noqa: E402
+from refs import close_grads, close_to_scale, grads, hf_step_matches  # noqa: E402
 
 H, HEADS, T = 64, 4, 32
 
@@ -156,18 +156,11 @@ def _falcon_case(rank, p):
     kw = example_kwargs(256, batch=2, seq=24)
     gm = autoshard.parallelize(model, p, kw, tracer="export")
     plan = gm._autoshard_plan
-    with count_comm() as c:
-        loss = gm(**kw).loss
-        loss.backward()
-    want = ref(**kw).loss
-    want.backward()
-    close_to_scale(loss, want, f"falcon loss at {p}")
-    close_grads(autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False)),
-                grads(ref, remove_duplicate=False), f"falcon at {p}")
+    counted = hf_step_matches(gm, ref, kw, f"falcon at {p}")
     split = {d.node: d.strategy for d in plan.nodes.values()
              if d.op in ("index.Tensor", "broadcast_to.default", "scaled_dot_product_attention.default")
              and d.module.endswith("self_attention")}
-    return split, (c.bytes, plan.comm_bytes)
+    return split, (counted, plan.comm_bytes)
 
 
 @pytest.mark.parametrize("world", [2, 4])

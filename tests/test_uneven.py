@@ -21,7 +21,7 @@ import autoshard  # noqa: E402
 from autoshard.collectives import count_comm  # noqa: E402
 from autoshard.placements import chunk_sizes  # noqa: E402
 from models import GPT  # noqa: E402
-from refs import close_grads, close_to_scale, grads  # noqa: E402
+from refs import close_to_scale, grads_match  # noqa: E402
 
 
 def _gpt(vocab, h=32, tied=True, dropout=0.0, seed=0):
@@ -33,10 +33,6 @@ def _ids(vocab, seed=0, batch=2, seq=32):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(vocab, (batch, seq), generator=g), torch.randint(vocab, (batch, seq), generator=g)
 
-
-def _check_grads(gm, ref, what):
-    close_grads(autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False)),
-                grads(ref, remove_duplicate=False), what)
 
 
 def _uneven_rows(gm, key, vocab, rank, p):
@@ -66,7 +62,7 @@ def _gpt_case(rank, p, vocab, h, tied):
     want = ref(idx, tgt)
     want.backward()
     close_to_scale(loss, want, "loss")
-    _check_grads(gm, ref, f"vocab {vocab} at {p}")
+    grads_match(gm, ref, f"vocab {vocab} at {p}")
 
     logits = gm(idx)                                   # another signature: the logits, still split
     from torch.distributed.tensor import DTensor
@@ -78,7 +74,7 @@ def _gpt_case(rank, p, vocab, h, tied):
     ref.zero_grad(set_to_none=True)
     full(idx).square().mean().backward()
     ref(idx).square().mean().backward()
-    _check_grads(full, ref, f"vocab {vocab} at {p}, logits gathered")
+    grads_match(full, ref, f"vocab {vocab} at {p}, logits gathered")
 
     # state dicts: collect gives the model's, relocate gives this rank's shards back
     sd = autoshard.collect_state_dict(gm, gm.state_dict())
@@ -114,7 +110,7 @@ def _hf_case(rank, p, arch, vocab):
     want.loss.backward()
     close_to_scale(res.loss, want.loss, f"{arch}: loss")
     close_to_scale(res.logits.full_tensor(), want.logits, f"{arch}: logits")
-    _check_grads(gm, ref, f"{arch} vocab {vocab} at {p}")
+    grads_match(gm, ref, f"{arch} vocab {vocab} at {p}")
     return True
 
 
@@ -211,7 +207,7 @@ def _heads_case(rank, p, arch, heads, kv_heads, hidden):
     want = want if arch == "gpt" else want.loss
     want.backward()
     close_to_scale(loss, want, f"{arch} {heads}/{kv_heads} heads at {p}: loss")
-    _check_grads(gm, ref, f"{arch} {heads}/{kv_heads} heads at {p}")
+    grads_match(gm, ref, f"{arch} {heads}/{kv_heads} heads at {p}")
     return {k: v for k, v in gm._autoshard_plan.layouts.items() if "q" in k.rsplit(".", 2)[-2] and k.endswith("weight")}
 
 
@@ -255,7 +251,7 @@ def _balanced_case(rank, p, path):
     close_to_scale(h, h_ref, "split output, gathered")
     (y.square().mean() + h.sum()).backward()
     (y_ref.square().mean() + h_ref.sum()).backward()
-    _check_grads(gm, ref, f"6 features at {p}")
+    grads_match(gm, ref, f"6 features at {p}")
     sd = autoshard.collect_state_dict(gm, gm.state_dict())
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v, msg=lambda m: f"collect {k}: {m}")
