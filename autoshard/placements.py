@@ -37,6 +37,7 @@ model finds cheaper.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -157,7 +158,7 @@ def blocks_of(n: int, chunks: int = 1, parts=None) -> list[int] | None:
     return [n // chunks] * chunks if n % chunks == 0 else None
 
 
-def block_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None) -> list[list[int]] | None:
+def block_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None) -> tuple | None:
     """Every rank's share of each block of a dim of `n` (`sizes[block][rank]`: `chunk_sizes` of the
     block, in `unit`s), or None where `Shard(d, chunks, unit=unit, parts=parts)` cannot hold it:
     a block that is no whole number of units, a rank left empty, or a strided shard in elements
@@ -165,18 +166,24 @@ def block_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=N
     fused q/k/v of 12 heads on 8 ranks is `Shard(d, 3, unit=64)`, each block cut 2, 2, 2, 2, 1, 1,
     1, 1 heads; a grouped q/k/v of 40 query and 10 kv heads of 128 on 2 ranks is
     `Shard(d, 3, parts=(5120, 1280, 1280))`, 20 query heads and 5 of k and of v each."""
-    blocks = blocks_of(int(n), chunks, parts)
+    return _block_sizes(int(n), world_size, chunks, unit, None if parts is None else tuple(parts))
+
+
+@lru_cache(maxsize=4096)
+def _block_sizes(n: int, world_size: int, chunks: int, unit: int, parts) -> tuple | None:
+    """`block_sizes`, memoised (the planner asks it for every parameter and edge it prices)."""
+    blocks = blocks_of(n, chunks, parts)
     if blocks is None:
         return None
     out = []
     for block in blocks:
         if block % unit or (chunks > 1 and unit == 1 and block % world_size):
             return None
-        sizes = chunk_sizes(block, world_size, unit)
+        sizes = tuple(chunk_sizes(block, world_size, unit))
         if min(sizes) == 0:
             return None
         out.append(sizes)
-    return out
+    return tuple(out)
 
 
 def piece_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None) -> list[int]:
