@@ -251,11 +251,15 @@ class _Match:
         return bool(torch.equal(t0, t1))
 
     def check(self) -> None:
+        self.constants = set()      # l1's constants equal to l0's under another name: the copies share them
         for n0, n1 in zip(self.l0, self.l1):
             t0, t1 = n0.target, n1.target
             if n1.op in ("get_attr", "call_module"):
                 t0 = _rename(t0, self.b0[self.r0[n0]], f"@{self.r0[n0]}")
                 t1 = _rename(t1, self.b1[self.r1[n1]], f"@{self.r1[n1]}")
+            if n1.op == "get_attr" and t0 != t1 and self._same_constant(n0, n1):
+                self.constants.add(n1)  # torch.export numbers lifted tensors across the graph (lifted_tensor_<k>)
+                t1 = t0
             if n0.op != n1.op or t0 != t1 or self.r0[n0] != self.r1[n1] or \
                     not (self.same(n0.args, n1.args) and self.same(n0.kwargs, n1.kwargs)):
                 raise RepeatError(f"{owner(n1, self.b1)}'s node {n1.format_node()} does not repeat "
@@ -308,7 +312,7 @@ def expand(gm: fx.GraphModule, model: nn.Module, found: list) -> int:
                 for n in l1:
                     old_name, new_name = b1[match.r1[n]], bm[match.r1[n]]
                     c = graph.node_copy(n, arg)
-                    if n.op in ("get_attr", "call_module"):
+                    if n.op in ("get_attr", "call_module") and n not in match.constants:
                         c.target = _rename(n.target, old_name, new_name)
                         if n.op == "call_module":
                             gm.add_submodule(c.target, model.get_submodule(c.target))
