@@ -178,36 +178,22 @@ def _write(f, t: torch.Tensor) -> None:
 
 def _write_gathered(f, buf: torch.Tensor, layout, shape) -> None:
     """Write the full tensor whose rank pieces are `buf[r]` (Shard(dim, chunks) each) without
-    assembling it: row-major order is [outer, chunk, rank, rows of the block, inner]. Pieces of
+    assembling it: row-major order is [outer, block, rank, rows of its share, inner]. Pieces of
     unequal sizes come padded to the largest (`_padded`) and are cropped here, block by block."""
-    p, dim, chunks = buf.size(0), layout.dim, layout.chunks
+    p, dim = buf.size(0), layout.dim
     outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
-    if not is_even(shape, layout, p):
-        sizes = block_sizes(shape[dim], p, chunks, layout.unit, layout.parts)     # [block][rank]
-        v = buf.view(p, outer, sum(s[0] for s in sizes), inner)
-        parts = [(r, sum(b[r] for b in sizes[:c]), s[r]) for c, s in enumerate(sizes) for r in range(p)]
-        row = shape[dim] * inner * buf.element_size()                    # bytes of one outer index
-        if row <= SLAB_BYTES and outer > 1:
-            step = max(1, SLAB_BYTES // max(row, 1))
-            for o in range(0, outer, step):                               # a slab of outer indices
-                _write(f, torch.cat([v[r, o:o + step, a:a + n] for r, a, n in parts], 1))
-        else:
-            for o in range(outer):
-                for r, a, n in parts:
-                    _write(f, v[r, o, a:a + n])                            # contiguous: no copy
-        return
-    block = shape[dim] // (p * chunks)
-    v = buf.view(p, outer, chunks, block, inner)
-    row = chunks * p * block * inner * buf.element_size()            # bytes of one outer index
+    sizes = block_sizes(shape[dim], p, layout.chunks, layout.unit, layout.parts)     # [block][rank]
+    v = buf.view(p, outer, sum(s[0] for s in sizes), inner)
+    parts = [(r, sum(b[r] for b in sizes[:c]), s[r]) for c, s in enumerate(sizes) for r in range(p)]
+    row = shape[dim] * inner * buf.element_size()                        # bytes of one outer index
     if row <= SLAB_BYTES and outer > 1:
         step = max(1, SLAB_BYTES // max(row, 1))
-        for o in range(0, outer, step):
-            _write(f, v[:, o:o + step].permute(1, 2, 0, 3, 4))        # a slab, reordered
+        for o in range(0, outer, step):                                   # a slab of outer indices
+            _write(f, torch.cat([v[r, o:o + step, a:a + n] for r, a, n in parts], 1))
     else:
         for o in range(outer):
-            for c in range(chunks):
-                for r in range(p):
-                    _write(f, v[r, o, c])                              # contiguous: no copy
+            for r, a, n in parts:
+                _write(f, v[r, o, a:a + n])                                # contiguous: no copy
 
 
 def _padded(local: torch.Tensor, layout, shape, p: int) -> torch.Tensor:

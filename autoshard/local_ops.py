@@ -27,7 +27,7 @@ from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, blocks_
 from .rules.conv import CONV_OPS, conv_groups
 from .rules.norm import LAYER_NORMS, norm_params, var_args
 from .rules.registry import node_arg
-from .rules.shape import sliced_dim
+from .rules.shape import sliced_range
 
 aten = torch.ops.aten
 
@@ -331,8 +331,7 @@ class LocalOps:
         heads where they do not divide)."""
         src_name = self.old[n.name].args[0].name          # as captured (a rewrite may have replaced it)
         size = self.val(src_name).shape
-        d, start, stop, step = sliced_dim(n, len(size))
-        start, stop, _ = slice(start, stop).indices(size[d])
+        d, start, stop = sliced_range(n, size)
         src = self.placement(src_name)
         ends = list(itertools.accumulate(blocks_of(size[d], src.chunks, src.parts), initial=0))
         local_ends = list(itertools.accumulate((s[self.rank] for s in shares(size[d], src, self.p)), initial=0))

@@ -196,7 +196,7 @@ def piece_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=N
     return [sum(block[r] for block in sizes) for r in range(world_size)]
 
 
-def shares(n: int, placement, world_size: int) -> list[list[int]] | None:
+def shares(n: int, placement, world_size: int) -> tuple | None:
     """`block_sizes` of a dim of `n` held with the Shard `placement`."""
     return block_sizes(n, world_size, placement.chunks, placement.unit, placement.parts)
 

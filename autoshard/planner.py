@@ -23,7 +23,7 @@ from .placements import Replicate, Shard, local_numel, padded, splits
 from .plan import NodeDecision, Plan, Redistribution, check_outputs
 from .decisions import module_of
 from .rules.registry import PARALLEL_LAYERS, family_of
-from .rules.shape import sliced_dim, view_groups
+from .rules.shape import sliced_dim, sliced_range, view_groups
 
 
 def chunk_candidates(gm: fx.GraphModule) -> tuple:
@@ -62,12 +62,9 @@ def part_candidates(gm: fx.GraphModule) -> tuple:
             continue
         if n.target in (torch.ops.aten.slice.Tensor, operator.getitem) and isinstance(n.args[0], fx.Node):
             src = n.args[0].meta.get("val")
-            cut = sliced_dim(n, src.dim()) if isinstance(src, torch.Tensor) else None
-            if cut is not None and cut[3] in (None, 1) and all(isinstance(b, (int, type(None))) for b in cut[1:3]):
-                size = int(src.shape[cut[0]])
-                a, b, _ = slice(cut[1], cut[2]).indices(size)
-                if 0 < b - a < size:
-                    cuts.setdefault((n.args[0], cut[0]), {0, size}).update((a, b))
+            cut = sliced_range(n, src.shape) if isinstance(src, torch.Tensor) else None
+            if cut is not None and 0 < cut[2] - cut[1] < src.shape[cut[0]]:
+                cuts.setdefault((n.args[0], cut[0]), {0, int(src.shape[cut[0]])}).update(cut[1:])
         elif n.target in (torch.split, torch.ops.aten.split_with_sizes.default, "split") and len(n.args) > 1 \
                 and isinstance(n.args[1], (list, tuple)) and all(isinstance(q, int) for q in n.args[1]):
             if len(set(n.args[1])) > 1:

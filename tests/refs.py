@@ -58,19 +58,42 @@ def gathers_near(plan, module, hops=3):
     return [r for r in plan.redistributions if "all_gather" in r.forward and r.node in near]
 
 
-def hf_step_matches(gm, ref, kw, what):
+def hf_step_matches(gm, ref, kw, what, sharded_logits=False):
     """One step of a parallel Hugging Face causal LM `gm` and of the single-process `ref` on the
-    keyword inputs `kw`: the loss and every gradient (collected whole) must agree. Returns the
-    bytes the step's collectives counted, for comparing with the plan's."""
+    keyword inputs `kw`: the loss, the logits (a DTensor, gathered here, with
+    `sharded_logits`) and every gradient (collected whole) must agree. Returns the bytes the
+    step's collectives counted, for comparing with the plan's."""
     from autoshard.collectives import count_comm
+    from torch.distributed.tensor import DTensor
     with count_comm() as c:
-        loss = gm(**kw).loss
-        loss.backward()
-    want = ref(**kw).loss
-    want.backward()
-    close_to_scale(loss, want, f"{what}: loss")
+        res = gm(**kw)
+        res.loss.backward()
+    want = ref(**kw)
+    want.loss.backward()
+    close_to_scale(res.loss, want.loss, f"{what}: loss")
+    assert isinstance(res.logits, DTensor) == sharded_logits, (what, type(res.logits))
+    close_to_scale(res.logits.full_tensor() if sharded_logits else res.logits, want.logits, f"{what}: logits")
     grads_match(gm, ref, what)
     return c.bytes
+
+
+def dcp_save_model(gm, path):
+    """The module's state saved with DCP under "model" (autoshard.checkpoint's view of it)."""
+    import autoshard
+    import torch.distributed.checkpoint as dcp
+    msd, _ = autoshard.checkpoint.get_state_dict(gm)
+    dcp.save({"model": msd}, checkpoint_id=path)
+
+
+def dcp_load_model(gm, path):
+    """The DCP checkpoint at `path` loaded into the module; its state dict collected whole."""
+    import autoshard
+    import torch.distributed.checkpoint as dcp
+    msd, _ = autoshard.checkpoint.get_state_dict(gm)
+    sd = {"model": msd}
+    dcp.load(sd, checkpoint_id=path)
+    autoshard.checkpoint.set_state_dict(gm, model_state_dict=sd["model"])
+    return autoshard.collect_state_dict(gm, gm.state_dict())
 
 
 def grads_match(gm, ref, what):

@@ -21,14 +21,12 @@ import sys
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
-from autoshard.collectives import count_comm  # noqa: E402
 from autoshard.placements import chunk_sizes  # noqa: E402
-from refs import block_steps_match, close_to_scale, gathers_near, grads_match  # noqa: E402
+from refs import block_steps_match, dcp_load_model, dcp_save_model, gathers_near, hf_step_matches  # noqa: E402
 from test_fused import FusedBlock, _x  # noqa: E402
 
 HEAD = 8          # head_dim of every model here
@@ -133,21 +131,9 @@ def _gpt2_case(rank, p, h, heads, outputs):
         assert tuple(w.shape) == (h, _local_columns(h, p)[rank]) and b.shape[0] == w.shape[1], (m, w.shape, b.shape)
         assert torch.equal(w.detach(), _piece(want_sd[f"{m}.weight"], 1, h, rank, p)), f"{m}.weight on rank {rank}"
         assert torch.equal(b.detach(), _piece(want_sd[f"{m}.bias"], 0, h, rank, p)), f"{m}.bias on rank {rank}"
-    what = f"gpt2 {heads} heads of {HEAD} at {p} ({outputs})"
-    with count_comm() as c:
-        res = gm(**kw)
-        res.loss.backward()
-    want = ref(**kw)
-    want.loss.backward()
-    close_to_scale(res.loss, want.loss, f"{what}: loss")
-    if outputs == "sharded":
-        from torch.distributed.tensor import DTensor
-        assert isinstance(res.logits, DTensor), type(res.logits)
-        close_to_scale(res.logits.full_tensor(), want.logits, f"{what}: logits")
-    else:
-        close_to_scale(res.logits, want.logits, f"{what}: logits")
-    grads_match(gm, ref, what)
-    return dict(measured=c.bytes, plan=plan.comm_bytes)
+    measured = hf_step_matches(gm, ref, kw, f"gpt2 {heads} heads of {HEAD} at {p} ({outputs})",
+                               sharded_logits=outputs == "sharded")
+    return dict(measured=measured, plan=plan.comm_bytes)
 
 
 @pytest.mark.parametrize("world,h,heads,outputs", [(4, 48, 6, "full"), (3, 32, 4, "sharded")],
@@ -196,8 +182,7 @@ def _save4(rank, p, path, root):
     back = autoshard.relocate_state_dict(gm, want)
     for k, v in gm.state_dict().items():
         assert torch.equal(back[k], v), f"relocate {k}"
-    msd, _ = autoshard.checkpoint.get_state_dict(gm)
-    dcp.save({"model": msd}, checkpoint_id=path)
+    dcp_save_model(gm, path)
     gm.save_pretrained(root)
     return sd
 
@@ -209,11 +194,7 @@ def _load(rank, p, path):
     plan = gm._autoshard_plan
     for m in _c_attn(plan):                                  # 6 heads divide by 2 and 3: the even strided shard
         assert plan.layouts[f"{m}.weight"] == autoshard.Shard(1, 3), plan.layouts[f"{m}.weight"]
-    msd, _ = autoshard.checkpoint.get_state_dict(gm)
-    sd = {"model": msd}
-    dcp.load(sd, checkpoint_id=path)
-    autoshard.checkpoint.set_state_dict(gm, model_state_dict=sd["model"])
-    return autoshard.collect_state_dict(gm, gm.state_dict())
+    return dcp_load_model(gm, path)
 
 
 def test_state_dicts_and_checkpoints_of_whole_heads(dist2, dist3, dist4, tmp_path):

@@ -26,16 +26,14 @@ import sys
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
-from autoshard.collectives import count_comm  # noqa: E402
 from autoshard.placements import REPLICATE_PG, chunk_sizes  # noqa: E402
-from refs import block_steps_match, close_to_scale, gathers_near, grads_match, hf_step_matches  # noqa: E402
+from refs import block_steps_match, dcp_load_model, dcp_save_model, gathers_near, hf_step_matches  # noqa: E402
 
 VOCAB = 256
 
@@ -187,21 +185,9 @@ def _phi3_step(rank, p, heads, kv_heads, h, outputs, expect_parts):
         for m in modules:
             layout = gm._autoshard_layouts.get(f"{m}.weight")
             assert not (isinstance(layout, autoshard.Shard) and layout.parts is not None), (m, layout)
-    what = f"phi3 {heads}/{kv_heads} heads at {p} ({outputs})"
-    with count_comm() as c:
-        res = gm(**kw)
-        res.loss.backward()
-    want = ref(**kw)
-    want.loss.backward()
-    close_to_scale(res.loss, want.loss, f"{what}: loss")
-    if outputs == "sharded":
-        from torch.distributed.tensor import DTensor
-        assert isinstance(res.logits, DTensor), type(res.logits)
-        close_to_scale(res.logits.full_tensor(), want.logits, f"{what}: logits")
-    else:
-        close_to_scale(res.logits, want.logits, f"{what}: logits")
-    grads_match(gm, ref, what)
-    return gm, ref, dict(measured=c.bytes, plan=plan.comm_bytes)
+    measured = hf_step_matches(gm, ref, kw, f"phi3 {heads}/{kv_heads} heads at {p} ({outputs})",
+                               sharded_logits=outputs == "sharded")
+    return gm, ref, dict(measured=measured, plan=plan.comm_bytes)
 
 
 def _phi3_case(rank, p, heads, kv_heads, h, outputs, expect_parts):
@@ -257,8 +243,7 @@ def _save4(rank, p, path, root):
     back = autoshard.relocate_state_dict(gm, want)
     for k, v in gm.state_dict().items():
         assert torch.equal(back[k], v), f"relocate {k}"
-    msd, _ = autoshard.checkpoint.get_state_dict(gm)
-    dcp.save({"model": msd}, checkpoint_id=path)
+    dcp_save_model(gm, path)
     gm.save_pretrained(root)
     return sd, comm
 
@@ -270,11 +255,7 @@ def _load(rank, p, path):
     gm = autoshard.parallelize(model, p, kw, tracer="export")
     if p == 2:
         _check_parts(gm._autoshard_plan, _qkv_proj(gm._autoshard_plan), (64, 32, 32), gm._autoshard_layouts)
-    msd, _ = autoshard.checkpoint.get_state_dict(gm)
-    sd = {"model": msd}
-    dcp.load(sd, checkpoint_id=path)
-    autoshard.checkpoint.set_state_dict(gm, model_state_dict=sd["model"])
-    return autoshard.collect_state_dict(gm, gm.state_dict())
+    return dcp_load_model(gm, path)
 
 
 def test_phi3_8_4_at_4_is_exact_and_checkpoints_across_degrees(dist2, dist3, dist4, tmp_path):

@@ -21,7 +21,7 @@ import autoshard  # noqa: E402
 from autoshard.collectives import count_comm  # noqa: E402
 from autoshard.placements import chunk_sizes  # noqa: E402
 from models import GPT  # noqa: E402
-from refs import close_to_scale, grads_match  # noqa: E402
+from refs import close_to_scale, dcp_load_model, dcp_save_model, grads_match  # noqa: E402
 
 
 def _gpt(vocab, h=32, tied=True, dropout=0.0, seed=0):
@@ -257,8 +257,7 @@ def _balanced_case(rank, p, path):
         torch.testing.assert_close(sd[k], v, msg=lambda m: f"collect {k}: {m}")
     back = autoshard.relocate_state_dict(gm, ref.state_dict())
     assert all(torch.equal(back[k], v) for k, v in gm.state_dict().items())
-    msd, _ = autoshard.checkpoint.get_state_dict(gm)
-    dcp.save({"model": msd}, checkpoint_id=path)
+    dcp_save_model(gm, path)
     return sd
 
 
@@ -266,11 +265,7 @@ def _balanced_load(rank, p, path):
     torch.manual_seed(1)
     model = Narrow()
     gm = autoshard.parallelize(model, p, (torch.randn(512, 16),), pin={"fc1": -1, "fc2": 0})
-    msd, _ = autoshard.checkpoint.get_state_dict(gm)
-    sd = {"model": msd}
-    dcp.load(sd, checkpoint_id=path)
-    autoshard.checkpoint.set_state_dict(gm, model_state_dict=sd["model"])
-    return autoshard.collect_state_dict(gm, gm.state_dict())
+    return dcp_load_model(gm, path)
 
 
 def test_balanced_split_is_exact_and_checkpoints_across_degrees(dist2, dist3, dist4, tmp_path):

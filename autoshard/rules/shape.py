@@ -199,13 +199,10 @@ def index_map(idx, nd: int):
     return out
 
 
-def block_slice(size: int, start, stop, step, k: int):
-    """How many whole blocks of `size` cut into `k` equal ones the slice [start:stop:step] takes,
-    when it takes whole blocks only (a fused q/k/v sliced into its parts: Phi-3's qkv_proj), else
+def block_slice(size: int, start: int, stop: int, k: int):
+    """How many whole blocks of `size` cut into `k` equal ones the range [start:stop] takes, when
+    it takes whole blocks only (a fused q/k/v sliced into its parts: Phi-3's qkv_proj), else
     None. Returns (first block, number of blocks)."""
-    if step not in (None, 1) or not isinstance(start, (int, type(None))) or not isinstance(stop, (int, type(None))):
-        return None
-    start, stop, _ = slice(start, stop).indices(size)
     block = size // k
     if size % k or stop <= start or start % block or (stop - start) % block:
         return None
@@ -243,25 +240,36 @@ def sliced_dim(node, nd: int):
     return d, _int_of(e.start), _int_of(e.stop), _int_of(e.step)
 
 
+def sliced_range(node, shape):
+    """(dim, start, stop) of a node that takes one contiguous range of one dim of a tensor of
+    `shape` (`sliced_dim` with a unit step and bounds known as ints, normalised to the dim's
+    size), else None."""
+    cut = sliced_dim(node, len(shape))
+    if cut is None:
+        return None
+    d, start, stop, step = cut
+    if step not in (None, 1) or not all(isinstance(b, (int, type(None))) for b in (start, stop)):
+        return None
+    start, stop, _ = slice(start, stop).indices(int(shape[d]))
+    return d, start, stop
+
+
 def blocks_taken(info: NodeInfo, src) -> list:
     """Strategies of a slice that takes whole blocks of a strided shard: Shard(d, k) in, the
     blocks' own pieces out (one block: an ordinary Shard(d); m blocks: Shard(d, m))."""
     shape = info.shape(src)
-    cut = sliced_dim(info.node, len(shape))
+    cut = sliced_range(info.node, shape)
     if cut is None:
         return []
-    d, start, stop, step = cut
+    d, a, b = cut
     found = []
     for k in info.chunk_candidates:
-        taken = block_slice(shape[d], start, stop, step, k)
+        taken = block_slice(shape[d], a, b, k)
         if taken is not None:
             found.append(info.req({src: Shard(d, k)}, f"blocks({d})", Shard(d, taken[1])))
             for u in info.units(shape[d] // k):          # blocks in whole heads
                 found.append(info.req({src: Shard(d, k, unit=u)}, f"blocks({d})", Shard(d, taken[1], unit=u),
                                       uneven=True))
-    if step not in (None, 1) or not all(isinstance(b, (int, type(None))) for b in (start, stop)):
-        return found
-    a, b, _ = slice(start, stop).indices(shape[d])
     for pl in info.part_shards(d, shape[d]):            # blocks of unequal sizes (grouped q / k / v)
         ends = list(itertools.accumulate(pl.parts, initial=0))
         if a in ends and b in ends and a < b:
