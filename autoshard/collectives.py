@@ -35,7 +35,12 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 def ring_bytes(kind: str, nbytes: int, world_size: int) -> float:
     """Bytes one rank sends in a ring `kind` collective on a tensor of `nbytes` bytes.
 
-    `nbytes` is the full tensor; in an all_to_all a rank holds 1/p of it and sends (p-1)/p of that."""
+    `nbytes` is the full tensor; in an all_to_all a rank holds 1/p of it and sends (p-1)/p of that.
+    `kind@m` is that collective within groups of m consecutive ranks, on the group's m/p of the
+    tensor (`in_groups`: K/V heads gathered onto the ranks whose query heads read them)."""
+    kind, m = split_kind(kind)
+    if m is not None:
+        return ring_bytes(kind, nbytes * m / world_size, m)
     if kind not in KINDS:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
     p = int(world_size)
@@ -43,6 +48,17 @@ def ring_bytes(kind: str, nbytes: int, world_size: int) -> float:
         return 0.0
     factor = {"all_reduce": 2 * (p - 1) / p, "all_to_all": (p - 1) / p / p}.get(kind, (p - 1) / p)
     return factor * nbytes
+
+
+def in_groups(kind: str, m: int) -> str:
+    """The name of collective `kind` run within groups of m consecutive ranks (`ring_bytes`)."""
+    return kind if m == 1 else f"{kind}@{m}"
+
+
+def split_kind(kind: str) -> tuple[str, int | None]:
+    """(collective, ranks a group) of a `kind@m` name; (kind, None) for the whole group's."""
+    base, _, m = kind.partition("@")
+    return (base, int(m)) if m else (base, None)
 
 
 @dataclass

@@ -8,12 +8,12 @@ worth its communication at every realistic size, which is why tensor parallelism
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
 
-from .collectives import KINDS, ring_bytes  # noqa: F401  (one definition of ring bytes)
+from .collectives import KINDS, ring_bytes, split_kind  # noqa: F401  (one definition of ring bytes)
 from .placements import Partial, Replicate, ReplicatePartialGrad, Shard
 from .rules.conv import conv_flops
 from .rules.registry import family_of
@@ -42,7 +42,9 @@ class CostModel:
     def comm_time(self, kind: str, nbytes: float, p: int) -> float:
         if p <= 1:
             return 0.0
-        steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
+        base, m = split_kind(kind)
+        ranks = p if m is None else m
+        steps = 2 * (ranks - 1) if base == "all_reduce" else ranks - 1
         return ring_bytes(kind, nbytes, p) / self.bandwidth + steps * self.latency
 
     def compute_time(self, flop: float) -> float:
@@ -71,6 +73,8 @@ def partial_grad_edge(src, req, grad, param: bool):
     rp_src, rp_req = isinstance(src, ReplicatePartialGrad), isinstance(req, ReplicatePartialGrad)
     if not (rp_src or rp_req):
         return NotImplemented
+    if held_by_groups(src) or held_by_groups(req):
+        return None
     if rp_req:
         if not (param and rp_src):
             return None
@@ -93,6 +97,10 @@ def redistribute(src, dst) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """
     if src == dst or src is None or dst is None:
         return (), ()
+    if held_by_groups(src) or held_by_groups(dst):
+        # a group's piece is only cut to this rank's own (its gradient zero-padded: still a
+        # summand within the group); nothing else reads it (see rules.registry.closed_groups)
+        return ((), ()) if held_by_groups(src) and isinstance(dst, Shard) and dst == replace(src, replicas=1) else None
     if isinstance(src, ReplicatePartialGrad) or isinstance(dst, ReplicatePartialGrad):
         # forward: a slice or nothing; backward: see partial_grad_edge
         return None if isinstance(dst, Partial) else ((), ())
@@ -111,6 +119,11 @@ def redistribute(src, dst) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         # all-to-all's equal contiguous blocks cannot hold: gathered, then cut
         return ("all_gather",), ("all_gather",)
     return ("all_to_all",), ("all_to_all",)
+
+
+def held_by_groups(placement) -> bool:
+    """Whether `placement` is a shard held by groups of ranks (`Shard(d, replicas=m)`)."""
+    return isinstance(placement, Shard) and placement.replicas > 1
 
 
 def grad_fix(produced, wanted) -> tuple[str, ...]:

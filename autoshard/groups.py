@@ -187,6 +187,8 @@ def get_group(group=None):
         if group not in _GROUPS:
             if group == "world":
                 return dist.group.WORLD
+            if "/" in group:
+                return _make_subgroup(group)
             raise ProcessGroupError(
                 f"process group {group!r} is not registered on rank {dist.get_rank()}; "
                 f"known: {sorted(_GROUPS)}. Build the module with parallelize(..., group=...) on this rank."
@@ -210,6 +212,30 @@ def register_group(group) -> str:
         key = f"pg:{name}"
     _GROUPS[key] = group
     return key
+
+
+def subgroup(key: str, m: int) -> str:
+    """The key naming, within the tensor-parallel group `key`, the group of the m consecutive ranks
+    that this rank is among (K and V heads held by the ranks whose query heads read them: gathered
+    and summed within such groups). `get_group` makes it on first use, by those m ranks alone."""
+    return f"{key or ''}/{m}"          # (None: the current tensor-parallel group)
+
+
+def subgroup_size(key) -> int | None:
+    """The m of a `subgroup` key; None for any other group."""
+    return int(key.rpartition("/")[2]) if isinstance(key, str) and "/" in key else None
+
+
+def _make_subgroup(key: str):
+    """The ProcessGroup `subgroup` names, made now (by the m ranks of this rank's group only)."""
+    base, m = key.rpartition("/")[0] or None, subgroup_size(key)
+    pg = get_group(base)
+    ranks = dist.get_process_group_ranks(pg)
+    if len(ranks) % m:
+        raise ProcessGroupError(f"groups of {m} ranks do not divide the tensor-parallel group {base!r} of {len(ranks)}")
+    start = dist.get_rank(pg) // m * m
+    _GROUPS[key] = dist.new_group(ranks[start:start + m], use_local_synchronization=True)
+    return _GROUPS[key]
 
 
 def get_world_size(group=None) -> int:

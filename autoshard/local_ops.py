@@ -23,7 +23,9 @@ from .errors import ShardingError
 from .nn import functional as PF
 from .nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, TrainOnly
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
-from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, layout_of, piece_sizes, shares
+from .groups import subgroup
+from .placements import (Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, groups_of, layout_of, piece_sizes,
+                         shares)
 from .rules.conv import CONV_OPS, conv_groups
 from .rules.norm import LAYER_NORMS, norm_params, var_args
 from .rules.registry import node_arg
@@ -112,6 +114,8 @@ class LocalOps:
                 self._global_size(n, t)
             elif d.strategy == "column_gather_pg":
                 self._gathered_heads(n)
+            elif d.strategy == "column_gather_groups":
+                self._gathered_heads(n, replicas=d.output.replicas)
             if t in DROPOUT_OPS or (n.op == "call_module" and type(self.gm.get_submodule(n.target)) is nn.Dropout):
                 self._mode_dropout(n, t, d.output)
             elif t in SDPA_OPS and node_arg(n, 4, "dropout_p", 0.0):
@@ -128,14 +132,16 @@ class LocalOps:
             elif d.strategy.startswith("blocks("):
                 self._local_blocks(n)
 
-    def _gathered_heads(self, n, dim=None):
+    def _gathered_heads(self, n, dim=None, replicas=1):
         """K/V of fewer heads than ranks, computed split: the output all-gathered whole along `dim`
         (the last by default; its gradient reduce-scattered back), to be sliced by the heads this
-        rank's queries read."""
+        rank's queries read; with `replicas` = m, gathered within this rank's group of m ranks
+        only (`Shard(dim, replicas=m)`: the heads the group's queries read)."""
         dim = self.val(n.name).dim() - 1 if dim is None else dim
         size = self.uneven_size(n.name, Shard(dim))
+        group = self.key if replicas == 1 else subgroup(self.key, replicas)
         with self.graph.inserting_after(n):
-            y = self.call(C.all_gather, (n, dim, 1), {"group": self.key, **({"size": size} if size else {})})
+            y = self.call(C.all_gather, (n, dim, 1), {"group": group, **({"size": size} if size else {})})
         n.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
 
     def mode_ops(self):
@@ -302,7 +308,7 @@ class LocalOps:
         full = self.uneven_size(src.name, pl)
         if full:
             kw["full"] = full
-        self.replace(n, global_size, (src, pl.dim, self.p), kw)
+        self.replace(n, global_size, (src, pl.dim, groups_of(pl, self.p)[0]), kw)
 
     def _local_sizes(self, n, out: Shard):
         """Divide the size argument of the sharded dim by the degree (a -1 stays -1)."""
@@ -315,12 +321,13 @@ class LocalOps:
         if d >= len(sizes):
             raise ShardingError(f"{n.format_node()}: cannot find the size argument of sharded dim {d}")
         s = sizes[d]
+        groups, m = groups_of(out, self.p)          # a shard held by groups of m ranks: the group's piece
         if isinstance(s, fx.Node):
             with self.graph.inserting_before(n):
-                sizes[d] = self.call(local_size, (s, self.rank, self.p, out.unit, out.chunks, out.parts))
+                sizes[d] = self.call(local_size, (s, self.rank // m, groups, out.unit, out.chunks, out.parts))
         elif s != -1:
             try:
-                sizes[d] = piece_sizes(s, self.p, out.chunks, out.unit, out.parts)[self.rank]
+                sizes[d] = piece_sizes(s, groups, out.chunks, out.unit, out.parts)[self.rank // m]
             except ValueError as e:
                 raise ShardingError(f"{n.format_node()}: sharded dim {d} as {out}: {e}") from None
         n.args = (n.args[0], sizes) if packed else (n.args[0], *sizes)

@@ -24,6 +24,11 @@ differ: grouped attention's q / k / v in one weight (40 query and 10 kv heads of
 `Shard(d, 3, parts=(5120, 1280, 1280))`, 20 query heads and 5 kv heads a rank, matching heads),
 each block cut as above.
 
+`Shard(d, replicas=m)` is a shard held by groups of ranks (an activation's layout, never a
+parameter's): the dim split over p/m groups of m consecutive ranks, every rank of a group holding
+the group's piece, its gradient a summand per rank within the group: K and V of 4 kv heads on 8
+ranks, each head on the 2 ranks whose query heads read it (`groups_of`).
+
 `ReplicatePartialGrad` ("Rp") is a Replicate whose gradient may stay Partial: every rank holds
 the whole tensor, and in backward each rank holds a summand of its gradient. It is how fewer
 key/value heads than ranks are replicated (Megatron's and vLLM's replicated K/V heads): K and V
@@ -65,13 +70,16 @@ class ReplicatePartialGrad(Replicate):
 @dataclass(frozen=True)
 class Shard:
     """Rank r holds block r of `dim` (of every one of `chunks` blocks, when chunks > 1; the
-    blocks are equal, or of the sizes `parts` lists)."""
+    blocks are equal, or of the sizes `parts` lists). With `replicas` = m the dim is split over
+    p / m groups of m consecutive ranks, every rank of group r // m holding that group's piece,
+    and in backward each of them a summand of its gradient (`groups_of`)."""
 
     dim: int
     chunks: int = 1
     size: int | None = None      # the global size of `dim` where it does not divide (layout tables)
     unit: int = 1                # elements per indivisible unit of `dim` (a head's features)
     parts: tuple | None = None   # the blocks' sizes where they differ (a grouped q/k/v: q, k, v features)
+    replicas: int = 1            # consecutive ranks holding the same piece (an activation only)
 
     def __post_init__(self):
         if self.dim < 0:
@@ -80,6 +88,8 @@ class Shard:
             raise ValueError(f"Shard chunks must be >= 1, got {self.chunks}")
         if self.unit < 1:
             raise ValueError(f"Shard unit must be >= 1, got {self.unit}")
+        if self.replicas < 1:
+            raise ValueError(f"Shard replicas must be >= 1, got {self.replicas}")
         if self.parts is not None and (len(self.parts) != self.chunks or min(self.parts) < 1):
             raise ValueError(f"Shard parts {self.parts} must be {self.chunks} positive block sizes")
         if self.parts is not None and len(set(self.parts)) == 1:
@@ -89,27 +99,34 @@ class Shard:
         s = f"S({self.dim})" if self.chunks == 1 else f"S({self.dim})x{self.chunks}"
         if self.parts is not None:
             s = f"S({self.dim})x({','.join(str(q) for q in self.parts)})"
-        return s if self.unit == 1 else f"{s}/{self.unit}"
+        s = s if self.unit == 1 else f"{s}/{self.unit}"
+        return s if self.replicas == 1 else f"{s}r{self.replicas}"
 
     def __repr__(self) -> str:
         size = "" if self.size is None else f", size={self.size}"
         unit = "" if self.unit == 1 else f", unit={self.unit}"
         parts = "" if self.parts is None else f", parts={self.parts}"
-        return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit}{parts})"
+        replicas = "" if self.replicas == 1 else f", replicas={self.replicas}"
+        return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit}{parts}{replicas})"
 
 
 @dataclass(frozen=True, repr=False)
 class ShardGathered(Shard):
     """A weight stored as `Shard`, whose op gathers its output whole with a Partial gradient
     (`ReplicatePartialGrad`): K/V of fewer heads than ranks computed split, all-gathered, and
-    their gradients reduce-scattered back. A layout of its own so the search can choose it; it
-    is stored, saved and loaded exactly as the `Shard` it is (`stored`)."""
+    their gradients reduce-scattered back; with `within` = m, gathered within groups of m ranks
+    only (the output `Shard(d, replicas=m)`). A layout of its own so the search can choose it
+    (each gather its own choice); it is stored, saved and loaded exactly as the `Shard` it is
+    (`stored`)."""
+
+    within: int = 1
 
     def __str__(self) -> str:
-        return super().__str__() + "g"
+        return super().__str__() + "g" + (str(self.within) if self.within > 1 else "")
 
     def __repr__(self) -> str:
-        return "ShardGathered" + super().__repr__()[len("Shard"):]
+        within = "" if self.within == 1 else f", within={self.within}"
+        return f"ShardGathered({super().__repr__()[len('Shard('):-1]}{within})"
 
 
 def stored(placement):
@@ -197,8 +214,23 @@ def piece_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=N
 
 
 def shares(n: int, placement, world_size: int) -> tuple | None:
-    """`block_sizes` of a dim of `n` held with the Shard `placement`."""
-    return block_sizes(n, world_size, placement.chunks, placement.unit, placement.parts)
+    """`block_sizes` of a dim of `n` held with the Shard `placement` (`[block][rank]`; the ranks of a
+    group of `replicas` hold the same share)."""
+    groups, m = groups_of(placement, world_size)
+    sizes = block_sizes(n, groups, placement.chunks, placement.unit, placement.parts)
+    if sizes is None or m == 1:
+        return sizes
+    return tuple(tuple(block[r // m] for r in range(world_size)) for block in sizes)
+
+
+def groups_of(placement, world_size: int) -> tuple[int, int]:
+    """(groups, ranks a group) of a Shard: p ranks in p / m groups of m = `replicas` consecutive
+    ranks that hold the same piece (K and V of fewer heads than ranks, each head on the ranks
+    whose query heads read it); (p, 1) for an ordinary shard."""
+    m = placement.replicas if isinstance(placement, Shard) else 1
+    if m > 1 and world_size % m:
+        raise ValueError(f"{placement}: {m} replicas do not divide {world_size} ranks")
+    return world_size // m, m
 
 
 def _chunk_fills(n: int, world_size: int) -> bool:
@@ -243,7 +275,8 @@ def is_even(shape, placement: Placement, world_size: int) -> bool:
         return True
     if placement.parts is not None:            # blocks of unequal sizes: the general layout
         return False
-    return int(shape[placement.dim]) % (world_size * placement.chunks * placement.unit) == 0
+    groups, _ = groups_of(placement, world_size)
+    return int(shape[placement.dim]) % (groups * placement.chunks * placement.unit) == 0
 
 
 def local_shape(shape, placement: Placement, world_size: int, rank: int | None = None) -> tuple[int, ...]:
@@ -255,11 +288,12 @@ def local_shape(shape, placement: Placement, world_size: int, rank: int | None =
     d = placement.dim
     if d >= len(shape):
         raise ValueError(f"dim {d} of {placement} is out of range for shape {shape}")
+    groups, m = groups_of(placement, world_size)
     try:
-        sizes = piece_sizes(shape[d], world_size, placement.chunks, placement.unit, placement.parts)
+        sizes = piece_sizes(shape[d], groups, placement.chunks, placement.unit, placement.parts)
     except ValueError as e:
         raise ValueError(f"dim {d}: {e}") from None
-    return shape[:d] + (sizes[0 if rank is None else rank],) + shape[d + 1:]
+    return shape[:d] + (sizes[0 if rank is None else rank // m],) + shape[d + 1:]
 
 
 def local_numel(shape, placement: Placement, world_size: int) -> int:
@@ -285,7 +319,7 @@ def divides(shape, placement: Placement, world_size: int) -> bool:
     if placement.parts is not None:
         sizes = maybe_local_shape(shape, placement, world_size, 0), maybe_local_shape(shape, placement, world_size, -1)
         return sizes[0] is not None and sizes[0] == sizes[1]
-    return placement.dim < len(shape) and shape[placement.dim] % (world_size * placement.chunks) == 0
+    return placement.dim < len(shape) and shape[placement.dim] % (groups_of(placement, world_size)[0] * placement.chunks) == 0
 
 
 def padded(nbytes: float, shape, placement: Placement, world_size: int) -> float:
@@ -294,7 +328,7 @@ def padded(nbytes: float, shape, placement: Placement, world_size: int) -> float
     if not isinstance(placement, Shard) or placement.dim >= len(shape) or is_even(shape, placement, world_size):
         return nbytes
     n = int(shape[placement.dim])
-    return nbytes * local_shape(shape, placement, world_size)[placement.dim] * world_size / n
+    return nbytes * local_shape(shape, placement, world_size)[placement.dim] * groups_of(placement, world_size)[0] / n
 
 
 def layout_of(shape, placement: Placement, world_size: int):
@@ -341,6 +375,8 @@ def boxes(shape, placement: Placement, rank: int, world_size: int) -> tuple[Box,
         raise ValueError("a Partial tensor has no boxes: its ranks hold summands, not pieces")
     if not isinstance(placement, Shard):
         return (Box(zeros, shape, zeros),)
+    if placement.replicas > 1:
+        raise ValueError(f"{placement} is an activation's layout, never a stored tensor's")
     local = local_shape(shape, placement, world_size, rank)
     d = placement.dim
     out, start, at = [], 0, 0

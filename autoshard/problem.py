@@ -14,6 +14,7 @@ DTensor, no collective).
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import math
 
@@ -23,10 +24,11 @@ import torch.nn as nn
 
 from . import rules
 from .shapes import DYNAMIC
-from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
+from .cost import (CostModel, flops, fused_backward, grad_fix, grad_of, held_by_groups, partial_grad_edge,
+                   redistribute)
 from .decisions import decision_groups, fix_layouts
-from .placements import REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, is_even, local_numel
-from .rules.registry import NodeInfo, OpStrategy
+from .placements import REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, is_even, local_numel, shares
+from .rules.registry import NodeInfo, OpStrategy, family_of, group_sizes
 
 INF = math.inf
 # the weight of the largest rank's excess state over the ranks' mean in the memory term: small, so
@@ -102,6 +104,7 @@ class Problem:
         self.param_obj: dict[int, nn.Parameter] = {}
         self.param_names: dict[int, list] = {}
         memo: dict = {}           # identical nodes (every block of a stack) share their strategies
+        replica_candidates = _group_sizes(self.nodes, self.val, unit_candidates, world_size)
         for i, n in enumerate(self.nodes):
             self.strats.append([])
             if n.op == "placeholder":
@@ -130,7 +133,8 @@ class Problem:
                 if hit is None:
                     hit = rules.strategies(NodeInfo(n, world_size, module, tuple(chunk_candidates),
                                                     unit_candidates=tuple(unit_candidates),
-                                                    part_candidates=tuple(part_candidates)))
+                                                    part_candidates=tuple(part_candidates),
+                                                    replica_candidates=replica_candidates))
                     if key is not None:
                         memo[key] = hit
                 found, covered = hit
@@ -211,10 +215,28 @@ class Problem:
         v = self.val[j]
         return not _tensor(v) or all(is_even(v.shape, pl, self.p) for pl in placements)
 
+    def nested(self, j: int, src: Shard, req: Shard) -> bool:
+        """Whether every rank's piece of tensor j under `req` lies inside the piece its group holds
+        under `src` (a shard held by groups of ranks, cut to the ranks' own by a local slice)."""
+        n, p = int(self.val[j].shape[src.dim]), self.p
+        outer, inner = shares(n, src, p), shares(n, req, p)
+        if outer is None or inner is None:
+            return False
+        m = src.replicas
+        for o, i in zip(outer, inner):
+            starts = list(itertools.accumulate(i, initial=0))
+            for r in range(p):
+                g0 = sum(o[q * m] for q in range(r // m))          # where group r // m's piece starts
+                if not (g0 <= starts[r] and starts[r] + i[r] <= g0 + o[r]):
+                    return False
+        return True
+
     def redistribution(self, j: int, src, req):
         """`cost.redistribute` for tensor j: an all-to-all needs equal blocks, so between shards of
         unequal sizes it is a gather and a cut (as the rewrite moves them)."""
         r = redistribute(src, req)
+        if r == ((), ()) and held_by_groups(src) and src != req and not self.nested(j, src, req):
+            return None
         if r == (("all_to_all",), ("all_to_all",)) and not self.even(j, src, req):
             return ("all_gather",), ("all_gather",)
         return r
@@ -430,6 +452,16 @@ def _structure(n: fx.Node, module) -> tuple | None:
     except TypeError:
         return None
     return key
+
+
+def _group_sizes(nodes, vals, units, world_size: int) -> tuple:
+    """Every group size of `rules.group_sizes` that a projection of the graph offers (K and V of
+    fewer heads than ranks): the shards held by groups of ranks the rules may pass on."""
+    found = set()
+    for n, v in zip(nodes, vals):
+        if _tensor(v) and v.dim() and family_of(n) == "matmul":
+            found.update(group_sizes(int(v.shape[-1]), units, world_size))
+    return tuple(sorted(found))
 
 
 def fetch_attr(gm, target: str):

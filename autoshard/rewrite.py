@@ -18,8 +18,9 @@ import torch.nn as nn
 
 from . import collectives as C
 from .shapes import dynamic_dims, placeholder_inputs
-from .cost import fused_backward, redistribute
+from .cost import fused_backward, held_by_groups, redistribute
 from .errors import ShardingError
+from .groups import subgroup
 from .local_ops import FRESH_OUTPUT_OPS, LocalOps, shard_kw, target_of
 from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, layout_of, split_along, stored
 from .problem import fetch_attr
@@ -138,6 +139,11 @@ class Rewriter(LocalOps):
             if isinstance(dst, Shard):
                 return self.call(C.slice_partial, (x, dst.dim, dst.chunks), {"group": key, **shard_kw(dst)})
             return x
+        if held_by_groups(src):                          # the group's piece, cut to this rank's own
+            if dst == src:
+                return x
+            return self.call(C.slice_partial, (x, dst.dim, dst.chunks),
+                             {"group": subgroup(key, src.replicas), **shard_kw(dst)})
         kinds = redistribute(src, dst)[0]
         if isinstance(src, Shard) and isinstance(dst, Shard):
             if kinds == ("all_to_all",) and not (self.uneven_size(x.name, src) or self.uneven_size(x.name, dst)):

@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from .cost import held_by_groups
 from .placements import PARTIAL, REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard
 from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers build)
 
@@ -27,6 +28,12 @@ WINDOW_GROUPS = 4        # groups a window enumerates at most (q, k, v and the o
 WINDOW_COMBOS = 3 ** 4   # combinations a window enumerates at most
 SIGNATURE_DEPTH = 6      # ops past a window's anchors that its cached answer depends on
 
+
+
+def _whole_in_group(placement) -> bool:
+    """Rp (whole on every rank) or a shard held by groups of ranks: a tensor every rank of a group
+    holds whole, its gradient a summand per rank."""
+    return isinstance(placement, ReplicatePartialGrad) or held_by_groups(placement)
 
 class State:
     """A labelling: the group choices and every node's strategy and output placement."""
@@ -83,11 +90,12 @@ class State:
         # an Rp input (replicated K/V) is sliced only where it meets an input split already (the
         # query heads): slicing it on its own is locally free but starts a split whose cost
         # shows only later, which a node-by-node choice cannot see
-        rp = any(isinstance(place[j], ReplicatePartialGrad) for j in prob.ins[i])
-        split_in = rp and any(isinstance(place[j], Shard) for j in prob.ins[i])
+        # (so is a shard held by groups of ranks, cut to each rank's own piece)
+        rp = any(_whole_in_group(place[j]) for j in prob.ins[i])
+        split_in = rp and any(isinstance(place[j], Shard) and not held_by_groups(place[j]) for j in prob.ins[i])
         for si, s in enumerate(prob.strats[i]):
-            if rp and not split_in and any(isinstance(place[j], ReplicatePartialGrad) and
-                                           isinstance(s.inputs[slot], Shard) for slot, j in enumerate(prob.ins[i])):
+            if rp and not split_in and any(_whole_in_group(place[j]) and isinstance(s.inputs[slot], Shard) and
+                                           s.inputs[slot] != place[j] for slot, j in enumerate(prob.ins[i])):
                 continue
             c = prob.node_cost[i][si]
             for slot, j in enumerate(prob.ins[i]):

@@ -18,13 +18,20 @@ from .shapes import keeping_scalars, placeholder_inputs, reads_scalar, stand_in_
 from .errors import ShardingError, first_line
 from .nn import functional as PF
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
+from .groups import subgroup_size
 from .placements import cat_along, split_along
+
+
+def _within(group, p: int, rank: int) -> tuple[int, int]:
+    """(size, rank) of this rank in `group`: the tensor-parallel group's, or a `subgroup`'s."""
+    m = subgroup_size(group)
+    return (p, rank) if m is None else (m, rank % m)
 
 
 def _gather(p, rank):
     def fn(x, dim, chunks=1, group=None, size=None, unit=1, parts=None):
         if size is None:
-            return cat_along([x] * p, dim, chunks)
+            return cat_along([x] * _within(group, p, rank)[0], dim, chunks)
         shape = list(x.shape)
         shape[dim] = size
         return x.new_empty(shape)
@@ -32,8 +39,10 @@ def _gather(p, rank):
 
 
 def _scatter(p, rank):
-    return lambda x, dim, chunks=1, group=None, unit=1, parts=None: split_along(
-        x, dim, p, chunks, what="tensor", uneven=True, unit=unit, parts=parts)[rank]
+    def fn(x, dim, chunks=1, group=None, unit=1, parts=None):
+        n, r = _within(group, p, rank)
+        return split_along(x, dim, n, chunks, what="tensor", uneven=True, unit=unit, parts=parts)[r]
+    return fn
 
 
 def _all_to_all(p, rank):

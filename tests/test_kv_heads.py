@@ -30,7 +30,7 @@ LATENCY_FREE = CostModel(latency=0.0)     # tiny sizes: bytes, not the number of
 
 def _ways(way, layers=2):
     """(plan options, batch) that make `way` the cheapest for K/V."""
-    if way == "column_gather_pg":
+    if way in ("column_gather_pg", "column_gather_groups"):
         return dict(cost_model=LATENCY_FREE), 2
     pins = {}
     for i in range(layers):
@@ -81,7 +81,8 @@ def _step_matches(gm, ref, kw, what):
 
 
 @pytest.mark.parametrize("world,heads,kv_heads,way", [
-    (2, 8, 1, "column_gather_pg"), (4, 8, 1, "column_gather_pg"), (4, 8, 2, "column_gather_pg"),
+    (2, 8, 1, "column_gather_pg"), (4, 8, 1, "column_gather_pg"), (4, 8, 2, "column_gather_groups"),
+    (4, 4, 2, "column_gather_groups"),
     (4, 8, 1, "replicate_pg"), (3, 6, 2, "replicate_pg"),
 ])
 def test_fewer_kv_heads_than_ranks(world, heads, kv_heads, way, request):
@@ -134,6 +135,59 @@ def _gemma_case(rank, p):
 
 def test_gemma_one_kv_head(dist4):
     assert all(dist4.run(_gemma_case, timeout=300))
+
+
+def _gemma2_case(rank, p, mode):
+    """Gemma-2 (eager attention with logit soft-capping, sliding-window layers, head_dim 32 beside
+    a hidden size of 96) with 4 query heads and 2 kv heads at 4 ranks: each kv head gathered onto
+    the 2 ranks whose query heads read it (`column_gather_groups`, groups of 2), exact in the
+    loss and every gradient, in train mode with dropout on the attention and in eval mode, and
+    at another input shape."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(vocab_size=301, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=8,
+                                    attention_dropout=0.1 if mode == "train" else 0.0, use_cache=False)
+    model = transformers.Gemma2ForCausalLM(cfg).float()
+    model = model.train() if mode == "train" else model.eval()
+    ids = torch.randint(cfg.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
+    kw = {"input_ids": ids, "labels": ids}
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", cost_model=LATENCY_FREE, dropout_masks="single_process")
+    plan = gm._autoshard_plan
+    assert _kv_strategies(plan) == {"column_gather_groups"}, plan.report()
+    kv = {k: v for k, v in plan.layouts.items() if "k_proj" in k or "v_proj" in k}
+    assert kv and all(v == ShardGathered(0, within=2) for v in kv.values()), kv
+    assert gm.get_parameter("model.layers.0.self_attn.k_proj.weight").shape == (16, 96)    # 64 rows / 4, stored split
+    if mode == "train":
+        autoshard.manual_seed(5)              # the masks one process draws under that seed
+        with count_comm() as c:
+            loss = gm(**kw).loss
+            loss.backward()
+        torch.manual_seed(5)
+        want = ref(**kw).loss
+        want.backward()
+        close_to_scale(loss, want, "gemma2 train: loss")
+        got = autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False))
+        for k, g in grads(ref, remove_duplicate=False).items():
+            torch.testing.assert_close(got[k], g, rtol=1e-5, atol=1e-5 * g.abs().max().item() + 1e-7,
+                                       msg=lambda m: f"gemma2 train: grad of {k}: {m}")
+        assert c.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (c.by_kind, plan.comm_by_kind)
+        autoshard.manual_seed(6)
+        with torch.no_grad():
+            assert gm(**kw).loss.item() != loss.item()          # other masks: dropout is on
+    else:
+        _step_matches(gm, ref, kw, "gemma2 eval")
+    ids2 = torch.randint(cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))   # another shape
+    with torch.no_grad():
+        close_to_scale(gm.eval()(input_ids=ids2, labels=ids2).loss, ref.eval()(input_ids=ids2, labels=ids2).loss,
+                       "gemma2 1 x 9")
+    return True
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_gemma2_kv_heads_gathered_in_groups(dist4, mode):
+    assert all(dist4.run(_gemma2_case, mode, timeout=300))
 
 
 def test_strided_and_whole_unit_shards_move_by_gather_and_cut():

@@ -48,3 +48,52 @@ def test_uneven_sizes_follow_torch_chunk():
     assert local_shape((257, 4), Shard(0), 3) == (86, 4) and local_shape((257, 4), Shard(0), 3, rank=2) == (85, 4)
     assert layout_of((257, 4), Shard(0), 3) == Shard(0, 1, 257) and layout_of((258, 4), Shard(0), 3) == Shard(0)
     assert global_shape((85, 4), Shard(0, 1, 257), 3) == (257, 4) and global_shape((86, 4), Shard(0), 3) == (258, 4)
+
+
+def test_shards_held_by_groups_of_ranks():
+    """`Shard(d, replicas=m)`: p/m groups of m consecutive ranks, each group's piece held by all of
+    its ranks (4 kv heads on 8 ranks, groups of 2: rank r holds head r // 2); priced and gathered
+    within the group (`kind@m`); never a stored tensor's layout."""
+    from autoshard.collectives import ring_bytes
+    from autoshard.placements import ShardGathered, divides, is_even, local_shape, shares, stored
+    pl = Shard(2, replicas=2)
+    assert [local_shape((2, 16, 1024), pl, 8, r)[2] for r in range(8)] == [256] * 8
+    assert shares(1024, pl, 8) == ((256,) * 8,)
+    assert local_shape((4, 6), Shard(1, replicas=2), 4, 3) == (4, 3)
+    assert is_even((4, 6), Shard(1, replicas=2), 4) and divides((4, 6), Shard(1, replicas=2), 4)
+    assert not divides((4, 6), Shard(1), 4)
+    assert str(pl) == "S(2)r2" and "replicas=2" in repr(pl)
+    with pytest.raises(ValueError, match="stored"):
+        boxes((4, 8), Shard(1, replicas=2), 0, 4)
+    with pytest.raises(ValueError, match="replicas"):
+        Shard(0, replicas=0)
+    g = ShardGathered(0, within=2)
+    assert str(g) == "S(0)g2" and "within=2" in repr(g) and stored(g) == Shard(0)
+    n = 1 << 20       # an all-gather within groups of 2 of 8 ranks: of the group's quarter, one half sent
+    assert ring_bytes("all_gather@2", n, 8) == ring_bytes("all_gather", n / 4, 2) == n / 8
+    assert ring_bytes("reduce_scatter@4", n, 8) == 3 * n / 8
+
+
+def test_strategies_on_group_shards_stay_exact():
+    """An op reading a shard held by groups of ranks may only pass it on as such (a sum over its
+    dim, or a whole result, would count each group's piece m times); a parameter is never held so."""
+    from autoshard.rules.registry import OpStrategy, closed_groups
+    g, s = Shard(1, replicas=2), Shard(1)
+    assert closed_groups(OpStrategy("shard(1)", g, (g, Replicate())))
+    assert not closed_groups(OpStrategy("partial", PARTIAL, (g,)))
+    assert not closed_groups(OpStrategy("replicate", Replicate(), (g,)))
+    assert not closed_groups(OpStrategy("shard(1)", s, (g,)))
+    assert not closed_groups(OpStrategy("shard(1)", g, (s,)))
+    assert closed_groups(OpStrategy("column_gather_groups", g, (Replicate(), Shard(0))))
+
+
+def test_group_shards_move_only_to_the_ranks_own_pieces():
+    """A group's piece is cut to each rank's own (a local slice, the gradient zero-padded: still a
+    summand within the group); no other redistribution reads or makes one."""
+    from autoshard.cost import partial_grad_edge, redistribute
+    from autoshard.placements import REPLICATE_PG
+    g = Shard(1, replicas=2)
+    assert redistribute(g, g) == ((), ()) and redistribute(g, Shard(1)) == ((), ())
+    for other in (Replicate(), PARTIAL, Shard(2), Shard(1, replicas=4), Shard(1, 2)):
+        assert redistribute(g, other) is None and redistribute(other, g) is None
+    assert partial_grad_edge(REPLICATE_PG, g, PARTIAL, False) is None

@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from ..collectives import in_groups
 from .registry import PARTIAL, REPLICATE, REPLICATE_PG, NodeInfo, Shard, ShardGathered, may_differ, register_rule
 
 aten = torch.ops.aten
@@ -74,17 +75,27 @@ def whole_heads(info: NodeInfo, x, w, b, w_out_dim: int) -> list:
     - "replicate_pg": the weight replicated (Megatron's replicated K/V heads) and its gradient
       all-reduced (hidden x K/V features): fewer bytes when a step has more tokens than the
       hidden size, at the memory of a replicated weight.
+    - "column_gather_groups": the weight split, the output all-gathered within groups of m ranks
+      (`Shard(d, replicas=m)`), each group holding the K/V heads its ranks' queries read, its
+      gradient reduce-scattered within the group: m/p of the bytes of "column_gather_pg" at m-1
+      ring steps (4 kv heads on 8 ranks: groups of 2, each gathering one head).
     (Replicating the weight and all-reducing the output's gradient moves the bytes of the first
     with the memory of the second: never cheaper, not offered.)"""
     params = [w] + ([b] if b is not None else [])
     out = _bytes(info)
     split = {x: REPLICATE, w: ShardGathered(w_out_dim), **({b: ShardGathered(0)} if b is not None else {})}
-    return [
+    found = [
         info.req(split, "column_gather_pg", REPLICATE_PG, grads={x: PARTIAL}, compute=1 / info.world_size, dim=-1,
                  uneven=True, comm=[("all_gather", out), ("reduce_scatter", out)]),
         info.req({x: REPLICATE, **{q: REPLICATE_PG for q in params}}, "replicate_pg", REPLICATE_PG,
                  grads={x: PARTIAL, **{q: PARTIAL for q in params}}),
     ]
+    for m in info.replicas(info.shape(w)[w_out_dim]):
+        within = {w: ShardGathered(w_out_dim, within=m), **({b: ShardGathered(0, within=m)} if b is not None else {})}
+        found.append(info.req({x: REPLICATE, **within}, "column_gather_groups", Shard(len(info.out_shape) - 1, replicas=m),
+                              grads={x: PARTIAL}, compute=1 / info.world_size, dim=-1,
+                              comm=[(in_groups("all_gather", m), out), (in_groups("reduce_scatter", m), out)]))
+    return found
 
 
 @register_rule(F.linear, aten.linear.default, family="matmul")

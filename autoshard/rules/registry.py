@@ -7,6 +7,7 @@ Adding an op is adding one decorated function; the search never changes.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -57,6 +58,20 @@ class OpStrategy:
         return REPLICATE if isinstance(req, Partial) else req
 
 
+def group_sizes(size: int, units, world_size: int) -> tuple:
+    """Group sizes m in which a projection's output of `size` features, fewer heads than ranks
+    (kv heads, for a head size in `units`), can be gathered so that each group of m consecutive
+    ranks holds whole heads: m = p / gcd(heads, p), strictly between 1 and p (at p the whole
+    tensor: `REPLICATE_PG`), the features splitting evenly over the ranks."""
+    p, found = world_size, set()
+    for u in units:
+        if 1 < u <= size and size % u == 0 and size // u < p and size % p == 0:
+            m = p // math.gcd(size // u, p)
+            if 1 < m < p:
+                found.add(m)
+    return tuple(sorted(found))
+
+
 def node_arg(node: fx.Node, pos: int, name: str, default=None):
     """The argument `name` of a call node, given at position `pos` or by keyword (else `default`)."""
     return node.args[pos] if pos < len(node.args) else node.kwargs.get(name, default)
@@ -73,6 +88,7 @@ class NodeInfo:
     inputs: list = field(default_factory=list)
     unit_candidates: tuple = ()        # sizes of indivisible units the graph cuts features into (head dims)
     part_candidates: tuple = ()        # sizes of unequal parts the graph cuts a dim into (q, k, v features)
+    replica_candidates: tuple = ()     # group sizes m of `Shard(d, replicas=m)` (K/V heads fewer than ranks)
 
     def __post_init__(self):
         self.inputs = list(self.node.all_input_nodes)
@@ -106,7 +122,17 @@ class NodeInfo:
         for k in (1, *self.chunk_candidates):
             if size % k == 0:
                 found += [Shard(d, k, unit=u) for u in self.units(size // k)]
+        found += [Shard(d, replicas=m) for m in self.replica_candidates if size % (self.world_size // m) == 0]
         return found + self.part_shards(d, size)
+
+    def plain_shards(self, d: int) -> list:
+        """The contiguous even Shard of dim `d` and its forms held by groups of ranks (what a rule
+        that moves only even contiguous shards passes on)."""
+        return [Shard(d), *(Shard(d, replicas=m) for m in self.replica_candidates)]
+
+    def replicas(self, size: int) -> tuple:
+        """`group_sizes` of a projection's output of `size` features."""
+        return group_sizes(size, self.unit_candidates, self.world_size)
 
     def part_shards(self, d: int, size: int) -> list:
         """Shards of dim `d` in blocks of unequal sizes (a grouped q/k/v: q, k and v features),
@@ -250,11 +276,34 @@ def _fits(placement, v, p, dynamic, uneven=False) -> bool:
     return isinstance(v, torch.Tensor) and fits(v.shape, placement, p) and placement.dim not in dynamic
 
 
+def _replicas(placement) -> set:
+    """The group sizes of the shards held by groups of ranks in a placement (or tuple of them)."""
+    if isinstance(placement, tuple):
+        return set().union(*(_replicas(pl) for pl in placement))
+    return {placement.replicas} if isinstance(placement, Shard) and placement.replicas > 1 else set()
+
+
+def closed_groups(s: OpStrategy) -> bool:
+    """Whether a strategy keeps a shard held by groups of ranks (`Shard(d, replicas=m)`: every
+    rank of a group holds the piece, each a summand of its gradient) exact: an op reading one
+    sends back such gradients only when every tensor it makes is held the same way; a sum over
+    the split dim (Partial) or a whole result would count each group's piece m times. Only the
+    gather that makes one ("column_gather_groups") starts from other placements."""
+    ins = set().union(*(_replicas(pl) for pl in s.inputs))
+    if not ins:
+        return not _replicas(s.output) or s.name == "column_gather_groups"
+    outs = s.output if isinstance(s.output, tuple) else (s.output,)
+    return len(ins) == 1 and all(o is None or _replicas(o) == ins for o in outs)
+
+
 def valid(info: NodeInfo, s: OpStrategy) -> bool:
     """Every shard of every input and output divides evenly over the degree (or, for a strategy
     marked `uneven`, splits at `chunk_sizes`' boundaries with no rank empty), and no dim whose
-    size follows the inputs (batch, sequence) is split: the plan must hold for every size."""
+    size follows the inputs (batch, sequence) is split: the plan must hold for every size; a
+    shard held by groups of ranks stays exact (`closed_groups`)."""
     p = info.world_size
+    if not closed_groups(s) or any(_replicas(pl) and n.op == "get_attr" for pl, n in zip(s.inputs, info.inputs)):
+        return False                 # (a parameter is held split or whole, never by groups of ranks)
     if not _fits(s.output, info.val(info.node), p, dynamic_dims(info.node), s.uneven):
         return False
     return all(_fits(pl, info.val(n), p, dynamic_dims(n), s.uneven) for pl, n in zip(s.inputs, info.inputs))
@@ -291,5 +340,5 @@ def norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-__all__ = ["OpStrategy", "NodeInfo", "register_rule", "REPLICATE_PG", "ReplicatePartialGrad", "ShardGathered", "register_shape_op", "strategies", "lookup", "family_of",
+__all__ = ["OpStrategy", "NodeInfo", "group_sizes", "register_rule", "REPLICATE_PG", "ReplicatePartialGrad", "ShardGathered", "register_shape_op", "strategies", "lookup", "family_of",
            "norm_dim", "REPLICATE", "PARTIAL", "Shard", "Replicate", "Partial", "Placement"]

@@ -53,7 +53,7 @@ def mapped(info: NodeInfo, src, dim_map: dict, *, partial=True):
     """Strategies moving a shard of input `src` along `dim_map` {in dim: (out dim, passthrough)}."""
     found = []
     for d_in, (d_out, passthrough) in dim_map.items():
-        for pl in info.shards(d_in, info.shape(src)[d_in]) if passthrough else (Shard(d_in),):
+        for pl in info.shards(d_in, info.shape(src)[d_in]) if passthrough else info.plain_shards(d_in):
             found.append(info.req({src: pl}, f"shard({d_out})", replace(pl, dim=d_out),
                                   uneven=passthrough and may_differ(pl)))
     if partial:
@@ -156,9 +156,8 @@ def _split(info):
     found = []
     for d in range(len(shape)):
         if d != dim and shape[d] > 1:
-            for k in (1, *info.chunk_candidates):
-                found.append(info.req({src: Shard(d, k)}, f"shard({d})", tuple(Shard(d, k) for _ in range(n)),
-                                      uneven=k == 1))
+            for pl in [*info.plain_shards(d), *(Shard(d, k) for k in info.chunk_candidates)]:
+                found.append(info.req({src: pl}, f"shard({d})", tuple(pl for _ in range(n)), uneven=pl.chunks == 1))
     equal = len({tuple(o.shape) for o in outs}) == 1
     if equal and n > 1:  # a strided shard of n blocks splits into n ordinary shards (in whole units)
         found.append(info.req({src: Shard(dim, n)}, f"unfuse({dim})", tuple(Shard(dim) for _ in range(n))))
@@ -362,7 +361,8 @@ def _cat(info):
     same_rank = all(len(info.shape(n)) == nd for n in tensors)
     for d in range(nd):
         if d != dim and info.out_shape[d] > 1 and same_rank:
-            found.append(info.req({n: Shard(d) for n in tensors}, f"shard({d})", Shard(d), uneven=True))
+            for pl in info.plain_shards(d):
+                found.append(info.req({n: pl for n in tensors}, f"shard({d})", pl, uneven=True))
     # equal pieces each split along the cat dim: every rank holds its block of each piece, which
     # is the strided shard Shard(dim, n) of the result (a row-parallel layer consumes it as is)
     if same_rank and len(tensors) > 1 and len({info.shape(n)[dim] for n in tensors}) == 1:
