@@ -175,13 +175,13 @@ def _stacked_gather(x, group):
     return out
 
 
-def _gather(x, dim, chunks, group, size=None, unit=1, op="gather_from", direction="forward", parts=None):
+def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forward", **cut):
     """Full tensor from every rank's Shard(dim, chunks) piece; `size`, the full size of `dim`
-    where shards differ (torch.chunk's boundaries, in `unit`s, of equal blocks or of `parts`):
-    each is padded to the largest and cropped."""
+    where shards differ (torch.chunk's boundaries, in `unit`s, of equal blocks or of `parts`,
+    in groups of `nest` ranks: the `cut` keywords): each is padded to the largest and cropped."""
     p = dist.get_world_size(group)
     dim = checked_dim(dim, x.dim())
-    sizes = None if size is None else piece_sizes(size, p, chunks, unit, parts)
+    sizes = None if size is None else piece_sizes(size, p, chunks, **cut)
     if sizes is not None and sizes[0] == sizes[-1]:
         sizes = None                                 # equal pieces: nothing to pad
     stacked = _stacked_gather(x if sizes is None else pad_along(x, dim, sizes[0]), group)
@@ -189,22 +189,22 @@ def _gather(x, dim, chunks, group, size=None, unit=1, op="gather_from", directio
     pieces = stacked.unbind(0)
     if sizes is not None:
         pieces = [piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)]
-    return cat_along(pieces, dim, chunks, parts, unit)
+    return cat_along(pieces, dim, chunks, **cut)
 
 
-def _scatter(x, dim, chunks, group, unit=1, parts=None):
+def _scatter(x, dim, chunks, group, **cut):
     """This rank's Shard(dim, chunks) piece of the full `x` (no communication; torch.chunk's
     boundaries, in `unit`s, where the size does not divide)."""
-    pieces = split_along(x, dim, dist.get_world_size(group), chunks, uneven=True, unit=unit, parts=parts)
+    pieces = split_along(x, dim, dist.get_world_size(group), chunks, uneven=True, **cut)
     return pieces[dist.get_rank(group)].contiguous()
 
 
-def _reduce_scatter(x, dim, chunks, group, unit=1, op="reduce_scatter", direction="forward", parts=None):
+def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forward", **cut):
     """This rank's Shard(dim, chunks) piece of the sum of `x` over the group (an uneven split
     reduces equal pieces padded to the largest and crops its own)."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     dim = checked_dim(dim, x.dim())
-    pieces = split_along(x, dim, p, chunks, uneven=True, unit=unit, parts=parts)
+    pieces = split_along(x, dim, p, chunks, uneven=True, **cut)
     own, largest = pieces[rank].size(dim), pieces[0].size(dim)
     if any(piece.size(dim) != largest for piece in pieces):        # uneven: padded to the largest
         pieces = [pad_along(piece, dim, largest) for piece in pieces]
@@ -258,72 +258,71 @@ class _ReduceFrom(torch.autograd.Function):
 
 class _ScatterTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, unit, parts):
-        out = _scatter(x, dim, chunks, group, unit, parts)          # checks dim first
-        ctx.args = (dim, chunks, group, x.size(dim), unit)
-        ctx.parts = parts
+    def forward(ctx, x, dim, chunks, group, cut):
+        out = _scatter(x, dim, chunks, group, **dict(cut))          # checks dim first
+        ctx.args = (dim, chunks, group, x.size(dim))
+        ctx.cut = dict(cut)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, *ctx.args, op="scatter_to", direction="backward", parts=ctx.parts), None, None, None, \
-            None, None
+        return _gather(grad, *ctx.args, op="scatter_to", direction="backward", **ctx.cut), None, None, None, None
 
 
 class _SlicePartial(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, unit, parts):
-        out = _scatter(x, dim, chunks, group, unit, parts)
-        ctx.args = (x.shape, dim, chunks, unit, parts, dist.get_world_size(group), dist.get_rank(group))
+    def forward(ctx, x, dim, chunks, group, cut):
+        out = _scatter(x, dim, chunks, group, **dict(cut))
+        ctx.args = (x.shape, dim, chunks, dict(cut), dist.get_world_size(group), dist.get_rank(group))
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        shape, dim, chunks, unit, parts, p, rank = ctx.args
+        shape, dim, chunks, cut, p, rank = ctx.args
         full = grad.new_zeros(shape)
-        sizes = block_sizes(shape[dim], p, chunks, unit, parts)                      # [block][rank]
-        blocks = full.split(blocks_of(shape[dim], chunks, parts), dim)              # views of `full`
+        sizes = block_sizes(shape[dim], p, chunks, **cut)                                 # [block][rank]
+        blocks = full.split(blocks_of(shape[dim], chunks, cut.get("parts")), dim)         # views of `full`
         for block, piece, share in zip(blocks, grad.split([s[rank] for s in sizes], dim), sizes):
             block.narrow(dim, sum(share[:rank]), share[rank]).copy_(piece)
-        return full, None, None, None, None, None
+        return full, None, None, None, None
 
 
 class _GatherFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, size, unit, parts):
-        ctx.args = (dim, chunks, group, unit, parts)
-        return _gather(x, dim, chunks, group, size, unit, op="gather_from", parts=parts)
+    def forward(ctx, x, dim, chunks, group, size, cut):
+        ctx.args = (dim, chunks, group)
+        ctx.cut = dict(cut)
+        return _gather(x, dim, chunks, group, size, op="gather_from", **ctx.cut)
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter(grad, *ctx.args), None, None, None, None, None, None
+        return _scatter(grad, *ctx.args, **ctx.cut), None, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, unit, parts):
-        out = _reduce_scatter(x, dim, chunks, group, unit, op="reduce_scatter", parts=parts)
-        ctx.args = (dim, chunks, group, x.size(dim), unit)
-        ctx.parts = parts
+    def forward(ctx, x, dim, chunks, group, cut):
+        out = _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", **dict(cut))
+        ctx.args = (dim, chunks, group, x.size(dim))
+        ctx.cut = dict(cut)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, *ctx.args, op="reduce_scatter", direction="backward", parts=ctx.parts), None, None, \
-            None, None, None
+        return _gather(grad, *ctx.args, op="reduce_scatter", direction="backward", **ctx.cut), None, None, None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, group, size, unit, parts):
-        ctx.args = (dim, chunks, group, unit)
-        ctx.parts = parts
-        return _gather(x, dim, chunks, group, size, unit, op="all_gather", parts=parts)
+    def forward(ctx, x, dim, chunks, group, size, cut):
+        ctx.args = (dim, chunks, group)
+        ctx.cut = dict(cut)
+        return _gather(x, dim, chunks, group, size, op="all_gather", **ctx.cut)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, *ctx.args, op="all_gather", direction="backward", parts=ctx.parts), None, None, \
-            None, None, None, None
+        return _reduce_scatter(grad, *ctx.args, op="all_gather", direction="backward", **ctx.cut), None, None, None, \
+            None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -379,52 +378,53 @@ def reduce_from(x, group=None, inplace=False):
     return x if p == 1 else _ReduceFrom.apply(x, pg, inplace)
 
 
-def _tuple(parts):
-    """`parts` as a tuple (an FX graph may carry it as a list), or None."""
-    return None if parts is None else tuple(int(q) for q in parts)
+def _cut(unit=1, parts=None, nest=1) -> tuple:
+    """How a shard's dim is cut (`placements.block_sizes`' unit / parts / nest), as the items of
+    its keywords: `parts` a tuple (an FX graph may carry it as a list)."""
+    return (("unit", int(unit)), ("parts", None if parts is None else tuple(int(q) for q in parts)), ("nest", int(nest)))
 
 
 @_fx_leaf
-def scatter_to(x, dim, chunks=1, group=None, unit=1, parts=None):
+def scatter_to(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
     """fwd: keep this rank's Shard(dim, chunks) piece (torch.chunk's boundaries, in `unit`s of
     that many elements, where the size does not divide; `parts`: blocks of those sizes); bwd:
     all-gather the gradient."""
     pg, p = _resolve(group)
-    return x if p == 1 else _ScatterTo.apply(x, dim, chunks, pg, unit, _tuple(parts))
+    return x if p == 1 else _ScatterTo.apply(x, dim, chunks, pg, _cut(unit, parts, nest))
 
 
 @_fx_leaf
-def slice_partial(x, dim, chunks=1, group=None, unit=1, parts=None):
+def slice_partial(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
     """fwd: keep this rank's Shard(dim, chunks) piece, as scatter_to; bwd: the gradient's piece
     in place in zeros of the full shape, no communication. The ranks' gradients are then
     summands of the whole one (Partial): the slice of a tensor whose gradient stays Partial
     (`ReplicatePartialGrad`: replicated K/V heads sliced to the heads this rank's queries read)."""
     pg, p = _resolve(group)
-    return x if p == 1 else _SlicePartial.apply(x, dim, chunks, pg, unit, _tuple(parts))
+    return x if p == 1 else _SlicePartial.apply(x, dim, chunks, pg, _cut(unit, parts, nest))
 
 
 @_fx_leaf
-def gather_from(x, dim, chunks=1, group=None, size=None, unit=1, parts=None):
+def gather_from(x, dim, chunks=1, group=None, size=None, unit=1, parts=None, nest=1):
     """fwd: all-gather Shard(dim, chunks) pieces; bwd: keep this rank's piece of the gradient.
     `size`: the full size of `dim` when the pieces differ in size (torch.chunk's boundaries, in
     `unit`s of that many elements)."""
     pg, p = _resolve(group)
-    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg, size, unit, _tuple(parts))
+    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg, size, _cut(unit, parts, nest))
 
 
 @_fx_leaf
-def reduce_scatter(x, dim, chunks=1, group=None, unit=1, parts=None):
+def reduce_scatter(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
     """fwd: reduce-scatter (sum, keep Shard(dim, chunks) piece); bwd: all-gather the gradient."""
     pg, p = _resolve(group)
-    return x if p == 1 else _ReduceScatter.apply(x, dim, chunks, pg, unit, _tuple(parts))
+    return x if p == 1 else _ReduceScatter.apply(x, dim, chunks, pg, _cut(unit, parts, nest))
 
 
 @_fx_leaf
-def all_gather(x, dim, chunks=1, group=None, size=None, unit=1, parts=None):
+def all_gather(x, dim, chunks=1, group=None, size=None, unit=1, parts=None, nest=1):
     """fwd: all-gather Shard(dim, chunks) pieces (`size`, `unit` as in gather_from); bwd:
     reduce-scatter the (Partial) gradient."""
     pg, p = _resolve(group)
-    return x if p == 1 else _AllGather.apply(x, dim, chunks, pg, size, unit, _tuple(parts))
+    return x if p == 1 else _AllGather.apply(x, dim, chunks, pg, size, _cut(unit, parts, nest))
 
 
 @_fx_leaf

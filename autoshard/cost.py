@@ -8,13 +8,13 @@ worth its communication at every realistic size, which is why tensor parallelism
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from .collectives import KINDS, ring_bytes, split_kind  # noqa: F401  (one definition of ring bytes)
-from .placements import Partial, Replicate, ReplicatePartialGrad, Shard
+from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups
 from .rules.conv import conv_flops
 from .rules.registry import family_of
 
@@ -99,8 +99,11 @@ def redistribute(src, dst) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         return (), ()
     if held_by_groups(src) or held_by_groups(dst):
         # a group's piece is only cut to this rank's own (its gradient zero-padded: still a
-        # summand within the group); nothing else reads it (see rules.registry.closed_groups)
-        return ((), ()) if held_by_groups(src) and isinstance(dst, Shard) and dst == replace(src, replicas=1) else None
+        # summand within the group) where it lies there (`Problem.nested`); nothing else reads
+        # it (see rules.registry.closed_groups)
+        cut = held_by_groups(src) and isinstance(dst, Shard) and not held_by_groups(dst) and \
+            (dst.dim, dst.chunks, dst.parts) == (src.dim, src.chunks, src.parts)
+        return ((), ()) if cut else None
     if isinstance(src, ReplicatePartialGrad) or isinstance(dst, ReplicatePartialGrad):
         # forward: a slice or nothing; backward: see partial_grad_edge
         return None if isinstance(dst, Partial) else ((), ())
@@ -119,11 +122,6 @@ def redistribute(src, dst) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         # all-to-all's equal contiguous blocks cannot hold: gathered, then cut
         return ("all_gather",), ("all_gather",)
     return ("all_to_all",), ("all_to_all",)
-
-
-def held_by_groups(placement) -> bool:
-    """Whether `placement` is a shard held by groups of ranks (`Shard(d, replicas=m)`)."""
-    return isinstance(placement, Shard) and placement.replicas > 1
 
 
 def grad_fix(produced, wanted) -> tuple[str, ...]:

@@ -24,8 +24,8 @@ from .nn import functional as PF
 from .nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, TrainOnly
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from .groups import subgroup
-from .placements import (Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, groups_of, layout_of, piece_sizes,
-                         shares)
+from .placements import (Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, groups_of, held_by_groups, layout_of,
+                         piece_sizes, shares)
 from .rules.conv import CONV_OPS, conv_groups
 from .rules.norm import LAYER_NORMS, norm_params, var_args
 from .rules.registry import node_arg
@@ -68,19 +68,20 @@ def global_size(x, dim: int, world_size: int, d=None, full=None):
 
 
 @fx.wrap
-def local_size(size: int, rank: int, world_size: int, unit: int = 1, chunks: int = 1, parts=None) -> int:
+def local_size(size: int, rank: int, world_size: int, unit: int = 1, chunks: int = 1, parts=None, nest: int = 1) -> int:
     """This rank's share of a size computed at run time (torch.chunk's boundaries, in `unit`s, in
-    each of `chunks` blocks, equal or of the sizes `parts`)."""
-    return piece_sizes(size, world_size, chunks, unit, parts)[rank]
+    each of `chunks` blocks, equal or of the sizes `parts`, in groups of `nest` ranks)."""
+    return piece_sizes(size, world_size, chunks, unit, parts, nest)[rank]
 
 
 def shard_kw(placement) -> dict:
-    """The `unit=` / `parts=` keywords of a collective for a shard cut in whole units (heads) or
-    into blocks of unequal sizes, else none."""
+    """The `unit=` / `parts=` / `nest=` keywords of a collective for a shard cut in whole units
+    (heads), into blocks of unequal sizes or in groups of ranks first, else none."""
     if not isinstance(placement, Shard):
         return {}
     return {**({"unit": placement.unit} if placement.unit != 1 else {}),
-            **({"parts": list(placement.parts)} if placement.parts is not None else {})}
+            **({"parts": list(placement.parts)} if placement.parts is not None else {}),
+            **({"nest": placement.nest} if placement.nest != 1 else {})}
 
 
 
@@ -115,7 +116,7 @@ class LocalOps:
             elif d.strategy == "column_gather_pg":
                 self._gathered_heads(n)
             elif d.strategy == "column_gather_groups":
-                self._gathered_heads(n, replicas=d.output.replicas)
+                self._gathered_heads(n, replicas=groups_of(d.output, self.p)[1])
             if t in DROPOUT_OPS or (n.op == "call_module" and type(self.gm.get_submodule(n.target)) is nn.Dropout):
                 self._mode_dropout(n, t, d.output)
             elif t in SDPA_OPS and node_arg(n, 4, "dropout_p", 0.0):
@@ -324,10 +325,10 @@ class LocalOps:
         groups, m = groups_of(out, self.p)          # a shard held by groups of m ranks: the group's piece
         if isinstance(s, fx.Node):
             with self.graph.inserting_before(n):
-                sizes[d] = self.call(local_size, (s, self.rank // m, groups, out.unit, out.chunks, out.parts))
+                sizes[d] = self.call(local_size, (s, self.rank // m, groups, out.unit, out.chunks, out.parts, out.nest))
         elif s != -1:
             try:
-                sizes[d] = piece_sizes(s, groups, out.chunks, out.unit, out.parts)[self.rank // m]
+                sizes[d] = piece_sizes(s, groups, out.chunks, out.unit, out.parts, out.nest)[self.rank // m]
             except ValueError as e:
                 raise ShardingError(f"{n.format_node()}: sharded dim {d} as {out}: {e}") from None
         n.args = (n.args[0], sizes) if packed else (n.args[0], *sizes)
@@ -349,8 +350,9 @@ class LocalOps:
             idx = tuple(local if isinstance(e, slice) and e != slice(None) else e for e in
                         (n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)))
             n.args = (n.args[0], idx)
-        if isinstance(self.plan.nodes[n.name].output, ReplicatePartialGrad):    # a part of too few heads
-            self._gathered_heads(n, d)
+        out = self.plan.nodes[n.name].output
+        if isinstance(out, ReplicatePartialGrad) or held_by_groups(out):      # a part of too few heads
+            self._gathered_heads(n, d, replicas=groups_of(out, self.p)[1])
 
     def _local_split(self, n):
         """A split of a strided shard into its blocks (`unfuse`): each block's size becomes this
@@ -368,7 +370,8 @@ class LocalOps:
         n.args = (n.args[0], size, *n.args[2:])
         dim = node_arg(n, 2, "dim", 0) % self.val(self.old[n.name].args[0].name).dim()
         for g in list(n.users):            # parts of too few heads: gathered whole where they are cut out
-            if g.target is operator.getitem and isinstance(out[g.args[1]], ReplicatePartialGrad):
-                self._gathered_heads(g, dim)
+            part = out[g.args[1]] if g.target is operator.getitem else None
+            if isinstance(part, ReplicatePartialGrad) or held_by_groups(part):
+                self._gathered_heads(g, dim, replicas=groups_of(part, self.p)[1])
 
     # ------------------------------------------------------------------ driver

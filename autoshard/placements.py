@@ -27,7 +27,10 @@ each block cut as above.
 `Shard(d, replicas=m)` is a shard held by groups of ranks (an activation's layout, never a
 parameter's): the dim split over p/m groups of m consecutive ranks, every rank of a group holding
 the group's piece, its gradient a summand per rank within the group: K and V of 4 kv heads on 8
-ranks, each head on the 2 ranks whose query heads read it (`groups_of`).
+ranks, each head on the 2 ranks whose query heads read it (`groups_of`). `Shard(d, nest=m)` splits
+over those groups first and then each group's piece over its m ranks: where the heads do not
+divide, the query heads that read one group's kv heads stay in that group (28 query heads of 4
+kv groups on 8 ranks: 4, 3, 4, 3, 4, 3, 4, 3, not torch.chunk's 4, 4, 4, 4, 3, 3, 3, 3).
 
 `ReplicatePartialGrad` ("Rp") is a Replicate whose gradient may stay Partial: every rank holds
 the whole tensor, and in backward each rank holds a summand of its gradient. It is how fewer
@@ -41,7 +44,7 @@ model finds cheaper.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -80,6 +83,7 @@ class Shard:
     unit: int = 1                # elements per indivisible unit of `dim` (a head's features)
     parts: tuple | None = None   # the blocks' sizes where they differ (a grouped q/k/v: q, k, v features)
     replicas: int = 1            # consecutive ranks holding the same piece (an activation only)
+    nest: int = 1                # split over p / nest groups of ranks first, then within each group
 
     def __post_init__(self):
         if self.dim < 0:
@@ -88,8 +92,8 @@ class Shard:
             raise ValueError(f"Shard chunks must be >= 1, got {self.chunks}")
         if self.unit < 1:
             raise ValueError(f"Shard unit must be >= 1, got {self.unit}")
-        if self.replicas < 1:
-            raise ValueError(f"Shard replicas must be >= 1, got {self.replicas}")
+        if self.replicas < 1 or self.nest < 1:
+            raise ValueError(f"Shard replicas and nest must be >= 1, got {self.replicas}, {self.nest}")
         if self.parts is not None and (len(self.parts) != self.chunks or min(self.parts) < 1):
             raise ValueError(f"Shard parts {self.parts} must be {self.chunks} positive block sizes")
         if self.parts is not None and len(set(self.parts)) == 1:
@@ -100,6 +104,7 @@ class Shard:
         if self.parts is not None:
             s = f"S({self.dim})x({','.join(str(q) for q in self.parts)})"
         s = s if self.unit == 1 else f"{s}/{self.unit}"
+        s = s if self.nest == 1 else f"{s}n{self.nest}"
         return s if self.replicas == 1 else f"{s}r{self.replicas}"
 
     def __repr__(self) -> str:
@@ -107,7 +112,8 @@ class Shard:
         unit = "" if self.unit == 1 else f", unit={self.unit}"
         parts = "" if self.parts is None else f", parts={self.parts}"
         replicas = "" if self.replicas == 1 else f", replicas={self.replicas}"
-        return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit}{parts}{replicas})"
+        nest = "" if self.nest == 1 else f", nest={self.nest}"
+        return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit}{parts}{replicas}{nest})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -132,7 +138,8 @@ class ShardGathered(Shard):
 def stored(placement):
     """How a parameter of `placement` is held and saved: the plain Shard / Replicate it is."""
     if isinstance(placement, ShardGathered):
-        return Shard(placement.dim, placement.chunks, placement.size, placement.unit, placement.parts)
+        return Shard(placement.dim, placement.chunks, placement.size, placement.unit, placement.parts,
+                     nest=placement.nest)
     if isinstance(placement, ReplicatePartialGrad):
         return REPLICATE
     return placement
@@ -175,38 +182,42 @@ def blocks_of(n: int, chunks: int = 1, parts=None) -> list[int] | None:
     return [n // chunks] * chunks if n % chunks == 0 else None
 
 
-def block_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None) -> tuple | None:
+def block_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None, nest: int = 1) -> tuple | None:
     """Every rank's share of each block of a dim of `n` (`sizes[block][rank]`: `chunk_sizes` of the
     block, in `unit`s), or None where `Shard(d, chunks, unit=unit, parts=parts)` cannot hold it:
     a block that is no whole number of units, a rank left empty, or a strided shard in elements
     (`unit=1`) whose blocks do not divide. A rank's piece is its share of every block: GPT-2's
     fused q/k/v of 12 heads on 8 ranks is `Shard(d, 3, unit=64)`, each block cut 2, 2, 2, 2, 1, 1,
     1, 1 heads; a grouped q/k/v of 40 query and 10 kv heads of 128 on 2 ranks is
-    `Shard(d, 3, parts=(5120, 1280, 1280))`, 20 query heads and 5 of k and of v each."""
-    return _block_sizes(int(n), world_size, chunks, unit, None if parts is None else tuple(parts))
+    `Shard(d, 3, parts=(5120, 1280, 1280))`, 20 query heads and 5 of k and of v each. With
+    `nest` = m a block is cut over p / m groups of m consecutive ranks first, then each group's
+    piece over its ranks: 28 query heads on 8 ranks in 4 groups of 2 (Qwen2-7B's 4 kv groups)
+    hold 4, 3, 4, 3, 4, 3, 4, 3 heads, each pair the 7 that read one kv head (`Shard(d, nest=2)`)."""
+    return _block_sizes(int(n), world_size, chunks, unit, None if parts is None else tuple(parts), nest)
 
 
 @lru_cache(maxsize=4096)
-def _block_sizes(n: int, world_size: int, chunks: int, unit: int, parts) -> tuple | None:
+def _block_sizes(n: int, world_size: int, chunks: int, unit: int, parts, nest: int = 1) -> tuple | None:
     """`block_sizes`, memoised (the planner asks it for every parameter and edge it prices)."""
     blocks = blocks_of(n, chunks, parts)
-    if blocks is None:
+    if blocks is None or world_size % nest:
         return None
     out = []
     for block in blocks:
         if block % unit or (chunks > 1 and unit == 1 and block % world_size):
             return None
-        sizes = tuple(chunk_sizes(block, world_size, unit))
+        sizes = tuple(s for group in chunk_sizes(block, world_size // nest, unit)
+                      for s in chunk_sizes(group, nest, unit))
         if min(sizes) == 0:
             return None
         out.append(sizes)
     return tuple(out)
 
 
-def piece_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None) -> list[int]:
+def piece_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None, nest: int = 1) -> list[int]:
     """Every rank's size along the split dim of `Shard(d, chunks, unit=unit, parts=parts)` of a
     dim of `n` (its share of every block); a ValueError where that shard cannot hold `n`."""
-    sizes = block_sizes(n, world_size, chunks, unit, parts)
+    sizes = block_sizes(n, world_size, chunks, unit, parts, nest)
     if sizes is None:
         raise ValueError(f"size {n} does not divide into {parts or chunks} chunk(s) x {world_size} ranks"
                          + (f" in units of {unit}" if unit > 1 else "") + " without leaving a rank empty")
@@ -217,10 +228,15 @@ def shares(n: int, placement, world_size: int) -> tuple | None:
     """`block_sizes` of a dim of `n` held with the Shard `placement` (`[block][rank]`; the ranks of a
     group of `replicas` hold the same share)."""
     groups, m = groups_of(placement, world_size)
-    sizes = block_sizes(n, groups, placement.chunks, placement.unit, placement.parts)
+    sizes = block_sizes(n, groups, placement.chunks, placement.unit, placement.parts, placement.nest)
     if sizes is None or m == 1:
         return sizes
     return tuple(tuple(block[r // m] for r in range(world_size)) for block in sizes)
+
+
+def held_by_groups(placement) -> bool:
+    """Whether `placement` is a shard held by groups of ranks (`Shard(d, replicas=m)`)."""
+    return isinstance(placement, Shard) and placement.replicas > 1
 
 
 def groups_of(placement, world_size: int) -> tuple[int, int]:
@@ -243,7 +259,7 @@ def dtensor_boundaries(shape, placement, world_size: int) -> bool:
     contiguous shard in elements at torch.chunk's boundaries (so a DTensor, or DCP's DTensor
     resharding, can hold it). A strided shard, a shard in whole units (heads) and a balanced
     split (where torch.chunk would leave a rank empty) cannot."""
-    if not isinstance(placement, Shard) or placement.chunks != 1 or placement.unit != 1:
+    if not isinstance(placement, Shard) or placement.chunks != 1 or placement.unit != 1 or placement.nest != 1:
         return False
     return _chunk_fills(int(shape[placement.dim]), world_size)
 
@@ -290,7 +306,7 @@ def local_shape(shape, placement: Placement, world_size: int, rank: int | None =
         raise ValueError(f"dim {d} of {placement} is out of range for shape {shape}")
     groups, m = groups_of(placement, world_size)
     try:
-        sizes = piece_sizes(shape[d], groups, placement.chunks, placement.unit, placement.parts)
+        sizes = piece_sizes(shape[d], groups, placement.chunks, placement.unit, placement.parts, placement.nest)
     except ValueError as e:
         raise ValueError(f"dim {d}: {e}") from None
     return shape[:d] + (sizes[0 if rank is None else rank // m],) + shape[d + 1:]
@@ -334,7 +350,7 @@ def padded(nbytes: float, shape, placement: Placement, world_size: int) -> float
 def layout_of(shape, placement: Placement, world_size: int):
     """`placement` as a layout table records it: with the global size where shards differ."""
     if isinstance(placement, Shard) and not is_even(shape, placement, world_size):
-        return Shard(placement.dim, placement.chunks, int(shape[placement.dim]), placement.unit, placement.parts)
+        return replace(placement, size=int(shape[placement.dim]))
     return placement
 
 
@@ -407,7 +423,7 @@ def checked_dim(dim: int, ndim: int, what: str = "tensor") -> int:
 
 
 def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = "tensor",
-                uneven: bool = False, unit: int = 1, parts=None) -> list:
+                uneven: bool = False, unit: int = 1, parts=None, nest: int = 1) -> list:
     """Split `x` along `dim` into the `n` rank pieces of Shard(dim, chunks): views when chunks=1.
 
     With chunks > 1 the dim is `chunks` equal blocks, each split over the ranks, and piece r is
@@ -417,7 +433,7 @@ def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = 
     dim = checked_dim(dim, x.dim(), what)
     size = x.size(dim)
     if parts is not None or (uneven and size % (n * chunks * unit)):
-        sizes = block_sizes(size, n, chunks, unit, parts)
+        sizes = block_sizes(size, n, chunks, unit, parts, nest)
         if sizes is not None and chunks == 1:
             return list(x.split(sizes[0], dim))
         if sizes is not None:                       # each block cut at its boundaries
@@ -446,14 +462,14 @@ def pad_along(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim)
 
 
-def cat_along(pieces, dim: int, chunks: int = 1, parts=None, unit: int = 1) -> torch.Tensor:
+def cat_along(pieces, dim: int, chunks: int = 1, parts=None, unit: int = 1, nest: int = 1) -> torch.Tensor:
     """Inverse of `split_along`: the full tensor from the rank pieces in rank order (a rank's
     piece is its share of every block: equal sub-pieces, or its shares of `parts`)."""
     dim = checked_dim(dim, pieces[0].dim())
     if chunks == 1:
         return torch.cat(list(pieces), dim)
     if parts is not None:
-        sizes = block_sizes(sum(parts), len(pieces), chunks, unit, parts)
+        sizes = block_sizes(sum(parts), len(pieces), chunks, unit, parts, nest)
         blocks = [p.split([s[r] for s in sizes], dim) for r, p in enumerate(pieces)]
     else:
         blocks = [p.chunk(chunks, dim) for p in pieces]

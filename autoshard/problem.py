@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from dataclasses import replace
 import math
 
 import torch
@@ -24,10 +25,10 @@ import torch.nn as nn
 
 from . import rules
 from .shapes import DYNAMIC
-from .cost import (CostModel, flops, fused_backward, grad_fix, grad_of, held_by_groups, partial_grad_edge,
-                   redistribute)
+from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
 from .decisions import decision_groups, fix_layouts
-from .placements import REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, is_even, local_numel, shares
+from .placements import (REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, held_by_groups, is_even, local_numel,
+                         shares)
 from .rules.registry import NodeInfo, OpStrategy, family_of, group_sizes
 
 INF = math.inf
@@ -104,7 +105,7 @@ class Problem:
         self.param_obj: dict[int, nn.Parameter] = {}
         self.param_names: dict[int, list] = {}
         memo: dict = {}           # identical nodes (every block of a stack) share their strategies
-        replica_candidates = _group_sizes(self.nodes, self.val, unit_candidates, world_size)
+        replica_candidates = _group_sizes(self.nodes, self.val, unit_candidates, part_candidates, world_size)
         for i, n in enumerate(self.nodes):
             self.strats.append([])
             if n.op == "placeholder":
@@ -216,20 +217,13 @@ class Problem:
         return not _tensor(v) or all(is_even(v.shape, pl, self.p) for pl in placements)
 
     def nested(self, j: int, src: Shard, req: Shard) -> bool:
-        """Whether every rank's piece of tensor j under `req` lies inside the piece its group holds
-        under `src` (a shard held by groups of ranks, cut to the ranks' own by a local slice)."""
-        n, p = int(self.val[j].shape[src.dim]), self.p
-        outer, inner = shares(n, src, p), shares(n, req, p)
-        if outer is None or inner is None:
-            return False
-        m = src.replicas
-        for o, i in zip(outer, inner):
-            starts = list(itertools.accumulate(i, initial=0))
-            for r in range(p):
-                g0 = sum(o[q * m] for q in range(r // m))          # where group r // m's piece starts
-                if not (g0 <= starts[r] and starts[r] + i[r] <= g0 + o[r]):
-                    return False
-        return True
+        """Whether tensor j's pieces under `req` are its groups' pieces under `src` (a shard held by
+        groups of m ranks) cut over the groups' m ranks each: what a slice within the group makes
+        (`Shard(d, nest=m)`, or an even split)."""
+        n, p, m = int(self.val[j].shape[src.dim]), self.p, src.replicas
+        groups = shares(n, replace(src, replicas=1), p // m)
+        return groups is not None and groups == shares(n, replace(req, nest=1), p // m) and \
+            shares(n, req, p) == shares(n, replace(req, nest=m), p)
 
     def redistribution(self, j: int, src, req):
         """`cost.redistribute` for tensor j: an all-to-all needs equal blocks, so between shards of
@@ -454,14 +448,13 @@ def _structure(n: fx.Node, module) -> tuple | None:
     return key
 
 
-def _group_sizes(nodes, vals, units, world_size: int) -> tuple:
-    """Every group size of `rules.group_sizes` that a projection of the graph offers (K and V of
-    fewer heads than ranks): the shards held by groups of ranks the rules may pass on."""
-    found = set()
-    for n, v in zip(nodes, vals):
-        if _tensor(v) and v.dim() and family_of(n) == "matmul":
-            found.update(group_sizes(int(v.shape[-1]), units, world_size))
-    return tuple(sorted(found))
+def _group_sizes(nodes, vals, units, part_candidates, world_size: int) -> tuple:
+    """Every group size of `rules.group_sizes` that a projection of the graph, or a part of a fused
+    one, offers (K and V of fewer heads than ranks): the shards held by groups of ranks the rules
+    may pass on."""
+    sizes = {q for parts in part_candidates for q in parts}
+    sizes.update(int(v.shape[-1]) for n, v in zip(nodes, vals) if _tensor(v) and v.dim() and family_of(n) == "matmul")
+    return tuple(sorted({m for q in sizes for m in group_sizes(q, units, world_size)}))
 
 
 def fetch_attr(gm, target: str):

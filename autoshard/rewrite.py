@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import operator
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -18,11 +19,11 @@ import torch.nn as nn
 
 from . import collectives as C
 from .shapes import dynamic_dims, placeholder_inputs
-from .cost import fused_backward, held_by_groups, redistribute
+from .cost import fused_backward, redistribute
 from .errors import ShardingError
 from .groups import subgroup
 from .local_ops import FRESH_OUTPUT_OPS, LocalOps, shard_kw, target_of
-from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, layout_of, split_along, stored
+from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups, layout_of, split_along, stored
 from .problem import fetch_attr
 from .state_dict import register_parallel_attribute
 from .verify import check_local_graph
@@ -33,7 +34,7 @@ def shard_tensor(t: torch.Tensor, placement, rank: int, p: int) -> torch.Tensor:
     if not isinstance(placement, Shard):
         return t
     piece = split_along(t.detach(), placement.dim, p, placement.chunks, uneven=True, unit=placement.unit,
-                        parts=placement.parts)[rank]
+                        parts=placement.parts, nest=placement.nest)[rank]
     # a view (a dim-0 block is contiguous already) would keep the whole tensor alive: copy it once
     return piece if piece._base is None else piece.clone(memory_format=torch.contiguous_format)
 
@@ -139,11 +140,11 @@ class Rewriter(LocalOps):
             if isinstance(dst, Shard):
                 return self.call(C.slice_partial, (x, dst.dim, dst.chunks), {"group": key, **shard_kw(dst)})
             return x
-        if held_by_groups(src):                          # the group's piece, cut to this rank's own
+        if held_by_groups(src):          # the group's piece, cut to this rank's own within the group
             if dst == src:
                 return x
             return self.call(C.slice_partial, (x, dst.dim, dst.chunks),
-                             {"group": subgroup(key, src.replicas), **shard_kw(dst)})
+                             {"group": subgroup(key, src.replicas), **shard_kw(replace(dst, nest=1))})
         kinds = redistribute(src, dst)[0]
         if isinstance(src, Shard) and isinstance(dst, Shard):
             if kinds == ("all_to_all",) and not (self.uneven_size(x.name, src) or self.uneven_size(x.name, dst)):

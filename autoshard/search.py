@@ -19,8 +19,7 @@ import math
 
 import torch
 
-from .cost import held_by_groups
-from .placements import PARTIAL, REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard
+from .placements import PARTIAL, REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups
 from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers build)
 
 WINDOW_DEPTH = 10        # ops a window looks ahead of its anchors

@@ -29,7 +29,7 @@ def _within(group, p: int, rank: int) -> tuple[int, int]:
 
 
 def _gather(p, rank):
-    def fn(x, dim, chunks=1, group=None, size=None, unit=1, parts=None):
+    def fn(x, dim, chunks=1, group=None, size=None, unit=1, parts=None, nest=1):
         if size is None:
             return cat_along([x] * _within(group, p, rank)[0], dim, chunks)
         shape = list(x.shape)
@@ -39,9 +39,9 @@ def _gather(p, rank):
 
 
 def _scatter(p, rank):
-    def fn(x, dim, chunks=1, group=None, unit=1, parts=None):
+    def fn(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
         n, r = _within(group, p, rank)
-        return split_along(x, dim, n, chunks, what="tensor", uneven=True, unit=unit, parts=parts)[r]
+        return split_along(x, dim, n, chunks, what="tensor", uneven=True, unit=unit, parts=parts, nest=nest)[r]
     return fn
 
 

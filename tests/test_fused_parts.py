@@ -328,6 +328,31 @@ def _split_kv_case(rank, p):
     return cuts, layouts, (counted, plan.comm_bytes)
 
 
+def _kv_groups_case(rank, p):
+    """Phi-3 with 20 query and 10 kv heads of 8 at 4 ranks (Phi-3-medium's 40 / 10 at 4): the kv
+    heads do not split over 4 ranks (2.5 a rank) but do over 2 pairs of ranks, whose 10 query heads
+    read 5 kv heads: k and v, cut out of the fused output, are each gathered within a pair
+    (`Shard(2, replicas=2)`, T x 40 features each way within the pair, not T x 80 over all four);
+    loss, logits and every gradient as one process, bytes equal to the plan's."""
+    import hf_models
+    model, kw = hf_models.phi3(vocab_size=256, seq=32, num_attention_heads=20, num_key_value_heads=10,
+                               hidden_size=160, intermediate_size=320, bos_token_id=1, eos_token_id=255)
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", latency=0.0)
+    plan = gm._autoshard_plan
+    counted = hf_step_matches(gm, ref, kw, f"phi3 20/10 at {p}")
+    cuts = sorted(str(d.output) for d in plan.nodes.values() if d.strategy.startswith("blocks("))
+    kinds = sorted(k for k in plan.comm_by_kind if "@" in k)
+    return cuts, kinds, (counted, plan.comm_bytes)
+
+
+def test_kv_heads_that_split_in_groups_of_ranks_are_gathered_within_them(dist4):
+    for cuts, kinds, (counted, planned) in dist4.run(_kv_groups_case, timeout=300):
+        assert counted == pytest.approx(planned, rel=1e-9)
+        assert cuts == ["S(2)"] * 2 + ["S(2)r2"] * 4, cuts      # k and v gathered in pairs, q split
+        assert kinds == ["all_gather@2", "reduce_scatter@2"], kinds
+
+
 def test_kv_heads_that_do_not_split_are_gathered_where_cut(dist4):
     for cuts, layouts, (counted, planned) in dist4.run(_split_kv_case, timeout=300):
         assert counted == pytest.approx(planned, rel=1e-9)

@@ -11,6 +11,7 @@ free and the query heads pinned split, replication is cheaper (fewer bytes than 
 the test asserts the plan took each.
 """
 import copy
+import math
 import os
 import sys
 
@@ -23,6 +24,7 @@ import autoshard  # noqa: E402
 from autoshard.collectives import count_comm  # noqa: E402
 from autoshard.cost import CostModel  # noqa: E402
 from autoshard.placements import REPLICATE_PG, Shard, ShardGathered  # noqa: E402
+import refs  # noqa: E402
 from refs import close_to_scale, grads  # noqa: E402
 
 LATENCY_FREE = CostModel(latency=0.0)     # tiny sizes: bytes, not the number of collectives, decide
@@ -59,6 +61,8 @@ def _case(rank, p, heads, kv_heads, way):
     assert _kv_strategies(plan) == {way}, (way, _kv_strategies(plan), plan.report())
     q = next(d for d in plan.nodes.values() if d.module and d.module.endswith("q_proj"))
     assert q.strategy == "column", q               # the query heads split, K/V sliced to them
+    if way == "column_gather_groups" and heads % p:  # uneven: the query heads split pair by pair
+        assert q.output.nest == p // math.gcd(kv_heads, p), q
     _step_matches(gm, ref, kw, f"{heads}/{kv_heads} heads at {p}, {way}")
     return True
 
@@ -82,11 +86,67 @@ def _step_matches(gm, ref, kw, what):
 
 @pytest.mark.parametrize("world,heads,kv_heads,way", [
     (2, 8, 1, "column_gather_pg"), (4, 8, 1, "column_gather_pg"), (4, 8, 2, "column_gather_groups"),
-    (4, 4, 2, "column_gather_groups"),
+    (4, 4, 2, "column_gather_groups"), (4, 6, 2, "column_gather_groups"),
     (4, 8, 1, "replicate_pg"), (3, 6, 2, "replicate_pg"),
 ])
 def test_fewer_kv_heads_than_ranks(world, heads, kv_heads, way, request):
     assert all(request.getfixturevalue(f"dist{world}").run(_case, heads, kv_heads, way, timeout=300))
+
+
+def _nest_save(rank, p, path, root):
+    """Qwen2 with 6 query heads and 2 kv heads at 4 ranks: the query heads split pair by pair (2, 1
+    | 2, 1: each pair's 3 read the kv head it gathers); collected and relocated, saved with DCP
+    and as a Hugging Face directory; (the full state, bytes counted and planned)."""
+    options, batch = _ways("column_gather_groups")
+    model, kw = _model(6, 2, batch, 16)
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", **options)
+    layouts = gm._autoshard_layouts
+    assert layouts["model.layers.0.self_attn.q_proj.weight"] == Shard(0, size=48, unit=8, nest=2), layouts
+    want = ref.state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    rows = {0: (0, 16), 1: (16, 24), 2: (24, 40), 3: (40, 48)}[rank]
+    assert torch.equal(gm.get_parameter("model.layers.1.self_attn.q_proj.weight").detach(), want[rows[0]:rows[1]])
+    plan = gm._autoshard_plan
+    with count_comm() as c:
+        gm(**kw).loss.backward()
+    sd = autoshard.collect_state_dict(gm, gm.state_dict())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), f"collect {k}"
+    back = autoshard.relocate_state_dict(gm, ref.state_dict())
+    for k, v in gm.state_dict().items():
+        assert torch.equal(back[k], v), f"relocate {k}"
+    refs.dcp_save_model(gm, path)
+    gm.save_pretrained(root)
+    return sd, (c.bytes, plan.comm_bytes)
+
+
+def _nest_load(rank, p, path):
+    model, kw = _model(6, 2, 2, 16)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", cost_model=LATENCY_FREE)
+    with torch.no_grad():
+        for q in gm.parameters():
+            q.zero_()                          # every value must come from the checkpoint
+    return refs.dcp_load_model(gm, path)
+
+
+def test_query_heads_split_by_kv_group_checkpoint_across_degrees(dist2, dist3, dist4, tmp_path):
+    """A shard split over groups of ranks first (`Shard(d, unit=8, nest=2)`) is held, saved and
+    loaded like any uneven shard: a DCP checkpoint saved at 4 loads at 2 and 3 with every tensor
+    the saved model's, and the save_pretrained directory loads in one process."""
+    import transformers
+    path, root = str(tmp_path / "dcp"), str(tmp_path / "hf")
+    results = dist4.run(_nest_save, path, root, timeout=300)
+    for _, (counted, planned) in results:
+        assert counted == pytest.approx(planned, rel=1e-9)
+    saved = results[0][0]
+    for pool in (dist2, dist3):
+        for loaded in pool.run(_nest_load, path, timeout=300):
+            for k, v in saved.items():
+                assert torch.equal(loaded[k], v), f"{k} at {pool.world_size}"
+    model = transformers.Qwen2ForCausalLM.from_pretrained(root)
+    for k, v in model.state_dict().items():
+        if k in saved:
+            assert torch.equal(v, saved[k]), k
 
 
 def test_layouts_are_stored_as_plain_shards_and_replicas():

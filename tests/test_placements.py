@@ -84,7 +84,9 @@ def test_strategies_on_group_shards_stay_exact():
     assert not closed_groups(OpStrategy("replicate", Replicate(), (g,)))
     assert not closed_groups(OpStrategy("shard(1)", s, (g,)))
     assert not closed_groups(OpStrategy("shard(1)", g, (s,)))
-    assert closed_groups(OpStrategy("column_gather_groups", g, (Replicate(), Shard(0))))
+    assert not closed_groups(OpStrategy("column_gather_groups", g, (Replicate(), Shard(0))))       # no gather
+    assert closed_groups(OpStrategy("column_gather_groups", g, (Replicate(), Shard(0)), comm=(("all_gather@2", 8),)))
+    assert not closed_groups(OpStrategy("blocks(1)", g, (Shard(1, 3),), comm=(("all_gather@4", 8),)))
 
 
 def test_group_shards_move_only_to_the_ranks_own_pieces():

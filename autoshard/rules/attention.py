@@ -14,12 +14,17 @@ def _sdpa(info: NodeInfo):
     if nd < 3:
         return []
     h = nd - 3
-    mapping = {q: Shard(h), k: Shard(h), v: Shard(h)}
-    mask = info.arg(3, "attn_mask")
-    if mask in info.inputs:
-        ms = info.shape(mask)
-        a = h - (nd - len(ms))
-        if a >= 0 and ms[a] > 1:
-            mapping[mask] = Shard(a)
     same = len({info.shape(t)[h] for t in (q, k, v)}) == 1        # unequal shards line up only then
-    return [info.req(mapping, "heads", Shard(h), compute=1 / info.world_size, uneven=same)]
+    mask = info.arg(3, "attn_mask")
+    found = []
+    # the heads split as torch.chunk does, or over groups of ranks first (the query heads of the
+    # kv heads each group gathers: `NodeInfo.shards`)
+    for nest in (1, *(info.replica_candidates if same else ())):
+        mapping = {q: Shard(h, nest=nest), k: Shard(h, nest=nest), v: Shard(h, nest=nest)}
+        if mask in info.inputs:
+            ms = info.shape(mask)
+            a = h - (nd - len(ms))
+            if a >= 0 and ms[a] > 1:
+                mapping[mask] = Shard(a, nest=nest)
+        found.append(info.req(mapping, "heads", Shard(h, nest=nest), compute=1 / info.world_size, uneven=same))
+    return found

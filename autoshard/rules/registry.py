@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from ..collectives import split_kind
 from ..shapes import dynamic_dims
 from ..placements import (PARTIAL, REPLICATE, REPLICATE_PG, Partial, Placement, Replicate, ReplicatePartialGrad, Shard,
                           ShardGathered, divides, splits)
@@ -59,17 +60,17 @@ class OpStrategy:
 
 
 def group_sizes(size: int, units, world_size: int) -> tuple:
-    """Group sizes m in which a projection's output of `size` features, fewer heads than ranks
-    (kv heads, for a head size in `units`), can be gathered so that each group of m consecutive
-    ranks holds whole heads: m = p / gcd(heads, p), strictly between 1 and p (at p the whole
-    tensor: `REPLICATE_PG`), the features splitting evenly over the ranks."""
-    p, found = world_size, set()
-    for u in units:
-        if 1 < u <= size and size % u == 0 and size // u < p and size % p == 0:
-            m = p // math.gcd(size // u, p)
-            if 1 < m < p:
-                found.add(m)
-    return tuple(sorted(found))
+    """Group sizes m in which a projection's output of `size` features, heads that do not divide
+    over the ranks (kv heads: the largest unit in `units` the features are cut into; 4 on 8
+    ranks, or Phi-3-medium's 10 on 4), can be gathered so that
+    each group of m consecutive ranks holds whole heads: m = p / gcd(heads, p), strictly between 1
+    and p (at p the whole tensor: `REPLICATE_PG`), the features splitting evenly over the ranks."""
+    heads = [size // u for u in units if 1 < u <= size and size % u == 0]
+    if not heads or size % world_size:
+        return ()
+    h = min(heads)
+    m = world_size // math.gcd(h, world_size)
+    return (m,) if 1 < m < world_size else ()
 
 
 def node_arg(node: fx.Node, pos: int, name: str, default=None):
@@ -117,18 +118,28 @@ class NodeInfo:
         """Every Shard of dim `d` (of `size`) the rules offer: contiguous, strided in k blocks for
         each chunk count the graph uses (a fused q/k/v: k = 3), and in whole units where the units
         do not divide over the ranks, of the dim or of each of its k blocks (GPT-2's fused q/k/v
-        of 12 heads on 8 ranks: `Shard(d, 3, unit=64)`)."""
+        of 12 heads on 8 ranks: `Shard(d, 3, unit=64)`); where K/V heads are gathered within
+        groups of m ranks, held by such groups (`Shard(d, replicas=m)`) and, where the dim does
+        not divide, split over the groups first (`Shard(d, nest=m)`: query heads matching them)."""
         found = [Shard(d, k) for k in (1, *self.chunk_candidates)]
         for k in (1, *self.chunk_candidates):
             if size % k == 0:
                 found += [Shard(d, k, unit=u) for u in self.units(size // k)]
-        found += [Shard(d, replicas=m) for m in self.replica_candidates if size % (self.world_size // m) == 0]
+        for m in self.replica_candidates:
+            if size % (self.world_size // m) == 0:
+                found.append(Shard(d, replicas=m))             # held by groups of m ranks
+            # where the split is uneven, over the groups of m ranks first
+            found += ([Shard(d, nest=m)] if size % self.world_size else []) + \
+                [Shard(d, unit=u, nest=m) for u in self.units(size)]
         return found + self.part_shards(d, size)
 
-    def plain_shards(self, d: int) -> list:
-        """The contiguous even Shard of dim `d` and its forms held by groups of ranks (what a rule
-        that moves only even contiguous shards passes on)."""
-        return [Shard(d), *(Shard(d, replicas=m) for m in self.replica_candidates)]
+    def plain_shards(self, d: int, size: int | None = None) -> list:
+        """The contiguous Shard of dim `d` and its forms held by groups of ranks, and, for a dim of
+        `size` that does not divide, split over those groups first (what a rule that moves only
+        contiguous shards passes on)."""
+        uneven = size is not None and size % self.world_size
+        return [Shard(d), *(Shard(d, replicas=m) for m in self.replica_candidates),
+                *(Shard(d, nest=m) for m in (self.replica_candidates if uneven else ()))]
 
     def replicas(self, size: int) -> tuple:
         """`group_sizes` of a projection's output of `size` features."""
@@ -287,11 +298,13 @@ def closed_groups(s: OpStrategy) -> bool:
     """Whether a strategy keeps a shard held by groups of ranks (`Shard(d, replicas=m)`: every
     rank of a group holds the piece, each a summand of its gradient) exact: an op reading one
     sends back such gradients only when every tensor it makes is held the same way; a sum over
-    the split dim (Partial) or a whole result would count each group's piece m times. Only the
-    gather that makes one ("column_gather_groups") starts from other placements."""
+    the split dim (Partial) or a whole result would count each group's piece m times. Only a
+    strategy that gathers it within the groups itself (an `all_gather@m` of its own: a K/V
+    projection, a kv part cut out of a fused one) starts from other placements."""
     ins = set().union(*(_replicas(pl) for pl in s.inputs))
     if not ins:
-        return not _replicas(s.output) or s.name == "column_gather_groups"
+        made = _replicas(s.output)
+        return made <= {split_kind(k)[1] for k, _ in s.comm if split_kind(k)[0] == "all_gather"}
     outs = s.output if isinstance(s.output, tuple) else (s.output,)
     return len(ins) == 1 and all(o is None or _replicas(o) == ins for o in outs)
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from ..collectives import in_groups
 from .registry import PARTIAL, REPLICATE_PG, NodeInfo, Shard, may_differ, norm_dim, register_rule, register_shape_op
 
 aten = torch.ops.aten
@@ -82,8 +83,9 @@ def whole_units(info: NodeInfo, src) -> list:
             ub = atom // inner_b
             if (a[ia[0]] // ua) % p == 0:
                 continue                                 # the even split: plain shards cover it
-            found.append(info.req({src: Shard(ia[0], unit=ua)}, f"shard({ib[0]})", Shard(ib[0], unit=ub),
-                                  uneven=True))
+            for m in (1, *info.replica_candidates):      # (in groups of ranks first: `NodeInfo.shards`)
+                found.append(info.req({src: Shard(ia[0], unit=ua, nest=m)}, f"shard({ib[0]})",
+                                      Shard(ib[0], unit=ub, nest=m), uneven=True))
     return found
 
 
@@ -156,7 +158,7 @@ def _split(info):
     found = []
     for d in range(len(shape)):
         if d != dim and shape[d] > 1:
-            for pl in [*info.plain_shards(d), *(Shard(d, k) for k in info.chunk_candidates)]:
+            for pl in [*info.plain_shards(d, shape[d]), *(Shard(d, k) for k in info.chunk_candidates)]:
                 found.append(info.req({src: pl}, f"shard({d})", tuple(pl for _ in range(n)), uneven=pl.chunks == 1))
     equal = len({tuple(o.shape) for o in outs}) == 1
     if equal and n > 1:  # a strided shard of n blocks splits into n ordinary shards (in whole units)
@@ -168,7 +170,7 @@ def _split(info):
         parts = tuple(int(o.shape[dim]) for o in outs)
         for pl in info.part_shards(dim, shape[dim]):
             if pl.parts == parts:
-                found.append(_parts_taken(info, src, pl, list(parts), list(outs), dim, f"unfuse({dim})"))
+                found += _parts_taken(info, src, pl, list(parts), list(outs), dim, f"unfuse({dim})")
     found.append(info.req({src: PARTIAL}, "partial", tuple(PARTIAL for _ in range(n))))
     return found
 
@@ -274,7 +276,7 @@ def blocks_taken(info: NodeInfo, src) -> list:
         if a in ends and b in ends and a < b:
             i, j = ends.index(a), ends.index(b)
             if j - i == 1:
-                found.append(_parts_taken(info, src, pl, [pl.parts[i]], [info.val(info.node)], d, f"blocks({d})"))
+                found += _parts_taken(info, src, pl, [pl.parts[i]], [info.val(info.node)], d, f"blocks({d})")
             else:
                 found.append(info.req({src: pl}, f"blocks({d})", Shard(d, j - i, unit=pl.unit, parts=pl.parts[i:j]),
                                       uneven=True))
@@ -293,20 +295,35 @@ def split_off_heads(info: NodeInfo, size: int, pl: Shard) -> bool:
     return (size // info.world_size) % max(units) != 0
 
 
-def _parts_taken(info: NodeInfo, src, pl, parts, outs, dim, name):
+def _parts_taken(info: NodeInfo, src, pl, parts, outs, dim, name) -> list:
     """A part (or the parts of a split) cut from `Shard(dim, parts=...)`: each its own shard, but
     a part whose shares are pieces of heads (`split_off_heads`) all-gathered whole with its
     gradient Partial (`REPLICATE_PG`, reduce-scattered back), as a projection of that part alone
-    would ("column_gather_pg"): the gather is of the part, before anything grows it."""
-    placed, comm = [], []
-    for q, v in zip(parts, outs):
-        if split_off_heads(info, q, pl):
-            placed.append(REPLICATE_PG)
-            comm += [("all_gather", v.numel() * v.element_size()), ("reduce_scatter", v.numel() * v.element_size())]
-        else:
-            placed.append(Shard(dim, unit=pl.unit))
-    output = tuple(placed) if isinstance(info.val(info.node), (tuple, list)) else placed[0]
-    return info.req({src: pl}, name, output, uneven=True, comm=comm)
+    would ("column_gather_pg"): the gather is of the part, before anything grows it. Where the
+    other parts split evenly (the query heads: each rank's piece then lies in its group's), such
+    a part may instead be gathered within groups of ranks (`Shard(dim, replicas=m)`, as
+    "column_gather_groups"): Phi-3-medium's 10 kv heads at 4 ranks, 5 a pair."""
+    split_off = [split_off_heads(info, q, pl) for q in parts]
+    even = all(q % info.world_size == 0 for q in pl.parts if not split_off_heads(info, q, pl))
+    found = []
+    for grouped in (False, True):
+        placed, comm = [], []
+        for q, v, off in zip(parts, outs, split_off):
+            nbytes = v.numel() * v.element_size()
+            ms = info.replicas(q) if grouped and off and even else ()
+            if off and ms:
+                placed.append(Shard(dim, replicas=ms[0]))
+                comm += [(in_groups("all_gather", ms[0]), nbytes), (in_groups("reduce_scatter", ms[0]), nbytes)]
+            elif off:
+                placed.append(REPLICATE_PG)
+                comm += [("all_gather", nbytes), ("reduce_scatter", nbytes)]
+            else:
+                placed.append(Shard(dim, unit=pl.unit))
+        output = tuple(placed) if isinstance(info.val(info.node), (tuple, list)) else placed[0]
+        s = info.req({src: pl}, name, output, uneven=True, comm=comm)
+        if not found or s != found[0]:
+            found.append(s)
+    return found
 
 
 @register_rule(operator.getitem)
@@ -361,7 +378,7 @@ def _cat(info):
     same_rank = all(len(info.shape(n)) == nd for n in tensors)
     for d in range(nd):
         if d != dim and info.out_shape[d] > 1 and same_rank:
-            for pl in info.plain_shards(d):
+            for pl in info.plain_shards(d, info.out_shape[d]):
                 found.append(info.req({n: pl for n in tensors}, f"shard({d})", pl, uneven=True))
     # equal pieces each split along the cat dim: every rank holds its block of each piece, which
     # is the strided shard Shard(dim, n) of the result (a row-parallel layer consumes it as is)
