@@ -311,50 +311,32 @@ def test_multi_query_kv_part_is_gathered_where_it_is_cut(world, request):
         assert len(splits) == 2 and all(s == (autoshard.Shard(3), REPLICATE_PG, REPLICATE_PG) for s in splits), splits
 
 
-def _split_kv_case(rank, p):
-    """Phi-3 with 20 query and 5 kv heads of 8 at 4 ranks: the kv heads do not split over 4
-    (1.25 heads a rank, Phi-3-medium's 10 kv heads at 4 and 8), so the k and v slices of the
-    fused output are gathered where they are cut out, while the query heads stay split (5 a
-    rank); loss and every gradient as one process, bytes equal to the plan's."""
+def _phi3_kv_case(rank, p, kv_heads):
+    """Phi-3 with 20 query heads of 8 and `kv_heads` kv heads at 4 ranks, where the kv heads do
+    not split over 4 (Phi-3-medium's 10 kv heads at 4 and 8): k and v are gathered where they
+    are cut out of the fused output while the query heads stay split (5 a rank), over all ranks
+    (5 kv heads: 1.25 a rank, no smaller group holds whole heads) or within the pairs of ranks
+    whose 10 query heads read 5 of them (10 kv heads: `Shard(2, replicas=2)`, T x 40 features each
+    way within a pair, not T x 80 over all four); loss, logits and every gradient as one
+    process, bytes equal to the plan's."""
     import hf_models
-    model, kw = hf_models.phi3(vocab_size=256, seq=32, num_attention_heads=20, num_key_value_heads=5,
+    model, kw = hf_models.phi3(vocab_size=256, seq=32, num_attention_heads=20, num_key_value_heads=kv_heads,
                                hidden_size=160, intermediate_size=320, bos_token_id=1, eos_token_id=255)
     ref = copy.deepcopy(model)
     gm = autoshard.parallelize(model, p, kw, tracer="export", latency=0.0)
     plan = gm._autoshard_plan
-    counted = hf_step_matches(gm, ref, kw, f"phi3 20/5 at {p}")
+    counted = hf_step_matches(gm, ref, kw, f"phi3 20/{kv_heads} at {p}")
     cuts = sorted(str(d.output) for d in plan.nodes.values() if d.strategy.startswith("blocks("))
     layouts = [v.parts for k, v in gm._autoshard_layouts.items() if k.endswith("qkv_proj.weight")]
-    return cuts, layouts, (counted, plan.comm_bytes)
-
-
-def _kv_groups_case(rank, p):
-    """Phi-3 with 20 query and 10 kv heads of 8 at 4 ranks (Phi-3-medium's 40 / 10 at 4): the kv
-    heads do not split over 4 ranks (2.5 a rank) but do over 2 pairs of ranks, whose 10 query heads
-    read 5 kv heads: k and v, cut out of the fused output, are each gathered within a pair
-    (`Shard(2, replicas=2)`, T x 40 features each way within the pair, not T x 80 over all four);
-    loss, logits and every gradient as one process, bytes equal to the plan's."""
-    import hf_models
-    model, kw = hf_models.phi3(vocab_size=256, seq=32, num_attention_heads=20, num_key_value_heads=10,
-                               hidden_size=160, intermediate_size=320, bos_token_id=1, eos_token_id=255)
-    ref = copy.deepcopy(model)
-    gm = autoshard.parallelize(model, p, kw, tracer="export", latency=0.0)
-    plan = gm._autoshard_plan
-    counted = hf_step_matches(gm, ref, kw, f"phi3 20/10 at {p}")
-    cuts = sorted(str(d.output) for d in plan.nodes.values() if d.strategy.startswith("blocks("))
     kinds = sorted(k for k in plan.comm_by_kind if "@" in k)
-    return cuts, kinds, (counted, plan.comm_bytes)
+    return cuts, layouts, kinds, (counted, plan.comm_bytes)
 
 
-def test_kv_heads_that_split_in_groups_of_ranks_are_gathered_within_them(dist4):
-    for cuts, kinds, (counted, planned) in dist4.run(_kv_groups_case, timeout=300):
+@pytest.mark.parametrize("kv_heads,kv_cut,kinds", [(5, "Rp", []), (10, "S(2)r2", ["all_gather@2", "reduce_scatter@2"])],
+                         ids=["5-kv-gathered-whole", "10-kv-gathered-in-pairs"])
+def test_kv_heads_that_do_not_split_are_gathered_where_cut(dist4, kv_heads, kv_cut, kinds):
+    for cuts, layouts, got_kinds, (counted, planned) in dist4.run(_phi3_kv_case, kv_heads, timeout=300):
         assert counted == pytest.approx(planned, rel=1e-9)
-        assert cuts == ["S(2)"] * 2 + ["S(2)r2"] * 4, cuts      # k and v gathered in pairs, q split
-        assert kinds == ["all_gather@2", "reduce_scatter@2"], kinds
-
-
-def test_kv_heads_that_do_not_split_are_gathered_where_cut(dist4):
-    for cuts, layouts, (counted, planned) in dist4.run(_split_kv_case, timeout=300):
-        assert counted == pytest.approx(planned, rel=1e-9)
-        assert layouts == [(160, 40, 40)] * 2, layouts
-        assert cuts == ["Rp"] * 4 + ["S(2)"] * 2, cuts        # k and v gathered, q split, in both layers
+        assert layouts == [(160, 8 * kv_heads, 8 * kv_heads)] * 2, layouts
+        assert cuts == sorted([kv_cut] * 4 + ["S(2)"] * 2), cuts        # k and v gathered, q split, in both layers
+        assert got_kinds == kinds, got_kinds
