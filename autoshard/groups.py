@@ -188,7 +188,7 @@ def get_group(group=None):
             if group == "world":
                 return dist.group.WORLD
             if "/" in group:
-                return _make_subgroup(group)
+                return _make_subgroups(group)
             raise ProcessGroupError(
                 f"process group {group!r} is not registered on rank {dist.get_rank()}; "
                 f"known: {sorted(_GROUPS)}. Build the module with parallelize(..., group=...) on this rank."
@@ -215,10 +215,11 @@ def register_group(group) -> str:
 
 
 def subgroup(key: str, m: int) -> str:
-    """The key naming, within the tensor-parallel group `key`, the group of the m consecutive ranks
-    that this rank is among (K and V heads held by the ranks whose query heads read them: gathered
-    and summed within such groups). `get_group` makes it on first use, by those m ranks alone."""
-    return f"{key or ''}/{m}"          # (None: the current tensor-parallel group)
+    """The key naming, within the tensor-parallel group `key` (None: the current one, resolved at
+    run time), the group of the m consecutive ranks that this rank is among (K and V heads held by
+    the ranks whose query heads read them: gathered and summed within such groups). `get_group`
+    makes it at its first use (`_make_subgroups`)."""
+    return f"{key or ''}/{m}"
 
 
 def subgroup_size(key) -> int | None:
@@ -226,16 +227,37 @@ def subgroup_size(key) -> int | None:
     return int(key.rpartition("/")[2]) if isinstance(key, str) and "/" in key else None
 
 
-def _make_subgroup(key: str):
-    """The ProcessGroup `subgroup` names, made now (by the m ranks of this rank's group only)."""
+def _make_subgroups(key: str):
+    """The ProcessGroup a `subgroup` key names, made at its first use: every rank of the world
+    reaches that collective at the same point of the same graph, so the world makes the groups of
+    m consecutive ranks of every tensor-parallel group together, each rank learning the others'
+    groups, every rank calling `new_group` for each in one order (what NCCL and gloo need of a
+    new group). Registered under the tensor-parallel group's own key, so a later `set_group`
+    resolves a None key to its own subgroups."""
     base, m = key.rpartition("/")[0] or None, subgroup_size(key)
     pg = get_group(base)
-    ranks = dist.get_process_group_ranks(pg)
-    if len(ranks) % m:
-        raise ProcessGroupError(f"groups of {m} ranks do not divide the tensor-parallel group {base!r} of {len(ranks)}")
-    start = dist.get_rank(pg) // m * m
-    _GROUPS[key] = dist.new_group(ranks[start:start + m], use_local_synchronization=True)
-    return _GROUPS[key]
+    own = f"{register_group(pg)}/{m}"
+    if own in _GROUPS:
+        return _GROUPS[own]
+    tp = dist.get_process_group_ranks(pg)
+    if len(tp) % m:
+        raise ProcessGroupError(f"groups of {m} ranks do not divide the tensor-parallel group {tp}")
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, tp)
+    made = None
+    for ranks in sorted({tuple(r) for r in every}):
+        for start in range(0, len(ranks), m):
+            members = list(ranks[start:start + m])
+            group = dist.new_group(members)
+            if dist.get_rank() in members:
+                made = group
+    position = dist.get_rank(pg)
+    if dist.get_rank(made) != position % m:
+        raise ProcessGroupError(f"the tensor-parallel group {tp} does not list its ranks in ascending order: "
+                                f"rank {dist.get_rank()} would be {dist.get_rank(made)} of its group of {m}, "
+                                f"not {position % m}")
+    _GROUPS[own] = made
+    return made
 
 
 def get_world_size(group=None) -> int:

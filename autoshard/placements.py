@@ -257,9 +257,11 @@ def _chunk_fills(n: int, world_size: int) -> bool:
 def dtensor_boundaries(shape, placement, world_size: int) -> bool:
     """Whether a `placement` of a tensor of `shape` cuts it where DTensor's `Shard` does: a
     contiguous shard in elements at torch.chunk's boundaries (so a DTensor, or DCP's DTensor
-    resharding, can hold it). A strided shard, a shard in whole units (heads) and a balanced
-    split (where torch.chunk would leave a rank empty) cannot."""
-    if not isinstance(placement, Shard) or placement.chunks != 1 or placement.unit != 1 or placement.nest != 1:
+    resharding, can hold it). A strided shard, a shard in whole units (heads), one split over
+    groups of ranks first or held by groups, and a balanced split (where torch.chunk would leave
+    a rank empty) cannot."""
+    if not isinstance(placement, Shard) or placement.chunks != 1 or placement.unit != 1 or placement.nest != 1 \
+            or placement.replicas != 1:
         return False
     return _chunk_fills(int(shape[placement.dim]), world_size)
 
@@ -358,7 +360,8 @@ def global_shape(local, layout: Placement, world_size: int) -> tuple[int, ...]:
     """The global shape of a tensor a rank holds `local` of, by its layout table entry."""
     shape = [int(s) for s in local]
     if isinstance(layout, Shard):
-        shape[layout.dim] = layout.size if layout.size is not None else shape[layout.dim] * world_size
+        groups = groups_of(layout, world_size)[0]          # (a piece held by groups of ranks: once a group)
+        shape[layout.dim] = layout.size if layout.size is not None else shape[layout.dim] * groups
     return tuple(shape)
 
 

@@ -243,7 +243,8 @@ class Problem:
             return INF       # a sharded parameter is used as stored (no ZeRO-style gathers)
         shared = shared and isinstance(req, Replicate)
         param = self.kind[j] == "param"
-        key = (src, req, grad, self.nbytes[j], self.needs_grad[j], shared, param, self.even(j, src, req))
+        key = (src, req, grad, self.nbytes[j], self.needs_grad[j], shared, param, self.even(j, src, req),
+               int(self.val[j].shape[src.dim]) if held_by_groups(src) else None)      # (`nested` reads it)
         c = self._edge_cache.get(key)
         if c is None:
             rp = partial_grad_edge(src, req, grad, param)

@@ -276,3 +276,28 @@ def test_unequal_shards_move_by_gather_and_cut():
     j = next(i for i, n in enumerate(prob.nodes) if n.op == "call_function" and prob.val[i].shape == (4, 8, 7))
     assert prob.redistribution(j, Shard(2), Shard(1)) == (("all_gather",), ("all_gather",))
     assert prob.redistribution(j, Shard(1), Shard(0)) == (("all_to_all",), ("all_to_all",))
+
+
+class _ReturnsKeys(torch.nn.Module):
+    """Grouped attention (8 query heads, 2 kv heads of 8, repeated as Hugging Face's `repeat_kv`
+    does) that also returns its repeated keys, as a cache would."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = torch.nn.Linear(64, 64), torch.nn.Linear(64, 16), torch.nn.Linear(64, 16)
+        self.o = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 8, 8).transpose(1, 2)
+        k = self.k(x).view(b, s, 2, 8).transpose(1, 2)[:, :, None].expand(b, 2, 4, s, 8).reshape(b, 8, s, 8)
+        v = self.v(x).view(b, s, 2, 8).transpose(1, 2)[:, :, None].expand(b, 2, 4, s, 8).reshape(b, 8, s, 8)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(a.transpose(1, 2).reshape(b, s, 64)), k
+
+
+def test_a_group_shard_is_never_returned_as_a_dtensor():
+    """With outputs="sharded", a split output is returned as the DTensor it is; a shard held by
+    groups of ranks has p/m pieces, not p, so it is gathered or never made (never left as is)."""
+    plan = autoshard.plan(_ReturnsKeys(), 4, (torch.randn(2, 32, 64),), outputs="sharded", cost_model=LATENCY_FREE)
+    assert all(getattr(pl, "replicas", 1) == 1 for pl in plan.output_placements.values()), plan.output_placements

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import rng
-from ..placements import Shard, global_shape, split_along
+from ..placements import Shard, global_shape, groups_of, split_along
 
 MASKS = ("independent", "single_process")
 
@@ -49,8 +49,9 @@ class ParallelDropout(nn.Module):
         if sharded and self.masks == "single_process":
             full = list(global_shape(x.shape, self.shard, self.world_size))
             noise = x.new_empty(full).bernoulli_(1.0 - self.p, generator=rng.generator("replicated", x.device))
-            noise = split_along(noise, self.shard.dim, self.world_size, self.shard.chunks, uneven=True,
-                                unit=self.shard.unit, parts=self.shard.parts, nest=self.shard.nest)[self.rank]
+            groups, m = groups_of(self.shard, self.world_size)        # (the ranks of a group: one piece)
+            noise = split_along(noise, self.shard.dim, groups, self.shard.chunks, uneven=True,
+                                unit=self.shard.unit, parts=self.shard.parts, nest=self.shard.nest)[self.rank // m]
         else:
             g = rng.generator("sharded" if sharded else "replicated", x.device)
             noise = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=g)

@@ -77,8 +77,8 @@ def whole_heads(info: NodeInfo, x, w, b, w_out_dim: int) -> list:
       hidden size, at the memory of a replicated weight.
     - "column_gather_groups": the weight split, the output all-gathered within groups of m ranks
       (`Shard(d, replicas=m)`), each group holding the K/V heads its ranks' queries read, its
-      gradient reduce-scattered within the group: m/p of the bytes of "column_gather_pg" at m-1
-      ring steps (4 kv heads on 8 ranks: groups of 2, each gathering one head).
+      gradient reduce-scattered within the group: (m-1)/(p-1) of the bytes of "column_gather_pg"
+      at m-1 ring steps (4 kv heads on 8 ranks: groups of 2, each gathering one head, 1/7).
     (Replicating the weight and all-reducing the output's gradient moves the bytes of the first
     with the memory of the second: never cheaper, not offered.)"""
     params = [w] + ([b] if b is not None else [])
