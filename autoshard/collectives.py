@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.fx
 
 from .errors import ProcessGroupError
-from .groups import get_group, is_initialized, tensor_parallel_mesh
+from .groups import get_group, is_initialized, subgroup_of, tensor_parallel_mesh
 from .placements import block_sizes, blocks_of, cat_along, checked_dim, pad_along, piece_sizes, split_along
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "gather_from", "reduce_scatter", "all_gather",
@@ -117,9 +117,11 @@ def count_comm():
         _ACTIVE.remove(counter)
 
 
-def _record(op: str, kind: str, direction: str, nbytes: int, p: int) -> None:
+def _record(op: str, kind: str, direction: str, nbytes: int, p: int, group=None) -> None:
     if _ACTIVE:
-        event = CommEvent(op, kind, direction, ring_bytes(kind, nbytes, p))
+        m = subgroup_of(group)
+        kind = kind if m is None else in_groups(kind, m)       # named as the plan names it
+        event = CommEvent(op, kind, direction, ring_bytes(kind, nbytes, p))     # (p = m: the same bytes)
         for counter in _ACTIVE:
             counter.events.append(event)
 
@@ -160,7 +162,7 @@ def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op=dist.R
     with `inplace`, which needs `x` contiguous)."""
     out = x if inplace else x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=reduce_op, group=group)
-    _record(op, "all_reduce", direction, out.nbytes, dist.get_world_size(group))
+    _record(op, "all_reduce", direction, out.nbytes, dist.get_world_size(group), group)
     return out
 
 
@@ -185,7 +187,7 @@ def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forwa
     if sizes is not None and sizes[0] == sizes[-1]:
         sizes = None                                 # equal pieces: nothing to pad
     stacked = _stacked_gather(x if sizes is None else pad_along(x, dim, sizes[0]), group)
-    _record(op, "all_gather", direction, stacked.nbytes, stacked.size(0))
+    _record(op, "all_gather", direction, stacked.nbytes, stacked.size(0), group)
     pieces = stacked.unbind(0)
     if sizes is not None:
         pieces = [piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)]
@@ -214,7 +216,7 @@ def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forwa
                        lambda: _reduce_scatter_single(out.view(-1), stacked.view(-1), group=group)):
         dist.all_reduce(stacked, group=group)
         out = stacked[rank].clone()
-    _record(op, "reduce_scatter", direction, stacked.nbytes, p)
+    _record(op, "reduce_scatter", direction, stacked.nbytes, p, group)
     return out if own == out.size(dim) else out.narrow(dim, 0, own).contiguous()
 
 
@@ -226,7 +228,7 @@ def _all_to_all(x, src_dim, dst_dim, group, op="all_to_all", direction="forward"
     out = torch.empty_like(stacked)
     if not _try_single("all_to_all", group, lambda: dist.all_to_all_single(out, stacked, group=group)):
         dist.all_to_all(list(out.unbind(0)), list(stacked.unbind(0)), group=group)
-    _record(op, "all_to_all", direction, x.nbytes * p, p)
+    _record(op, "all_to_all", direction, x.nbytes * p, p, group)
     return torch.cat(out.unbind(0), src_dim)
 
 

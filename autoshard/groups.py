@@ -27,6 +27,7 @@ import torch.distributed.nn  # noqa: F401 - see below
 from .errors import ProcessGroupError
 
 _GROUPS: dict[str, object] = {}          # key -> ProcessGroup
+_SUBGROUPS: dict[int, int] = {}          # id of a group made by `_make_subgroups` -> its ranks (m)
 _MESHES: dict[tuple, object] = {}        # (key, device type) -> 1-D DeviceMesh over that group
 _STATE = {"tp": None, "dp": None, "mesh": None}   # this rank's tensor- and data-parallel groups, their mesh
 
@@ -89,6 +90,7 @@ def forget() -> None:
     """Drop every registered group and the current tensor- and data-parallel groups (the process
     groups themselves stay as they are)."""
     _GROUPS.clear()
+    _SUBGROUPS.clear()
     _MESHES.clear()
     _STATE["tp"] = _STATE["dp"] = _STATE["mesh"] = None
 
@@ -257,7 +259,13 @@ def _make_subgroups(key: str):
                                 f"rank {dist.get_rank()} would be {dist.get_rank(made)} of its group of {m}, "
                                 f"not {position % m}")
     _GROUPS[own] = made
+    _SUBGROUPS[id(made)] = m
     return made
+
+
+def subgroup_of(group) -> int | None:
+    """m where `group` (a ProcessGroup) is one of `subgroup`'s groups of m ranks, else None."""
+    return _SUBGROUPS.get(id(group))
 
 
 def get_world_size(group=None) -> int:

@@ -82,6 +82,8 @@ def _step_matches(gm, ref, kw, what):
                                    msg=lambda m: f"{what}: grad of {k}: {m}")
     plan = gm._autoshard_plan
     assert c.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (what, c.by_kind, plan.comm_by_kind)
+    assert {k: pytest.approx(b, rel=1e-9) for k, (_, b) in plan.comm_by_kind.items()} == \
+        {k: b for k, (_, b) in c.by_kind.items()}, (what, c.by_kind, plan.comm_by_kind)     # kind by kind
 
 
 @pytest.mark.parametrize("world,heads,kv_heads,way", [
