@@ -14,7 +14,6 @@ DTensor, no collective).
 """
 from __future__ import annotations
 
-import itertools
 import operator
 from dataclasses import replace
 import math

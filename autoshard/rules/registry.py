@@ -62,9 +62,9 @@ class OpStrategy:
 def group_sizes(size: int, units, world_size: int) -> tuple:
     """Group sizes m in which a projection's output of `size` features, heads that do not divide
     over the ranks (kv heads: the largest unit in `units` the features are cut into; 4 on 8
-    ranks, or Phi-3-medium's 10 on 4), can be gathered so that
-    each group of m consecutive ranks holds whole heads: m = p / gcd(heads, p), strictly between 1
-    and p (at p the whole tensor: `REPLICATE_PG`), the features splitting evenly over the ranks."""
+    ranks, or Phi-3-medium's 10 on 4), can be gathered so that each group of m consecutive ranks
+    holds whole heads: m = p / gcd(heads, p), strictly between 1 and p (at p the whole tensor:
+    `REPLICATE_PG`), the features splitting evenly over the ranks."""
     heads = [size // u for u in units if 1 < u <= size and size % u == 0]
     if not heads or size % world_size:
         return ()
