@@ -28,7 +28,7 @@ from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_g
 from .decisions import decision_groups, fix_layouts
 from .placements import (REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, held_by_groups, is_even, local_numel,
                          shares)
-from .rules.registry import NodeInfo, OpStrategy, family_of, group_sizes
+from .rules.registry import NodeInfo, OpStrategy, family_of, group_size
 
 INF = math.inf
 # the weight of the largest rank's excess state over the ranks' mean in the memory term: small, so
@@ -449,12 +449,12 @@ def _structure(n: fx.Node, module) -> tuple | None:
 
 
 def _group_sizes(nodes, vals, units, part_candidates, world_size: int) -> tuple:
-    """Every group size of `rules.group_sizes` that a projection of the graph, or a part of a fused
+    """Every group size of `rules.group_size` that a projection of the graph, or a part of a fused
     one, offers (K and V of fewer heads than ranks): the shards held by groups of ranks the rules
     may pass on."""
     sizes = {q for parts in part_candidates for q in parts}
     sizes.update(int(v.shape[-1]) for n, v in zip(nodes, vals) if _tensor(v) and v.dim() and family_of(n) == "matmul")
-    return tuple(sorted({m for q in sizes for m in group_sizes(q, units, world_size)}))
+    return tuple(sorted({m for m in (group_size(q, units, world_size) for q in sizes) if m is not None}))
 
 
 def fetch_attr(gm, target: str):

@@ -67,12 +67,18 @@ def _case(rank, p, heads, kv_heads, way):
     return True
 
 
-def _step_matches(gm, ref, kw, what):
+def _step_matches(gm, ref, kw, what, seed=None):
     """One training step of the rank's module against the single-process model: the loss, every
-    gradient, and the bytes counted at run time against the plan's."""
+    gradient, and the bytes counted at run time against the plan's, kind by kind. With `seed`,
+    each draws its dropout masks under it (the module the masks one process draws: built with
+    dropout_masks="single_process"). Returns the module's loss."""
+    if seed is not None:
+        autoshard.manual_seed(seed)
     with count_comm() as c:
         out = gm(**kw)
         out.loss.backward()
+    if seed is not None:
+        torch.manual_seed(seed)
     want = ref(**kw)
     want.loss.backward()
     close_to_scale(out.loss, want.loss, f"{what}: loss")
@@ -84,6 +90,7 @@ def _step_matches(gm, ref, kw, what):
     assert c.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (what, c.by_kind, plan.comm_by_kind)
     assert {k: pytest.approx(b, rel=1e-9) for k, (_, b) in plan.comm_by_kind.items()} == \
         {k: b for k, (_, b) in c.by_kind.items()}, (what, c.by_kind, plan.comm_by_kind)     # kind by kind
+    return out.loss.item()
 
 
 @pytest.mark.parametrize("world,heads,kv_heads,way", [
@@ -221,25 +228,11 @@ def _gemma2_case(rank, p, mode):
     kv = {k: v for k, v in plan.layouts.items() if "k_proj" in k or "v_proj" in k}
     assert kv and all(v == ShardGathered(0, within=2) for v in kv.values()), kv
     assert gm.get_parameter("model.layers.0.self_attn.k_proj.weight").shape == (16, 96)    # 64 rows / 4, stored split
+    loss = _step_matches(gm, ref, kw, f"gemma2 {mode}", seed=5 if mode == "train" else None)
     if mode == "train":
-        autoshard.manual_seed(5)              # the masks one process draws under that seed
-        with count_comm() as c:
-            loss = gm(**kw).loss
-            loss.backward()
-        torch.manual_seed(5)
-        want = ref(**kw).loss
-        want.backward()
-        close_to_scale(loss, want, "gemma2 train: loss")
-        got = autoshard.collect_state_dict(gm, grads(gm, remove_duplicate=False))
-        for k, g in grads(ref, remove_duplicate=False).items():
-            torch.testing.assert_close(got[k], g, rtol=1e-5, atol=1e-5 * g.abs().max().item() + 1e-7,
-                                       msg=lambda m: f"gemma2 train: grad of {k}: {m}")
-        assert c.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (c.by_kind, plan.comm_by_kind)
         autoshard.manual_seed(6)
         with torch.no_grad():
-            assert gm(**kw).loss.item() != loss.item()          # other masks: dropout is on
-    else:
-        _step_matches(gm, ref, kw, "gemma2 eval")
+            assert gm(**kw).loss.item() != loss          # other masks: dropout is on
     ids2 = torch.randint(cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))   # another shape
     with torch.no_grad():
         close_to_scale(gm.eval()(input_ids=ids2, labels=ids2).loss, ref.eval()(input_ids=ids2, labels=ids2).loss,

@@ -90,7 +90,8 @@ def whole_heads(info: NodeInfo, x, w, b, w_out_dim: int) -> list:
         info.req({x: REPLICATE, **{q: REPLICATE_PG for q in params}}, "replicate_pg", REPLICATE_PG,
                  grads={x: PARTIAL, **{q: PARTIAL for q in params}}),
     ]
-    for m in info.replicas(info.shape(w)[w_out_dim]):
+    m = info.group_size(info.shape(w)[w_out_dim])
+    if m is not None:
         within = {w: ShardGathered(w_out_dim, within=m), **({b: ShardGathered(0, within=m)} if b is not None else {})}
         found.append(info.req({x: REPLICATE, **within}, "column_gather_groups", Shard(len(info.out_shape) - 1, replicas=m),
                               grads={x: PARTIAL}, compute=1 / info.world_size, dim=-1,

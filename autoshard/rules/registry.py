@@ -59,18 +59,17 @@ class OpStrategy:
         return REPLICATE if isinstance(req, Partial) else req
 
 
-def group_sizes(size: int, units, world_size: int) -> tuple:
-    """Group sizes m in which a projection's output of `size` features, heads that do not divide
+def group_size(size: int, units, world_size: int) -> int | None:
+    """The group size m in which a projection's output of `size` features, heads that do not divide
     over the ranks (kv heads: the largest unit in `units` the features are cut into; 4 on 8
     ranks, or Phi-3-medium's 10 on 4), can be gathered so that each group of m consecutive ranks
     holds whole heads: m = p / gcd(heads, p), strictly between 1 and p (at p the whole tensor:
-    `REPLICATE_PG`), the features splitting evenly over the ranks."""
+    `REPLICATE_PG`), the features splitting evenly over the ranks; None where there is none."""
     heads = [size // u for u in units if 1 < u <= size and size % u == 0]
     if not heads or size % world_size:
-        return ()
-    h = min(heads)
-    m = world_size // math.gcd(h, world_size)
-    return (m,) if 1 < m < world_size else ()
+        return None
+    m = world_size // math.gcd(min(heads), world_size)
+    return m if 1 < m < world_size else None
 
 
 def node_arg(node: fx.Node, pos: int, name: str, default=None):
@@ -141,9 +140,9 @@ class NodeInfo:
         return [Shard(d), *(Shard(d, replicas=m) for m in self.replica_candidates),
                 *(Shard(d, nest=m) for m in (self.replica_candidates if uneven else ()))]
 
-    def replicas(self, size: int) -> tuple:
-        """`group_sizes` of a projection's output of `size` features."""
-        return group_sizes(size, self.unit_candidates, self.world_size)
+    def group_size(self, size: int) -> int | None:
+        """`group_size` of a projection's output of `size` features."""
+        return group_size(size, self.unit_candidates, self.world_size)
 
     def part_shards(self, d: int, size: int) -> list:
         """Shards of dim `d` in blocks of unequal sizes (a grouped q/k/v: q, k and v features),
@@ -353,5 +352,5 @@ def norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-__all__ = ["OpStrategy", "NodeInfo", "group_sizes", "register_rule", "REPLICATE_PG", "ReplicatePartialGrad", "ShardGathered", "register_shape_op", "strategies", "lookup", "family_of",
+__all__ = ["OpStrategy", "NodeInfo", "group_size", "register_rule", "REPLICATE_PG", "ReplicatePartialGrad", "ShardGathered", "register_shape_op", "strategies", "lookup", "family_of",
            "norm_dim", "REPLICATE", "PARTIAL", "Shard", "Replicate", "Partial", "Placement"]

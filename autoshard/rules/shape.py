@@ -310,10 +310,10 @@ def _parts_taken(info: NodeInfo, src, pl, parts, outs, dim, name) -> list:
         placed, comm = [], []
         for q, v, off in zip(parts, outs, split_off):
             nbytes = v.numel() * v.element_size()
-            ms = info.replicas(q) if grouped and off and even else ()
-            if off and ms:
-                placed.append(Shard(dim, replicas=ms[0]))
-                comm += [(in_groups("all_gather", ms[0]), nbytes), (in_groups("reduce_scatter", ms[0]), nbytes)]
+            m = info.group_size(q) if grouped and off and even else None
+            if m is not None:
+                placed.append(Shard(dim, replicas=m))
+                comm += [(in_groups("all_gather", m), nbytes), (in_groups("reduce_scatter", m), nbytes)]
             elif off:
                 placed.append(REPLICATE_PG)
                 comm += [("all_gather", nbytes), ("reduce_scatter", nbytes)]
