@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.export import Dim
 
 from . import repeats
+from .unfuse import constant_list_indices, unfuse_head_views
 from .errors import CaptureError, first_line
 from .shapes import (input_dynamic_dims, mark_changed, mark_dynamic, placeholder_inputs, probe, probe_each_dim,
                      propagate, quiet_fake_tensor, resized, shapes_of)
@@ -420,16 +421,18 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
     errors = []
     order = ["symbolic_trace", "export"] if tracer == "auto" else [tracer]
     on_meta, run_on = _meta_inputs(model, args, kwargs)
-    with apart(), _without_kv_cache(model, args, kwargs, notes), _in_mode(model, train):
+    with apart(), _without_kv_cache(model, args, kwargs, notes), _in_mode(model, train), \
+            constant_list_indices() if on_meta else contextlib.nullcontext():
         for name in order:
             try:
                 fn = _symbolic if name == "symbolic_trace" else _export
                 gm = _once_per_layer(fn, model, *(on_meta or (args, kwargs)), notes, run_on) if once else \
                     fn(model, *(on_meta or (args, kwargs)), notes)
-                if gm.meta.pop("autoshard_stale_code", False):      # expanded: retargeted before
-                    gm.recompile()
-                elif on_meta:
+                stale = gm.meta.pop("autoshard_stale_code", False)     # expanded: retargeted before
+                if on_meta and not stale:
                     _retarget_meta_device(gm, run_on)
+                if unfuse_head_views(gm) or stale:
+                    gm.recompile()
                 return Captured(gm, name, args, kwargs, notes)
             except Exception as e:  # noqa: BLE001 - every tracer failure is reported below
                 errors.append((name, e))

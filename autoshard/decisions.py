@@ -158,9 +158,22 @@ def module_of(prob, i: int) -> str:
     return n.name
 
 
+TRANSPOSES = ("numpy_T", "t", "transpose", "permute")
+
+
+def transposed(prob, c: int) -> bool:
+    """Whether anchor c only transposes its parameter (Falcon's `x @ self.weight.T`): the op
+    that uses the weight, and whose strategy names a TorchShard dim, is its reader."""
+    n = prob.nodes[c]
+    name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+    return n.op == "call_function" and (name in TRANSPOSES or (name == "getattr" and n.args[1:] == ("T",))) \
+        and not any(s.dim is not None for s in prob.strats[c])
+
+
 def dims_for_choice(prob, keys, choice, anchors, owner):
     """TorchShard dims the anchors run by module `owner` would have under `choice` (a weight
-    tied between `wte` and `head` is pinned per module: the lookup 0, the projection -1)."""
+    tied between `wte` and `head` is pinned per module: the lookup 0, the projection -1); an
+    anchor that transposes the weight answers for the op reading it."""
     place = dict(zip(keys, choice))
     dims = []
     own = [c for c in anchors if module_of(prob, c) == owner] or anchors
@@ -171,6 +184,12 @@ def dims_for_choice(prob, keys, choice, anchors, owner):
             if ok and s.dim is not None:
                 dims.append(s.dim)
                 break
+            if ok and transposed(prob, c):
+                found = [r.dim for u in prob.users[c] for r in prob.strats[u] if r.dim is not None and
+                         any(k == c and r.inputs[slot] == s.output for slot, k in enumerate(prob.ins[u]))]
+                if found:
+                    dims.append(found[0])
+                    break
     return dims
 
 

@@ -22,7 +22,11 @@ of v (2, 2, 2, 2, 1, 1, 1, 1); a strided shard in elements stays even.
 Blocks of unequal sizes (`parts`, the sizes in elements) are a fused projection whose parts
 differ: grouped attention's q / k / v in one weight (40 query and 10 kv heads of 128 on 2 ranks:
 `Shard(d, 3, parts=(5120, 1280, 1280))`, 20 query heads and 5 kv heads a rank, matching heads),
-each block cut as above.
+each block cut as above. A part of fewer units than ranks in such a shard in whole units is cut in
+elements (Falcon-7B's 71 query heads and one K/V head of 64 on 8 ranks: `Shard(d, 3, unit=64,
+parts=(4544, 64, 64))`, 9, ..., 9, 8 query heads and 8 features of K and of V a rank): its pieces
+are no heads, and the part is gathered where it is cut out (`rules.shape`), as K and V of a
+projection of their own would be.
 
 `Shard(d, replicas=m)` is a shard held by groups of ranks (an activation's layout, never a
 parameter's): the dim split over p/m groups of m consecutive ranks, every rank of a group holding
@@ -206,6 +210,11 @@ def _block_sizes(n: int, world_size: int, chunks: int, unit: int, parts, nest: i
     for block in blocks:
         if block % unit or (chunks > 1 and unit == 1 and block % world_size):
             return None
+        if parts is not None and unit > 1 and block // unit < world_size:
+            if nest > 1:
+                return None
+            out.append(tuple(chunk_sizes(block, world_size)))      # fewer units than ranks: in elements
+            continue
         sizes = tuple(s for group in chunk_sizes(block, world_size // nest, unit)
                       for s in chunk_sizes(group, nest, unit))
         if min(sizes) == 0:

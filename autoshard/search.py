@@ -20,6 +20,7 @@ import math
 import torch
 
 from .placements import PARTIAL, REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups
+from .decisions import transposed
 from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers build)
 
 WINDOW_DEPTH = 10        # ops a window looks ahead of its anchors
@@ -312,13 +313,19 @@ def _reach(prob: Problem, anchors, anchor_set, limit: int = WINDOW_DEPTH) -> dic
     return depth
 
 
+def acting(prob: Problem, grp) -> list[int]:
+    """The nodes that use a group's parameters: its anchors, but for an anchor that only
+    transposes its weight (`x @ self.weight.T`: Falcon's linears) the ops reading it."""
+    return [u for a in grp.anchors for u in (prob.users[a] if transposed(prob, a) else (a,))]
+
+
 def windows(prob: Problem) -> list[tuple[int, ...]]:
     """For each group, the groups it is enumerated with: its siblings (anchors reading the same
     activation: q, k and v; fc1 and a gate), the groups it feeds before the next anchors (the
     out-projection after q/k/v, fc2 after fc1) and their siblings, nearest first."""
     anchor_group = {}
     for g, grp in enumerate(prob.groups):
-        for a in grp.anchors:
+        for a in acting(prob, grp):
             anchor_group.setdefault(a, g)
     anchor_set = set(anchor_group)
     readers: dict[int, set] = {}          # activation node -> groups whose anchors read it
@@ -329,20 +336,20 @@ def windows(prob: Problem) -> list[tuple[int, ...]]:
 
     def siblings(h):
         out = set()
-        for a in prob.groups[h].anchors:
+        for a in acting(prob, prob.groups[h]):
             for j in prob.ins[a]:
                 out |= readers.get(j, set())
         return out
 
     primary = {g for g, grp in enumerate(prob.groups)
-               if any(s.dim is not None for a in grp.anchors for s in prob.strats[a])}
+               if any(s.dim is not None for a in acting(prob, grp) for s in prob.strats[a])}
     out = []
     for g, grp in enumerate(prob.groups):
         if g not in primary:       # e.g. a norm's weight: left to the single-flip pass
             out.append((g,))
             continue
         dist = {h: 0 for h in (siblings(g) | {g}) & primary}
-        for i, d in _reach(prob, grp.anchors, anchor_set).items():
+        for i, d in _reach(prob, acting(prob, grp), anchor_set).items():
             if d > 0 and i in anchor_group and anchor_group[i] in primary:
                 for h in (siblings(anchor_group[i]) | {anchor_group[i]}) & primary:
                     dist[h] = min(dist.get(h, INF), d)

@@ -296,3 +296,75 @@ def test_a_group_shard_is_never_returned_as_a_dtensor():
     groups of ranks has p/m pieces, not p, so it is gathered or never made (never left as is)."""
     plan = autoshard.plan(_ReturnsKeys(), 4, (torch.randn(2, 32, 64),), outputs="sharded", cost_model=LATENCY_FREE)
     assert all(getattr(pl, "replicas", 1) == 1 for pl in plan.output_placements.values()), plan.output_placements
+
+
+def _falcon_mq(device="cpu", attn="sdpa"):
+    """A tiny Falcon-7B: multi-query attention whose 7 query heads and one K/V head of 16 come out
+    of one fused projection, viewed as 9 heads and cut after the view (`qkv[..., :-2, :]`,
+    `qkv[..., [-2], :]`, `qkv[..., [-1], :]`), linears run as `x @ W.T`, parallel attention and
+    MLP, a tied vocabulary of 257 that does not divide."""
+    import transformers
+    cfg = transformers.FalconConfig(vocab_size=257, hidden_size=112, num_hidden_layers=2, num_attention_heads=7,
+                                    multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False,
+                                    alibi=False, tie_word_embeddings=True, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.FalconForCausalLM._from_config(cfg, attn_implementation=attn).float()
+    return model.train()
+
+
+FALCON_PINS = {f"transformer.h.{i}.self_attention.{m}": d for i in range(2)
+               for m, d in (("query_key_value", -1), ("dense", 0))}
+
+
+def _falcon_case(rank, p, attn):
+    """The query heads split in whole heads (4, 3 at 2 ranks; 3, 3, 1 at 3; 2, 2, 2, 1 at 4), the
+    features of K and of V (16 each) split in elements and gathered whole where they are cut out, the one
+    head broadcast to this rank's query heads: exact in the loss and every gradient, bytes as
+    planned, and at another input shape in eval mode."""
+    model = _falcon_mq(attn=attn)
+    ids = torch.randint(257, (3, 24), generator=torch.Generator().manual_seed(1))
+    kw = {"input_ids": ids, "labels": ids}
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", cost_model=LATENCY_FREE, pin=FALCON_PINS)
+    plan = gm._autoshard_plan
+    qkv = plan.layouts["transformer.h.0.self_attention.query_key_value.weight"]
+    assert qkv == Shard(0, 3, unit=16, parts=(112, 16, 16)), plan.report()
+    assert plan.layouts["transformer.h.1.self_attention.dense.weight"] == Shard(1, unit=16), plan.report()
+    heads = [d for n, d in plan.nodes.items() if n.startswith(("scaled_dot_product_attention", "matmul"))
+             and d.strategy in ("heads", "shard(1)")]
+    assert heads, plan.report()                   # attention runs on this rank's query heads
+    heads, kv = {2: ((4, 3), (8, 8)), 3: ((3, 3, 1), (6, 6, 4)), 4: ((2, 2, 2, 1), (4, 4, 4, 4))}[p]   # torch.chunk's
+    rows = heads[rank] * 16 + 2 * kv[rank]
+    assert gm.get_parameter("transformer.h.0.self_attention.query_key_value.weight").shape == (rows, 112)
+    _step_matches(gm, ref, kw, f"falcon multi-query at {p} ({attn})")
+    ids2 = torch.randint(257, (2, 11), generator=torch.Generator().manual_seed(2))   # another shape
+    with torch.no_grad():
+        close_to_scale(gm.eval()(input_ids=ids2, labels=ids2).loss, ref.eval()(input_ids=ids2, labels=ids2).loss,
+                       f"falcon at {p}: 2 x 11")
+    return True
+
+
+@pytest.mark.parametrize("world,attn", [(2, "sdpa"), (3, "eager"), (4, "sdpa")])
+def test_falcon_multi_query_heads_split_kv_gathered(world, attn, request):
+    assert all(request.getfixturevalue(f"dist{world}").run(_falcon_case, attn, timeout=300))
+
+
+def test_falcon_heads_cut_after_the_view_capture_on_meta():
+    """The parts taken after the view into heads become slices of the projection's features,
+    whose index constants are kept on a model built on meta (made on the CPU, not lifted without
+    values): the meta model's plan is the CPU model's."""
+    from autoshard.capture import capture
+    ids = torch.randint(257, (3, 24), generator=torch.Generator().manual_seed(1))
+    plans = []
+    for device in ("cpu", "meta"):
+        kw = {"input_ids": ids.to(device), "labels": ids.to(device)}
+        gm = capture(_falcon_mq(device), kwargs=kw, tracer="export").gm
+        index = [n for n in gm.graph.nodes if n.target is torch.ops.aten.index.Tensor
+                 and len(n.meta["val"].shape) == 4 and n.meta["val"].shape[-1] == 16]
+        assert not index, [n.format_node() for n in index]      # no head picked by an index remains
+        plans.append(autoshard.plan(_falcon_mq(device), 4, kw, tracer="export", cost_model=LATENCY_FREE,
+                                    pin=FALCON_PINS))
+    assert plans[0].layouts == plans[1].layouts and plans[0].comm_bytes == plans[1].comm_bytes
+    assert plans[1].layouts["transformer.h.0.self_attention.query_key_value.weight"] == \
+        Shard(0, 3, unit=16, parts=(112, 16, 16))

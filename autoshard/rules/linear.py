@@ -135,11 +135,21 @@ def _matmul(info):
     for u in info.units(sa[-1]):
         found.append(info.req({a: Shard(len(sa) - 1, unit=u), b: Shard(len(sb) - 2, unit=u)}, "row", PARTIAL,
                               compute=1 / p, dim=0, uneven=True))
+    for pl in info.part_shards(len(sb) - 1, sb[-1]):          # `x @ w.T` of a fused projection (Falcon's)
+        found.append(info.req({a: REPLICATE, b: pl}, "column", replace(pl, dim=len(so) - 1), compute=1 / p, dim=-1,
+                              uneven=may_differ(pl)))
+    for pl in info.part_shards(len(sa) - 1, sa[-1]):
+        found.append(info.req({a: replace(pl, dim=len(sa) - 1), b: replace(pl, dim=len(sb) - 2)}, "row", PARTIAL,
+                              compute=1 / p, dim=0, uneven=may_differ(pl)))
     if len(sa) == len(sb) == len(so):       # shared batch dims
         for d in range(len(so) - 2):
             if sa[d] == sb[d] == so[d] > 1:
                 found.append(info.req({a: Shard(d), b: Shard(d)}, f"shard({d})", Shard(d), compute=1 / p,
                                       uneven=True))
+            for x, y, sx, sy in ((a, b, sa, sb), (b, a, sb, sa)):
+                if sx[d] == so[d] > 1 == sy[d]:   # broadcast over the other's dim (one K/V head, Falcon's)
+                    found.append(info.req({x: Shard(d), y: REPLICATE}, f"shard({d})", Shard(d), compute=1 / p,
+                                          uneven=True))
     return found
 
 

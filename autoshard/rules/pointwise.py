@@ -60,11 +60,12 @@ UNARY = [
     aten.erf.default, torch.erf,
 ]
 SUMS = [operator.add, operator.sub, operator.iadd, operator.isub, torch.add, torch.sub, torch.Tensor.add,
-        torch.Tensor.sub, torch.Tensor.add_, torch.Tensor.sub_, aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor]
+        torch.Tensor.sub, torch.Tensor.add_, torch.Tensor.sub_, aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor,
+        aten.sub_.Tensor]
 PRODUCTS = [operator.mul, operator.imul, torch.mul, torch.Tensor.mul, torch.Tensor.mul_, aten.mul.Tensor,
-            aten.mul_.Tensor, aten.mul.Scalar]
+            aten.mul_.Tensor, aten.mul.Scalar, aten.mul_.Scalar]
 QUOTIENTS = [operator.truediv, torch.div, torch.Tensor.div, torch.Tensor.div_, aten.div.Tensor,
-             aten.div.Scalar, aten.div.Tensor_mode]
+             aten.div.Scalar, aten.div.Tensor_mode, aten.div_.Tensor, aten.div_.Scalar]   # (in place: Falcon's scores /= ...)
 
 
 # dropout multiplies by a mask: on a Partial tensor it is linear when every rank draws the same

@@ -17,7 +17,7 @@ import torch.fx as fx
 from ..collectives import split_kind
 from ..shapes import dynamic_dims
 from ..placements import (PARTIAL, REPLICATE, REPLICATE_PG, Partial, Placement, Replicate, ReplicatePartialGrad, Shard,
-                          ShardGathered, divides, splits)
+                          ShardGathered, block_sizes, divides, splits)
 
 _RULES: dict[Any, Callable] = {}
 _FAMILY: dict[Callable, str] = {}     # rule -> family name ("matmul", "embedding", "conv")
@@ -146,7 +146,8 @@ class NodeInfo:
 
     def part_shards(self, d: int, size: int) -> list:
         """Shards of dim `d` in blocks of unequal sizes (a grouped q/k/v: q, k and v features),
-        each block split evenly, or in whole units where some block's units do not divide."""
+        each block split evenly, or in whole units where some block's units do not divide (a block
+        of fewer units than ranks then cut in elements: `placements.block_sizes`)."""
         p, found = self.world_size, []
         for parts in self.part_candidates:
             if sum(parts) != size:
@@ -154,7 +155,8 @@ class NodeInfo:
             if all(q % p == 0 for q in parts):
                 found.append(Shard(d, len(parts), parts=parts))
             for u in self.unit_candidates:
-                if u > 1 and all(q % u == 0 and q // u >= p for q in parts) and any((q // u) % p for q in parts):
+                if u > 1 and all(q % u == 0 for q in parts) and any(q // u >= p and (q // u) % p for q in parts) \
+                        and block_sizes(size, p, len(parts), u, parts) is not None:
                     found.append(Shard(d, len(parts), unit=u, parts=parts))
         return found
 

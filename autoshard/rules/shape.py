@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from ..collectives import in_groups
+from ..placements import padded
 from .registry import PARTIAL, REPLICATE_PG, NodeInfo, Shard, may_differ, norm_dim, register_rule, register_shape_op
 
 aten = torch.ops.aten
@@ -288,10 +289,13 @@ def split_off_heads(info: NodeInfo, size: int, pl: Shard) -> bool:
     pieces of heads (the largest unit the graph cuts the part into): the one kv head of a
     multi-query projection (64 of its 128 features a rank), Phi-3-medium's 10 kv heads on 4
     ranks (2.5 heads a rank). No view into heads can read such a piece; the part is gathered
-    where it is cut out."""
+    where it is cut out. In a shard in whole units a part of fewer units than ranks is such a
+    part (cut in elements: Falcon-7B's one K/V head beside 71 query heads on 8 ranks)."""
+    if pl.unit > 1:
+        return size // pl.unit < info.world_size      # else cut in whole units
     units = [u for u in info.unit_candidates if 1 < u <= size and size % u == 0]
-    if not units or pl.unit > 1:
-        return False                                  # no heads, or cut in whole ones
+    if not units:
+        return False                                  # no heads
     return (size // info.world_size) % max(units) != 0
 
 
@@ -304,7 +308,7 @@ def _parts_taken(info: NodeInfo, src, pl, parts, outs, dim, name) -> list:
     a part may instead be gathered within groups of ranks (`Shard(dim, replicas=m)`, as
     "column_gather_groups"): Phi-3-medium's 10 kv heads at 4 ranks, 5 a pair."""
     split_off = [split_off_heads(info, q, pl) for q in parts]
-    even = all(q % info.world_size == 0 for q in pl.parts if not split_off_heads(info, q, pl))
+    even = all((q // pl.unit) % info.world_size == 0 for q in pl.parts if not split_off_heads(info, q, pl))
     found = []
     for grouped in (False, True):
         placed, comm = [], []
@@ -316,6 +320,7 @@ def _parts_taken(info: NodeInfo, src, pl, parts, outs, dim, name) -> list:
                 comm += [(in_groups("all_gather", m), nbytes), (in_groups("reduce_scatter", m), nbytes)]
             elif off:
                 placed.append(REPLICATE_PG)
+                nbytes = padded(nbytes, v.shape, Shard(dim), info.world_size)     # (cut in elements: 6, 6, 4)
                 comm += [("all_gather", nbytes), ("reduce_scatter", nbytes)]
             else:
                 placed.append(Shard(dim, unit=pl.unit))
