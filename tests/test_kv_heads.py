@@ -320,11 +320,10 @@ FALCON_PINS = {f"transformer.h.{i}.self_attention.{m}": d for i in range(2)
 def _falcon_case(rank, p, attn):
     """The query heads split in whole heads (4, 3 at 2 ranks; 3, 3, 1 at 3; 2, 2, 2, 1 at 4), the
     features of K and of V (16 each) split in elements and gathered whole where they are cut out, the one
-    head broadcast to this rank's query heads: exact in the loss and every gradient, bytes as
-    planned, and at another input shape in eval mode."""
+    head broadcast to this rank's query heads: the state dict collected and relocated exactly,
+    the loss and every gradient exact, bytes as planned, and another input shape in eval mode."""
     model = _falcon_mq(attn=attn)
-    ids = torch.randint(257, (3, 24), generator=torch.Generator().manual_seed(1))
-    kw = {"input_ids": ids, "labels": ids}
+    kw = _falcon_batch()
     ref = copy.deepcopy(model)
     gm = autoshard.parallelize(model, p, kw, tracer="export", cost_model=LATENCY_FREE, pin=FALCON_PINS)
     plan = gm._autoshard_plan
@@ -337,6 +336,11 @@ def _falcon_case(rank, p, attn):
     heads, kv = {2: ((4, 3), (8, 8)), 3: ((3, 3, 1), (6, 6, 4)), 4: ((2, 2, 2, 1), (4, 4, 4, 4))}[p]   # torch.chunk's
     rows = heads[rank] * 16 + 2 * kv[rank]
     assert gm.get_parameter("transformer.h.0.self_attention.query_key_value.weight").shape == (rows, 112)
+    full = autoshard.collect_state_dict(gm, gm.state_dict())      # the mixed shard, whole again
+    for k, v in ref.state_dict().items():
+        assert torch.equal(full[k], v), k
+    for k, v in autoshard.relocate_state_dict(gm, ref.state_dict()).items():
+        assert torch.equal(v, gm.state_dict()[k]), k
     _step_matches(gm, ref, kw, f"falcon multi-query at {p} ({attn})")
     ids2 = torch.randint(257, (2, 11), generator=torch.Generator().manual_seed(2))   # another shape
     with torch.no_grad():
@@ -355,7 +359,7 @@ def test_falcon_heads_cut_after_the_view_capture_on_meta():
     whose index constants are kept on a model built on meta (made on the CPU, not lifted without
     values): the meta model's plan is the CPU model's."""
     from autoshard.capture import capture
-    ids = torch.randint(257, (3, 24), generator=torch.Generator().manual_seed(1))
+    ids = _falcon_batch()["input_ids"]
     plans = []
     for device in ("cpu", "meta"):
         kw = {"input_ids": ids.to(device), "labels": ids.to(device)}
@@ -368,3 +372,36 @@ def test_falcon_heads_cut_after_the_view_capture_on_meta():
     assert plans[0].layouts == plans[1].layouts and plans[0].comm_bytes == plans[1].comm_bytes
     assert plans[1].layouts["transformer.h.0.self_attention.query_key_value.weight"] == \
         Shard(0, 3, unit=16, parts=(112, 16, 16))
+
+
+def _falcon_save(rank, p, path):
+    gm = autoshard.parallelize(_falcon_mq(), p, _falcon_batch(), tracer="export", cost_model=LATENCY_FREE,
+                               pin=FALCON_PINS)
+    refs.dcp_save_model(gm, path)
+    return autoshard.collect_state_dict(gm, gm.state_dict())
+
+
+def _falcon_load(rank, p, path):
+    model = _falcon_mq()
+    torch.manual_seed(7)
+    for q in model.parameters():
+        torch.nn.init.normal_(q)              # other values: every one must come from the checkpoint
+    gm = autoshard.parallelize(model, p, _falcon_batch(), tracer="export", cost_model=LATENCY_FREE, pin=FALCON_PINS)
+    assert gm._autoshard_plan.layouts["transformer.h.0.self_attention.query_key_value.weight"].parts
+    return refs.dcp_load_model(gm, path)
+
+
+def _falcon_batch():
+    ids = torch.randint(257, (3, 24), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def test_falcon_mixed_part_shards_checkpoint_across_degrees(dist2, dist3, dist4, tmp_path):
+    """The fused q/k/v held as query heads (3, 3, 1 at 3 ranks) and K / V cut in elements (6, 6, 4)
+    saves with DCP at 3 ranks and loads at 2 and 4, every tensor the saved model's."""
+    path = str(tmp_path / "dcp")
+    saved = dist3.run(_falcon_save, path, timeout=300)[0]
+    for pool in (dist2, dist4):
+        for loaded in pool.run(_falcon_load, path, timeout=300):
+            for k, v in saved.items():
+                assert torch.equal(loaded[k], v), f"{k} at {pool.world_size}"
