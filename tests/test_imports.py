@@ -26,7 +26,7 @@ LAYERS = [
     ("TorchShard attributes and state dicts", ["state_dict"]),
     ("TorchShard's layers and names", ["nn", "nn.common", "nn.cross_entropy", "nn.functional", "nn.init",
                                        "nn.layers", "nn.loss", "nn.norm", "nn.dropout", "distributed"]),
-    ("capture", ["shapes", "repeats", "unfuse", "capture"]),
+    ("capture", ["shapes", "repeats", "normalize", "capture"]),
     ("rules", ["rules", "rules.registry", "rules.attention", "rules.conv", "rules.linear", "rules.loss",
                "rules.norm", "rules.pointwise", "rules.shape"]),
     ("cost", ["cost"]),

@@ -172,3 +172,30 @@ def test_falcon_grouped_qkv_is_split_by_groups(world, request):
         assert counted == pytest.approx(planned, rel=1e-9)
         assert len(split) == 20, split         # a layer: 2 index, 2 broadcast_to, 1 attention (x 4 layers)
         assert all(s != "replicate" for s in split.values()), split     # every one on this rank's groups
+
+
+def _gptj_case(rank, p):
+    """A tiny GPT-J (parallel attention and MLP, rotary embedding on the first 8 of each head's 16
+    features, rotated by `rotate_every_two`: `torch.stack((-x2, x1), dim=-1).flatten(-2)`): the
+    stack runs on this rank's heads, as every op of the attention does, and the loss, the logits
+    and every gradient equal one process's, the bytes counted the plan's. Wide layers and few
+    tokens, so that splitting the layers is what the cost model picks."""
+    import transformers
+    from hf_models import build_model, example_kwargs
+    cfg = dict(vocab_size=256, n_embd=256, n_layer=2, n_head=8, rotary_dim=8, n_positions=64,
+               attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, tie_word_embeddings=False)
+    model = build_model(transformers.GPTJConfig, transformers.GPTJForCausalLM, cfg, attn_implementation="eager")
+    ref = copy.deepcopy(model)
+    kw = example_kwargs(256, batch=2, seq=24)
+    gm = autoshard.parallelize(model, p, kw, tracer="export")
+    plan = gm._autoshard_plan
+    counted = hf_step_matches(gm, ref, kw, f"gpt-j at {p}")
+    stacks = {n: d.strategy for n, d in plan.nodes.items() if d.op == "stack.default"}
+    return stacks, (counted, plan.comm_bytes)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gptj_rotary_stack_runs_on_each_ranks_heads(world, request):
+    for stacks, (counted, planned) in request.getfixturevalue(f"dist{world}").run(_gptj_case, timeout=300):
+        assert counted == pytest.approx(planned, rel=1e-9)
+        assert len(stacks) == 4 and all(s == "shard(2)" for s in stacks.values()), stacks   # q and k, 2 layers

@@ -1,4 +1,4 @@
-"""Shape ops: view/reshape family, transpose/permute, expand, split/chunk, indexing, cat, size.
+"""Shape ops: view/reshape family, transpose/permute, expand, split/chunk, indexing, cat, stack, size.
 
 A sharded dim survives a reshape when it is the outermost dim of its group of merged or split
 dims (contiguous blocks stay contiguous); strided shards (chunks > 1) only pass through
@@ -389,6 +389,25 @@ def _cat(info):
     # is the strided shard Shard(dim, n) of the result (a row-parallel layer consumes it as is)
     if same_rank and len(tensors) > 1 and len({info.shape(n)[dim] for n in tensors}) == 1:
         found.append(info.req({n: Shard(dim) for n in tensors}, f"stack({dim})", Shard(dim, len(tensors))))
+    found.append(info.req({n: PARTIAL for n in tensors}, "partial", PARTIAL))
+    return found
+
+
+@register_rule(torch.stack, aten.stack.default)
+def _stack(info):
+    """`torch.stack` (GPT-J's rotate_every_two: `stack((-x2, x1), dim=-1)`): a shard of a dim every
+    input holds alike moves to that dim of the result (one later where it lies past the new dim)."""
+    tensors = [n for n in info.inputs if info.is_tensor(n)]
+    nd = len(info.out_shape)
+    dim = norm_dim(int(info.arg(1, "dim", 0)), nd)
+    found = []
+    if len({info.shape(n) for n in tensors}) != 1:
+        return found
+    for d in range(nd - 1):
+        out = d if d < dim else d + 1
+        if info.out_shape[out] > 1:
+            for pl in info.plain_shards(d, info.out_shape[out]):
+                found.append(info.req({n: pl for n in tensors}, f"shard({out})", replace(pl, dim=out), uneven=True))
     found.append(info.req({n: PARTIAL for n in tensors}, "partial", PARTIAL))
     return found
 

@@ -1,5 +1,6 @@
-"""Capture's normal form for a fused projection cut into its parts after a view into heads.
+"""Capture's normal forms: graphs rewritten, equal in value, into forms the rules can split.
 
+A fused projection cut into its parts after a view into heads (`unfuse_head_views`):
 Falcon-7B's multi-query attention computes q, k and v in one projection of 71 + 1 + 1 heads, views
 the output as heads, `[b, s, 73, 64]`, and takes the parts from the heads dim: `qkv[..., :-2, :]`,
 `qkv[..., [-2], :]`, `qkv[..., [-1], :]`. No split of that view can keep the 71 query heads split
@@ -18,6 +19,13 @@ as that range of heads. Values are the same; an index's copy becomes a view, whi
 torch makes the index tensor of `x[..., [-2], :]` on x's device, so torch.export lifts it as a
 constant without values; made on the CPU instead (an index tensor may live there whatever x's
 device), its values are kept.
+
+Batch and heads merged for `bmm` (`unmerge_batch_heads`): BLOOM computes its scores as
+`alibi.baddbmm(q.reshape(b * H, s, d), k.reshape(b * H, s, d).transpose(-1, -2))` and views them
+back as `[b, H, s, s]`. Heads merged under the batch cannot be split over the ranks (the merged
+dim's shards would be strided by a batch size that varies), so the pass keeps them apart: the
+same products as a 4-d `matmul` of the tensors before the merge, the bias (alibi: `[H, 1, s]`
+repeated b times) broadcast over the batch, `baddbmm`'s beta and alpha as products.
 """
 from __future__ import annotations
 
@@ -137,4 +145,115 @@ def unfuse_head_views(gm: fx.GraphModule) -> int:
                 index = nxt
         gm.graph.erase_node(view)
         done += 1
+    return done
+
+
+MERGES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+BMMS = (aten.bmm.default, aten.baddbmm.default)
+
+
+def _shape(n) -> tuple | None:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return tuple(int(x) for x in v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _unmerged(n, b: int, h: int):
+    """How to rebuild a `[b * h, x, y]` operand as `[b, h, x, y]` (or `[1, h, x, y]`, broadcast):
+    a list of steps from a 4-d source, applied in order; None where it is no such merge."""
+    steps = []
+    while True:
+        shape = _shape(n)
+        if n.op != "call_function" or shape is None:
+            return None
+        if n.target in MERGES and len(shape) == 3 and _shape(n.args[0]) == (b, h, *shape[1:]):
+            return n.args[0], steps[::-1]
+        if n.target is aten.transpose.int and len(shape) == 3 and sorted(a % 3 for a in n.args[1:]) == [1, 2]:
+            steps.append(("transpose",))
+        elif n.target is aten.repeat.default and list(n.args[1]) [1:] == [1, 1] and _shape(n.args[0]) == (h, *shape[1:]):
+            return n.args[0], [("unsqueeze",)] + steps[::-1]          # the bias, the same for every batch row
+        elif n.target in (aten.to.dtype, aten._to_copy.default):
+            steps.append(("like", n))
+        else:
+            return None
+        n = n.args[0]
+
+
+def _apply(gm: fx.GraphModule, src: fx.Node, steps, before: fx.Node) -> fx.Node:
+    """The 4-d operand: `src` with `steps` applied (meta computed on its fake value)."""
+    out = src
+    for step in steps:
+        with gm.graph.inserting_before(before):
+            if step[0] == "transpose":
+                new = gm.graph.call_function(aten.transpose.int, (out, -1, -2))
+                dyn = _swap(dynamic_dims(out), 2, 3)
+            elif step[0] == "unsqueeze":
+                new = gm.graph.call_function(aten.unsqueeze.default, (out, 0))
+                dyn = frozenset(d + 1 for d in dynamic_dims(out))
+            else:
+                like = step[1]
+                new = gm.graph.call_function(like.target, (out, *like.args[1:]), dict(like.kwargs))
+                dyn = dynamic_dims(out)
+        new.meta = {k: v for k, v in before.meta.items() if k not in ("val", DYNAMIC)}
+        new.meta["val"] = new.target(out.meta["val"], *new.args[1:], **new.kwargs)
+        new.meta[DYNAMIC] = dyn
+        out = new
+    return out
+
+
+def _swap(dims, a: int, b: int) -> frozenset:
+    return frozenset(b if d == a else a if d == b else d for d in dims)
+
+
+def unmerge_batch_heads(gm: fx.GraphModule) -> int:
+    """Rewrite, in place, every `bmm` / `baddbmm` over batch x heads merged (`[b * H, x, y]`
+    operands made by merging `[b, H, x, y]`, the result only viewed back as `[b, H, x, y]`) as a
+    4-d `matmul` of the unmerged operands (a baddbmm's bias broadcast, beta and alpha applied as
+    products). Returns how many were rewritten (the caller recompiles)."""
+    done = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in BMMS or not n.users:
+            continue
+        out = _shape(n)
+        backs = list(n.users)
+        if out is None or any(u.target not in MERGES or len(_shape(u) or ()) != 4 for u in backs):
+            continue
+        b, h = _shape(backs[0])[:2]
+        if b * h != out[0] or b < 1 or h < 2 or any(_shape(u) != (b, h, *out[1:]) for u in backs):
+            continue
+        bias = n.target is aten.baddbmm.default
+        operands = [n.args[1], n.args[2], n.args[0]] if bias else [n.args[0], n.args[1]]
+        found = [_unmerged(x, b, h) if isinstance(x, fx.Node) else None for x in operands]
+        if any(f is None for f in found) or any(st and st[0][0] == "unsqueeze" for _, st in found[:2]):
+            continue                      # (only the bias may be one tensor repeated over the batch)
+        back = backs[0]
+        a4, b4 = (_apply(gm, src, steps, n) for src, steps in found[:2])
+        with gm.graph.inserting_before(n):
+            prod = gm.graph.call_function(aten.matmul.default, (a4, b4))
+        prod.meta = dict(back.meta)
+        prod.meta["val"] = aten.matmul.default(a4.meta["val"], b4.meta["val"])
+        result = prod
+        if bias:
+            beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)
+            c4 = _apply(gm, *found[2], n)
+            with gm.graph.inserting_before(n):
+                if alpha != 1:
+                    prod = gm.graph.call_function(aten.mul.Tensor, (prod, alpha))
+                    prod.meta = dict(result.meta)
+                    prod.meta["val"] = result.meta["val"] * alpha
+                if beta != 1:
+                    scaled = gm.graph.call_function(aten.mul.Tensor, (c4, beta))
+                    scaled.meta = dict(c4.meta)
+                    scaled.meta["val"] = c4.meta["val"] * beta
+                    c4 = scaled
+                result = gm.graph.call_function(aten.add.Tensor, (c4, prod))
+            result.meta = dict(back.meta)
+            result.meta["val"] = aten.add.Tensor(c4.meta["val"], prod.meta["val"])
+        for u in backs:
+            u.replace_all_uses_with(result)
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(n)
+        done += 1
+    gm.graph.eliminate_dead_code(is_impure_node=lambda x: x.op != "call_function" or x.target not in
+                                 (*MERGES, aten.transpose.int, aten.repeat.default, aten.to.dtype,
+                                  aten._to_copy.default))
     return done
