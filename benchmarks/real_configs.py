@@ -25,8 +25,8 @@ h the hidden size, V the vocabulary, L = 2 layers:
   all-reduce and its backward counterpart at the head. Parallel-attention layers (Falcon with
   parallel_attn, GPT-NeoX/Pythia with use_parallel_residual, Phi-1/Phi-2: attention and MLP read the
   same input and their outputs are summed while still partial) count 1 forward all-reduce a layer
-  and one backward all-reduce per norm that feeds the two branches: 2 a layer for Falcon-7B and
-  Phi-2 (one shared norm), 3 for GPT-NeoX / Pythia (a norm per branch: two column-parallel inputs,
+  and one backward all-reduce per norm that feeds the two branches: 2 a layer for Falcon-7B,
+  Phi-2, GPT-J and CodeGen (one shared norm), 3 for GPT-NeoX / Pythia (a norm per branch: two column-parallel inputs,
   whose gradients GPT-NeoX's own Megatron also all-reduces separately).
 - loss: 3 all-reduces of T elements (vocabulary-parallel cross-entropy: max, sum of exp, target logit).
 - logits: with outputs="full" one all-gather of the T x V logits; with outputs="sharded" none.
@@ -194,6 +194,19 @@ CONFIGS: dict[str, Spec] = {
         max_position_embeddings=2048, word_embed_proj_dim=2048, do_layer_norm_before=True,
         activation_function="relu", enable_bias=True, tie_word_embeddings=True, pad_token_id=1, bos_token_id=2,
         eos_token_id=2), remark="learned positions (offset 2)"),
+    "bloom-560m": Spec("bigscience/bloom-560m", "BloomConfig", dict(
+        vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16, layer_norm_epsilon=1e-5,
+        apply_residual_connection_post_layernorm=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=3), attn="eager",
+        layers_key="n_layer", remark="ALiBi; batch x heads merged for baddbmm; fused q/k/v per head"),
+    "gpt-j-6b": Spec("EleutherAI/gpt-j-6b", "GPTJConfig", dict(
+        vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64, n_positions=2048,
+        activation_function="gelu_new", tie_word_embeddings=False, bos_token_id=50256, eos_token_id=50256),
+        parallel=True, attn="eager", layers_key="n_layer", remark="rotary on 64 of 256 features, rotate_every_two"),
+    "codegen-350m": Spec("Salesforce/codegen-350M-mono", "CodeGenConfig", dict(
+        vocab_size=51200, n_embd=1024, n_layer=20, n_head=16, rotary_dim=32, n_ctx=2048, n_positions=2048,
+        activation_function="gelu_new", tie_word_embeddings=False, bos_token_id=1, eos_token_id=50256),
+        parallel=True, attn="eager", layers_key="n_layer", remark="fused qkv_proj in 4 model-parallel blocks"),
 }
 
 
