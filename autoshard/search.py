@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import re
 
 import torch
 
@@ -319,6 +320,13 @@ def acting(prob: Problem, grp) -> list[int]:
     return [u for a in grp.anchors for u in (prob.users[a] if transposed(prob, a) else (a,))]
 
 
+def primary_groups(prob: Problem) -> set:
+    """The groups whose ops name a TorchShard dim (linears, embeddings): those the windows are
+    built around; the others (a norm's weight) are decided by flips."""
+    return {g for g, grp in enumerate(prob.groups)
+            if any(s.dim is not None for a in acting(prob, grp) for s in prob.strats[a])}
+
+
 def windows(prob: Problem) -> list[tuple[int, ...]]:
     """For each group, the groups it is enumerated with: its siblings (anchors reading the same
     activation: q, k and v; fc1 and a gate), the groups it feeds before the next anchors (the
@@ -341,8 +349,7 @@ def windows(prob: Problem) -> list[tuple[int, ...]]:
                 out |= readers.get(j, set())
         return out
 
-    primary = {g for g, grp in enumerate(prob.groups)
-               if any(s.dim is not None for a in acting(prob, grp) for s in prob.strats[a])}
+    primary = primary_groups(prob)
     out = []
     for g, grp in enumerate(prob.groups):
         if g not in primary:       # e.g. a norm's weight: left to the single-flip pass
@@ -434,7 +441,51 @@ def greedy(prob: Problem, max_sweeps: int = 4) -> State:
         if not improved:
             break
     improve_single(state)
+    if improve_by_layers(state):
+        improve_single(state)
     return state
+
+
+def _layer_key(name: str):
+    """(the name with its first layer index blanked, that index), or None outside numbered layers."""
+    m = re.search(r"\.(\d+)\.", name)
+    return None if m is None else ((name[:m.start()], name[m.end():]), int(m.group(1)))
+
+
+def improve_by_layers(state: State) -> bool:
+    """Give a numbered layer the decisions of the layer after or before it, all at once, where the
+    total drops: the windows decide a layer from what its neighbours hold, and the first layer,
+    which reads the embedding's side, can settle on other choices than every later one (BLOOM's
+    layer 0 and the embedding's norm kept split, no flip alone paying off), tried with each choice
+    of the group just before and just after the layer. Returns whether anything changed."""
+    prob = state.prob
+    layers: dict = {}
+    for g, grp in enumerate(prob.groups):
+        key = _layer_key(grp.names[0])
+        if key is not None:
+            layers.setdefault(key[1], {})[key[0]] = g
+    changed = False
+    for i in sorted(layers):
+        for j in (i + 1, i - 1):
+            if j not in layers or set(layers[j]) != set(layers[i]):
+                continue
+            move = {}
+            for key, g in layers[i].items():
+                want = prob.groups[layers[j][key]].choices[state.choice[layers[j][key]]]
+                if want in prob.groups[g].choices and prob.groups[g].choices.index(want) != state.choice[g]:
+                    move[g] = prob.groups[g].choices.index(want)
+            if not move:
+                continue
+            # with it, any choice of the group just before or after the layer (the embedding's norm)
+            edges = [e for e in (min(layers[i].values()) - 1, max(layers[i].values()) + 1)
+                     if 0 <= e < len(prob.groups) and e not in move]
+            tries = [move] + [{**move, e: c} for e in edges for c in range(len(prob.groups[e].choices))
+                              if c != state.choice[e]]
+            d, ov = min((state.trial(t) for t in tries), key=lambda r: r[0])
+            if d < -1e-12 * max(1.0, abs(state.total)):
+                state.commit(d, ov)
+                changed = True
+    return changed
 
 
 def improve_single(state: State) -> None:
