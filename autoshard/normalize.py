@@ -253,7 +253,8 @@ def unmerge_batch_heads(gm: fx.GraphModule) -> int:
             gm.graph.erase_node(u)
         gm.graph.erase_node(n)
         done += 1
-    gm.graph.eliminate_dead_code(is_impure_node=lambda x: x.op != "call_function" or x.target not in
-                                 (*MERGES, aten.transpose.int, aten.repeat.default, aten.to.dtype,
-                                  aten._to_copy.default))
+    if done:                              # the merges left unread (only those: nothing else is touched)
+        gm.graph.eliminate_dead_code(is_impure_node=lambda x: x.op != "call_function" or x.target not in
+                                     (*MERGES, aten.transpose.int, aten.repeat.default, aten.to.dtype,
+                                      aten._to_copy.default))
     return done
