@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
-from .shapes import DYNAMIC, dynamic_dims
+from .shapes import DYNAMIC, dynamic_dims, fetch_attr
 
 aten = torch.ops.aten
 
@@ -59,13 +59,6 @@ def _int_list(e) -> bool:
     return isinstance(e, list) and bool(e) and all(isinstance(i, int) and not isinstance(i, bool) for i in e)
 
 
-def _attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
 def _constant(gm: fx.GraphModule, node) -> list | None:
     """The values of a 1-D integer constant tensor node (a lifted `get_attr`, through the copies
     export puts around it), else None."""
@@ -73,7 +66,7 @@ def _constant(gm: fx.GraphModule, node) -> list | None:
         node = node.args[0]
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         return None
-    t = _attr(gm, node.target)
+    t = fetch_attr(gm, node.target)
     if not isinstance(t, torch.Tensor) or t.is_meta or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
         return None
     return [int(i) for i in t.tolist()]

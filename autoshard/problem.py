@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import rules
-from .shapes import DYNAMIC
+from .shapes import DYNAMIC, fetch_attr
 from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
 from .decisions import decision_groups, fix_layouts
 from .placements import (REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, held_by_groups, is_even, local_numel,
@@ -455,13 +455,5 @@ def _group_sizes(nodes, vals, units, part_candidates, world_size: int) -> tuple:
     sizes = {q for parts in part_candidates for q in parts}
     sizes.update(int(v.shape[-1]) for n, v in zip(nodes, vals) if _tensor(v) and v.dim() and family_of(n) == "matmul")
     return tuple(sorted({m for m in (group_size(q, units, world_size) for q in sizes) if m is not None}))
-
-
-def fetch_attr(gm, target: str):
-    """The object at dotted path `target` of `gm` (a parameter, buffer or submodule)."""
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 

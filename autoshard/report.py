@@ -7,7 +7,7 @@ from tabulate import tabulate
 
 from .cost import ring_bytes
 from .placements import Replicate, is_even, local_shape
-from .problem import fetch_attr
+from .shapes import fetch_attr
 
 
 def fmt_bytes(n: float) -> str:

@@ -24,6 +24,14 @@ from .errors import CaptureError
 DYNAMIC = "autoshard_dynamic"        # node.meta key: dims whose size follows the inputs' sizes
 
 
+def fetch_attr(gm, target: str):
+    """The object at dotted path `target` of `gm` (a parameter, buffer, constant or submodule)."""
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def dynamic_dims(node) -> frozenset | tuple:
     """The dims of a node's value (a frozenset, or a tuple of them for a multi-output node)
     whose size varies with the inputs' batch / sequence lengths; none for a non-node argument."""
