@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.export import Dim
 
 from . import repeats
-from .normalize import constant_list_indices, unfuse_head_views, unmerge_batch_heads
+from .normalize import constant_list_indices, regroup_blocks, unfuse_head_views, unmerge_batch_heads
 from .errors import CaptureError, first_line
 from .shapes import (input_dynamic_dims, mark_changed, mark_dynamic, placeholder_inputs, probe, probe_each_dim,
                      propagate, quiet_fake_tensor, resized, shapes_of)
@@ -431,7 +431,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
                 stale = gm.meta.pop("autoshard_stale_code", False)     # expanded: retargeted before
                 if on_meta and not stale:
                     _retarget_meta_device(gm, run_on)
-                if unfuse_head_views(gm) + unmerge_batch_heads(gm) or stale:
+                if unfuse_head_views(gm) + unmerge_batch_heads(gm) + regroup_blocks(gm) or stale:
                     gm.recompile()
                 return Captured(gm, name, args, kwargs, notes)
             except Exception as e:  # noqa: BLE001 - every tracer failure is reported below

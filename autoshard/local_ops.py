@@ -111,6 +111,10 @@ class LocalOps:
                 self.replace(n, sharded_var, (n.args[0], *var_args(n)), {"group": self.key})
             elif d.strategy == "partial_mean":
                 self._partial_mean(n)
+            elif d.strategy == "partial_plus":
+                self._whole_share(n, d)
+            elif d.strategy == "regroup":
+                n.update_arg(1, max(1, n.args[1] // self.p))     # this rank's groups (one, or G / p)
             elif t in SIZE_OPS or (t is getattr and n.args[1] == "shape"):
                 self._global_size(n, t)
             elif d.strategy == "column_gather_pg":
@@ -231,6 +235,14 @@ class LocalOps:
             n.update_arg(pos, share)
         else:
             n.update_kwarg(name, share)
+
+    def _whole_share(self, n, d):
+        """A Partial summand plus a whole tensor: the whole one enters as this rank's share (1/p,
+        `PF.bias_share`), so the ranks' summands add it once."""
+        whole = next(a for a, r in zip(n.all_input_nodes, d.inputs) if isinstance(r, Replicate))
+        with self.graph.inserting_before(n):
+            share = self.call(PF.bias_share, (whole, self.p))
+        n.replace_input_with(whole, share)
 
     def _local_groups(self, n, t):
         """A grouped convolution split on channels: this rank holds groups / p whole groups."""

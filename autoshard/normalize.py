@@ -26,13 +26,25 @@ back as `[b, H, s, s]`. Heads merged under the batch cannot be split over the ra
 dim's shards would be strided by a batch size that varies), so the pass keeps them apart: the
 same products as a 4-d `matmul` of the tensors before the merge, the bias (alibi: `[H, 1, s]`
 repeated b times) broadcast over the batch, `baddbmm`'s beta and alpha as products.
+
+Parts of groups (`regroup_blocks`): CodeGen lays its fused `qkv_proj` out in 4 model-parallel
+groups, each its heads' q, v and k (`mp_num = 4`), views the output as `[b, s, 4, 3 * 256]`,
+splits the last dim into q, v and k and merges (group, features) into heads. At 8 ranks a rank's
+2 heads are half of one group's q, v and k: a shard of two dims of that view, which no
+placement holds. The pass takes the parts from `regroup(x, 4, 3)` instead (q of every group, then
+v, then k: `nn.functional.regroup`), sliced one after another as Phi-3's `qkv_proj` is, and the
+heads views read those slices. The planner holds the projection in grouped blocks
+(`Shard(d, 12, groups=4)`) that `regroup` turns into the parts split block by block.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
+from .nn.functional import regroup
 from .shapes import DYNAMIC, dynamic_dims, fetch_attr
 
 aten = torch.ops.aten
@@ -250,4 +262,62 @@ def unmerge_batch_heads(gm: fx.GraphModule) -> int:
         gm.graph.eliminate_dead_code(is_impure_node=lambda x: x.op != "call_function" or x.target not in
                                      (*MERGES, aten.transpose.int, aten.repeat.default, aten.to.dtype,
                                       aten._to_copy.default))
+    return done
+
+
+SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+
+
+def _merges_groups(n: fx.Node, lead: tuple, features: int) -> bool:
+    """Whether `n` views a `[*lead, G, c]` part as `[*lead, heads, head_dim]` (G * c features)."""
+    out = _shape(n)
+    return n.op == "call_function" and n.target in VIEWS and out is not None and len(out) == len(lead) + 2 \
+        and out[:len(lead)] == lead and out[-2] * out[-1] == features
+
+
+def regroup_blocks(gm: fx.GraphModule) -> int:
+    """Rewrite, in place, every view of a tensor's last dim into (G groups, features) whose one
+    reader splits the features into K equal parts, each part only viewed as heads (merging G
+    and its features): the parts become slices of `regroup(x, G, K)`, the heads views read them.
+    Returns how many were rewritten (the caller recompiles)."""
+    done = 0
+    for view in list(gm.graph.nodes):
+        if view.op != "call_function" or view.target not in VIEWS or not isinstance(view.args[0], fx.Node):
+            continue
+        x, xs, vs = view.args[0], _shape(view.args[0]), _shape(view)
+        if xs is None or vs is None or len(vs) != len(xs) + 1 or len(vs) < 3 or vs[:-2] != xs[:-1] \
+                or vs[-2] < 2 or len(view.users) != 1:
+            continue
+        split = next(iter(view.users))
+        lead, g, width = vs[:-2], vs[-2], vs[-1]
+        if split.op != "call_function" or split.target not in SPLITS or len(split.args) < 3 \
+                or split.args[2] % len(vs) != len(vs) - 1:
+            continue
+        sizes = split.args[1] if isinstance(split.args[1], (list, tuple)) else None
+        c = split.args[1] if isinstance(split.args[1], int) else (sizes[0] if sizes and len(set(sizes)) == 1 else None)
+        if not c or width % c or width // c < 2:
+            continue
+        k = width // c
+        getters = list(split.users)
+        if any(u.target is not operator.getitem or not all(_merges_groups(r, lead, g * c) for r in u.users)
+               for u in getters):
+            continue
+        with gm.graph.inserting_before(split):
+            grouped = gm.graph.call_function(regroup, (x, g, k))
+        grouped.meta = {key: v for key, v in view.meta.items() if key not in ("val", DYNAMIC)}
+        grouped.meta["val"] = regroup(x.meta["val"], g, k)
+        grouped.meta[DYNAMIC] = dynamic_dims(x)
+        for u in getters:
+            i = u.args[1]
+            with gm.graph.inserting_before(split):
+                part = gm.graph.call_function(aten.slice.Tensor, (grouped, len(xs) - 1, i * g * c, (i + 1) * g * c))
+            part.meta = {key: v for key, v in u.meta.items() if key not in ("val", DYNAMIC)}
+            part.meta["val"] = aten.slice.Tensor(grouped.meta["val"], len(xs) - 1, i * g * c, (i + 1) * g * c)
+            part.meta[DYNAMIC] = dynamic_dims(x)
+            for r in list(u.users):
+                r.replace_input_with(u, part)
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(split)
+        gm.graph.erase_node(view)
+        done += 1
     return done

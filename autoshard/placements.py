@@ -36,6 +36,13 @@ over those groups first and then each group's piece over its m ranks: where the 
 divide, the query heads that read one group's kv heads stay in that group (28 query heads of 4
 kv groups on 8 ranks: 4, 3, 4, 3, 4, 3, 4, 3, not torch.chunk's 4, 4, 4, 4, 3, 3, 3, 3).
 
+`Shard(d, chunks, groups=G)` holds a dim of `chunks` equal blocks in G consecutive groups
+(CodeGen's fused projection: 4 model-parallel groups of q, v and k, `Shard(d, 12, groups=4)`):
+the groups go to the ranks in order, G / p whole groups a rank, or each group to p / G consecutive
+ranks that split each of its blocks evenly (`block_sizes`: a rank's share of the other groups'
+blocks is empty). Only `regroup` reads it (the planner never moves it): a parameter's layout and
+its projection's output.
+
 `ReplicatePartialGrad` ("Rp") is a Replicate whose gradient may stay Partial: every rank holds
 the whole tensor, and in backward each rank holds a summand of its gradient. It is how fewer
 key/value heads than ranks are replicated (Megatron's and vLLM's replicated K/V heads): K and V
@@ -88,6 +95,7 @@ class Shard:
     parts: tuple | None = None   # the blocks' sizes where they differ (a grouped q/k/v: q, k, v features)
     replicas: int = 1            # consecutive ranks holding the same piece (an activation only)
     nest: int = 1                # split over p / nest groups of ranks first, then within each group
+    groups: int = 1              # the `chunks` blocks in this many consecutive groups, one per group of ranks
 
     def __post_init__(self):
         if self.dim < 0:
@@ -98,6 +106,9 @@ class Shard:
             raise ValueError(f"Shard unit must be >= 1, got {self.unit}")
         if self.replicas < 1 or self.nest < 1:
             raise ValueError(f"Shard replicas and nest must be >= 1, got {self.replicas}, {self.nest}")
+        if self.groups < 1 or self.chunks % self.groups or (self.groups > 1 and (self.parts is not None or self.unit > 1
+                                                                                 or self.nest > 1 or self.replicas > 1)):
+            raise ValueError(f"Shard groups={self.groups} must divide chunks={self.chunks}, in equal blocks in elements")
         if self.parts is not None and (len(self.parts) != self.chunks or min(self.parts) < 1):
             raise ValueError(f"Shard parts {self.parts} must be {self.chunks} positive block sizes")
         if self.parts is not None and len(set(self.parts)) == 1:
@@ -109,6 +120,7 @@ class Shard:
             s = f"S({self.dim})x({','.join(str(q) for q in self.parts)})"
         s = s if self.unit == 1 else f"{s}/{self.unit}"
         s = s if self.nest == 1 else f"{s}n{self.nest}"
+        s = s if self.groups == 1 else f"{s}g{self.groups}"
         return s if self.replicas == 1 else f"{s}r{self.replicas}"
 
     def __repr__(self) -> str:
@@ -117,7 +129,8 @@ class Shard:
         parts = "" if self.parts is None else f", parts={self.parts}"
         replicas = "" if self.replicas == 1 else f", replicas={self.replicas}"
         nest = "" if self.nest == 1 else f", nest={self.nest}"
-        return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit}{parts}{replicas}{nest})"
+        groups = "" if self.groups == 1 else f", groups={self.groups}"
+        return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit}{parts}{replicas}{nest}{groups})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -143,7 +156,7 @@ def stored(placement):
     """How a parameter of `placement` is held and saved: the plain Shard / Replicate it is."""
     if isinstance(placement, ShardGathered):
         return Shard(placement.dim, placement.chunks, placement.size, placement.unit, placement.parts,
-                     nest=placement.nest)
+                     nest=placement.nest, groups=placement.groups)
     if isinstance(placement, ReplicatePartialGrad):
         return REPLICATE
     return placement
@@ -186,7 +199,8 @@ def blocks_of(n: int, chunks: int = 1, parts=None) -> list[int] | None:
     return [n // chunks] * chunks if n % chunks == 0 else None
 
 
-def block_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None, nest: int = 1) -> tuple | None:
+def block_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None, nest: int = 1,
+                groups: int = 1) -> tuple | None:
     """Every rank's share of each block of a dim of `n` (`sizes[block][rank]`: `chunk_sizes` of the
     block, in `unit`s), or None where `Shard(d, chunks, unit=unit, parts=parts)` cannot hold it:
     a block that is no whole number of units, a rank left empty, or a strided shard in elements
@@ -196,8 +210,33 @@ def block_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=N
     `Shard(d, 3, parts=(5120, 1280, 1280))`, 20 query heads and 5 of k and of v each. With
     `nest` = m a block is cut over p / m groups of m consecutive ranks first, then each group's
     piece over its ranks: 28 query heads on 8 ranks in 4 groups of 2 (Qwen2-7B's 4 kv groups)
-    hold 4, 3, 4, 3, 4, 3, 4, 3 heads, each pair the 7 that read one kv head (`Shard(d, nest=2)`)."""
+    hold 4, 3, 4, 3, 4, 3, 4, 3 heads, each pair the 7 that read one kv head (`Shard(d, nest=2)`).
+    With `groups` = G the `chunks` equal blocks lie in G consecutive groups (`grouped_sizes`)."""
+    if groups > 1:
+        return _grouped_sizes(int(n), world_size, chunks, groups)
     return _block_sizes(int(n), world_size, chunks, unit, None if parts is None else tuple(parts), nest)
+
+
+@lru_cache(maxsize=1024)
+def _grouped_sizes(n: int, world_size: int, chunks: int, groups: int) -> tuple | None:
+    """`block_sizes` of `Shard(d, chunks, groups=G)`: the dim is G consecutive groups of chunks / G
+    equal blocks each (CodeGen's `qkv_proj`: 4 model-parallel groups of q, v and k). The groups go
+    to the ranks in order: G / p whole groups a rank where p divides G, else each group to p / G
+    consecutive ranks, each of its blocks split evenly over them (16 heads on 8 ranks: rank r
+    holds half of group r // 2's q, of its v and of its k, and nothing of the other groups).
+    None where neither divides, or a block does not split evenly."""
+    blocks = blocks_of(n, chunks)
+    if blocks is None:
+        return None
+    per = chunks // groups
+    if groups % world_size == 0:
+        held = groups // world_size
+        return tuple(tuple(b if (i // per) // held == r else 0 for r in range(world_size))
+                     for i, b in enumerate(blocks))
+    m = world_size // groups
+    if world_size % groups or blocks[0] % m:
+        return None
+    return tuple(tuple(b // m if r // m == i // per else 0 for r in range(world_size)) for i, b in enumerate(blocks))
 
 
 @lru_cache(maxsize=4096)
@@ -223,10 +262,11 @@ def _block_sizes(n: int, world_size: int, chunks: int, unit: int, parts, nest: i
     return tuple(out)
 
 
-def piece_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None, nest: int = 1) -> list[int]:
+def piece_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None, nest: int = 1,
+                groups: int = 1) -> list[int]:
     """Every rank's size along the split dim of `Shard(d, chunks, unit=unit, parts=parts)` of a
     dim of `n` (its share of every block); a ValueError where that shard cannot hold `n`."""
-    sizes = block_sizes(n, world_size, chunks, unit, parts, nest)
+    sizes = block_sizes(n, world_size, chunks, unit, parts, nest, groups)
     if sizes is None:
         raise ValueError(f"size {n} does not divide into {parts or chunks} chunk(s) x {world_size} ranks"
                          + (f" in units of {unit}" if unit > 1 else "") + " without leaving a rank empty")
@@ -237,7 +277,7 @@ def shares(n: int, placement, world_size: int) -> tuple | None:
     """`block_sizes` of a dim of `n` held with the Shard `placement` (`[block][rank]`; the ranks of a
     group of `replicas` hold the same share)."""
     groups, m = groups_of(placement, world_size)
-    sizes = block_sizes(n, groups, placement.chunks, placement.unit, placement.parts, placement.nest)
+    sizes = block_sizes(n, groups, placement.chunks, placement.unit, placement.parts, placement.nest, placement.groups)
     if sizes is None or m == 1:
         return sizes
     return tuple(tuple(block[r // m] for r in range(world_size)) for block in sizes)
@@ -270,7 +310,7 @@ def dtensor_boundaries(shape, placement, world_size: int) -> bool:
     groups of ranks first or held by groups, and a balanced split (where torch.chunk would leave
     a rank empty) cannot."""
     if not isinstance(placement, Shard) or placement.chunks != 1 or placement.unit != 1 or placement.nest != 1 \
-            or placement.replicas != 1:
+            or placement.replicas != 1 or placement.groups != 1:
         return False
     return _chunk_fills(int(shape[placement.dim]), world_size)
 
@@ -300,7 +340,7 @@ def is_even(shape, placement: Placement, world_size: int) -> bool:
     Partial): the layout every collective and writer handles without padding or block sizes."""
     if not isinstance(placement, Shard):
         return True
-    if placement.parts is not None:            # blocks of unequal sizes: the general layout
+    if placement.parts is not None or placement.groups > 1:     # unequal blocks, grouped ones: the general layout
         return False
     groups, _ = groups_of(placement, world_size)
     return int(shape[placement.dim]) % (groups * placement.chunks * placement.unit) == 0
@@ -317,7 +357,8 @@ def local_shape(shape, placement: Placement, world_size: int, rank: int | None =
         raise ValueError(f"dim {d} of {placement} is out of range for shape {shape}")
     groups, m = groups_of(placement, world_size)
     try:
-        sizes = piece_sizes(shape[d], groups, placement.chunks, placement.unit, placement.parts, placement.nest)
+        sizes = piece_sizes(shape[d], groups, placement.chunks, placement.unit, placement.parts, placement.nest,
+                            placement.groups)
     except ValueError as e:
         raise ValueError(f"dim {d}: {e}") from None
     return shape[:d] + (sizes[0 if rank is None else rank // m],) + shape[d + 1:]
@@ -410,6 +451,9 @@ def boxes(shape, placement: Placement, rank: int, world_size: int) -> tuple[Box,
     out, start, at = [], 0, 0
     for block, sizes in zip(blocks_of(shape[d], placement.chunks, placement.parts), shares(shape[d], placement, world_size)):
         piece = sizes[rank]
+        if not piece:                        # a block of a group this rank does not hold
+            start += block
+            continue
         out.append(Box(zeros[:d] + (start + sum(sizes[:rank]),) + zeros[d + 1:], local[:d] + (piece,) + local[d + 1:],
                        zeros[:d] + (at,) + zeros[d + 1:]))
         start, at = start + block, at + piece
@@ -435,7 +479,7 @@ def checked_dim(dim: int, ndim: int, what: str = "tensor") -> int:
 
 
 def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = "tensor",
-                uneven: bool = False, unit: int = 1, parts=None, nest: int = 1) -> list:
+                uneven: bool = False, unit: int = 1, parts=None, nest: int = 1, groups: int = 1) -> list:
     """Split `x` along `dim` into the `n` rank pieces of Shard(dim, chunks): views when chunks=1.
 
     With chunks > 1 the dim is `chunks` equal blocks, each split over the ranks, and piece r is
@@ -444,16 +488,17 @@ def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = 
     gives blocks of unequal sizes (always cut so)."""
     dim = checked_dim(dim, x.dim(), what)
     size = x.size(dim)
-    if parts is not None or (uneven and size % (n * chunks * unit)):
-        sizes = block_sizes(size, n, chunks, unit, parts, nest)
+    if parts is not None or groups > 1 or (uneven and size % (n * chunks * unit)):
+        sizes = block_sizes(size, n, chunks, unit, parts, nest, groups)
         if sizes is not None and chunks == 1:
             return list(x.split(sizes[0], dim))
         if sizes is not None:                       # each block cut at its boundaries
             blocks = [b.split(s, dim) for b, s in zip(x.split(blocks_of(size, chunks, parts), dim), sizes)]
             return [torch.cat([b[r] for b in blocks], dim) for r in range(n)]
-        if parts is not None:
+        if parts is not None or groups > 1:
             raise ShardingError(f"{what} of shape {tuple(x.shape)}: size {size} of dim {dim} does not split "
-                                f"into blocks {parts} x {n} ranks" + (f" in units of {unit}" if unit > 1 else ""))
+                                f"into blocks {parts or chunks} x {n} ranks" + (f" in units of {unit}" if unit > 1 else "")
+                                + (f" in {groups} groups" if groups > 1 else ""))
     if size % (n * chunks):
         raise ShardingError(
             f"{what} of shape {tuple(x.shape)}: size {size} of dim {dim} does not divide into "
@@ -474,14 +519,17 @@ def pad_along(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim)
 
 
-def cat_along(pieces, dim: int, chunks: int = 1, parts=None, unit: int = 1, nest: int = 1) -> torch.Tensor:
+def cat_along(pieces, dim: int, chunks: int = 1, parts=None, unit: int = 1, nest: int = 1,
+              groups: int = 1) -> torch.Tensor:
     """Inverse of `split_along`: the full tensor from the rank pieces in rank order (a rank's
-    piece is its share of every block: equal sub-pieces, or its shares of `parts`)."""
+    piece is its share of every block: equal sub-pieces, or its shares of `parts`, or of grouped
+    blocks)."""
     dim = checked_dim(dim, pieces[0].dim())
     if chunks == 1:
         return torch.cat(list(pieces), dim)
-    if parts is not None:
-        sizes = block_sizes(sum(parts), len(pieces), chunks, unit, parts, nest)
+    if parts is not None or groups > 1:
+        n = sum(parts) if parts is not None else sum(p.size(dim) for p in pieces)
+        sizes = block_sizes(n, len(pieces), chunks, unit, parts, nest, groups)
         blocks = [p.split([s[r] for s in sizes], dim) for r, p in enumerate(pieces)]
     else:
         blocks = [p.chunk(chunks, dim) for p in pieces]

@@ -28,7 +28,7 @@ from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_g
 from .decisions import decision_groups, fix_layouts
 from .placements import (REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, held_by_groups, is_even, local_numel,
                          shares)
-from .rules.registry import NodeInfo, OpStrategy, family_of, group_size
+from .rules.registry import NodeInfo, OpStrategy, family_of, group_size, regroup_spec
 
 INF = math.inf
 # the weight of the largest rank's excess state over the ranks' mean in the memory term: small, so
@@ -227,6 +227,8 @@ class Problem:
     def redistribution(self, j: int, src, req):
         """`cost.redistribute` for tensor j: an all-to-all needs equal blocks, so between shards of
         unequal sizes it is a gather and a cut (as the rewrite moves them)."""
+        if src != req and any(isinstance(q, Shard) and q.groups > 1 for q in (src, req)):
+            return None              # grouped blocks are only read as they are (by `regroup`)
         r = redistribute(src, req)
         if r == ((), ()) and held_by_groups(src) and src != req and not self.nested(j, src, req):
             return None
@@ -441,7 +443,8 @@ def _structure(n: fx.Node, module) -> tuple | None:
     target = type(module) if module is not None else n.target
     extra = module.extra_repr() if module is not None else None
     try:
-        key = (n.op, target, extra, norm(n.args), norm(n.kwargs), out, n.meta.get(DYNAMIC))
+        key = (n.op, target, extra, norm(n.args), norm(n.kwargs), out, n.meta.get(DYNAMIC),
+               tuple(sorted({regroup_spec(u) for u in n.users} - {None})))     # (`NodeInfo.group_shards`)
         hash(key)
     except TypeError:
         return None

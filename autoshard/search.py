@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from .placements import PARTIAL, REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups
+from .placements import REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups
 from .decisions import transposed
 from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers build)
 
@@ -237,19 +237,21 @@ class State:
         self.total += delta
 
     def reduce_early(self) -> None:
-        """Settle a tie the per-node choice breaks late: an op of one tensor input that keeps it
-        Partial (a dropout of a row layer's output) while every reader of its result needs the sum whole
-        takes its input whole instead, so the all-reduce comes before it, as in Megatron's
-        row-parallel layer (whose fresh output is then summed in place), wherever that costs no
-        more. A result some reader sums while Partial (the two branches of a parallel block)
-        stays Partial."""
+        """Settle a tie the per-node choice breaks late: an op that keeps Partial inputs Partial
+        (a dropout of a row layer's output, a residual add of a whole or Partial tensor to it)
+        while every reader of its result needs the sum whole takes its inputs whole instead, so the
+        all-reduce comes before it, as in Megatron's row-parallel layer (whose fresh output is then
+        summed in place), wherever that costs no more (never where it would reduce two summands
+        apart: the two branches of a parallel block). A result some reader sums while Partial or
+        reads split stays Partial."""
         prob, place, sidx = self.prob, self.place, self.sidx
-        for i in range(len(prob.nodes)):
+        for i in reversed(range(len(prob.nodes))):      # readers first: a chain settles in one pass
             if prob.kind[i] != "op" or not isinstance(place[i], Partial) or not prob.strats[i] or sidx[i] == 0 \
                     or not isinstance(prob.strats[i][0].output, Replicate) or not prob.users[i]:
                 continue
-            if [r for r in prob.strats[i][sidx[i]].inputs if r is not None] != [PARTIAL]:
-                continue            # one Partial input passed through (a dropout, a cast), nothing else
+            ins = [r for r in prob.strats[i][sidx[i]].inputs if r is not None]
+            if not any(isinstance(r, Partial) for r in ins) or not all(isinstance(r, (Partial, Replicate)) for r in ins):
+                continue            # Partial inputs passed through or summed (a dropout, a residual add)
             if not all(self._reads_whole(u, i) for u in prob.users[i]):
                 continue
             tensors = {prob.root[j] for j in (i, *prob.ins[i])}

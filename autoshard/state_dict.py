@@ -163,7 +163,7 @@ def _gather_entry(value, layout, pg, p, dst, rank):
     """The full tensor of `layout` from every rank's `value` (shards of unequal sizes travel
     padded to the largest and are cropped)."""
     sizes = None if layout.size is None else piece_sizes(layout.size, p, layout.chunks, layout.unit, layout.parts,
-                                                         layout.nest)
+                                                         layout.nest, layout.groups)
     if sizes is not None and value.size(layout.dim) != sizes[rank]:
         raise ShardingError(f"collect_state_dict: a {tuple(value.shape)} shard on rank {rank}, but {layout.size} "
                             f"rows on {p} ranks give it {sizes[rank]} along dim {layout.dim}")
@@ -180,7 +180,7 @@ def _gather_entry(value, layout, pg, p, dst, rank):
             return None
     if sizes is not None:
         pieces = [piece.narrow(layout.dim, 0, n) for piece, n in zip(pieces, sizes)]
-    return cat_along(pieces, layout.dim, layout.chunks, layout.parts, layout.unit, layout.nest)
+    return cat_along(pieces, layout.dim, layout.chunks, layout.parts, layout.unit, layout.nest, layout.groups)
 
 
 def relocate_state_dict(model, state_dict, prefix: str = "", group=None):
@@ -196,7 +196,7 @@ def relocate_state_dict(model, state_dict, prefix: str = "", group=None):
                       f"the full tensor of a {layout} shard of {tuple(local.shape)} on {p} ranks")
         piece = split_along(value, layout.dim, p, layout.chunks, what=f"state dict entry {key!r}",
                             uneven=layout.size is not None, unit=layout.unit, parts=layout.parts,
-                            nest=layout.nest)[rank]
+                            nest=layout.nest, groups=layout.groups)[rank]
         out[key] = piece.clone(memory_format=torch.contiguous_format)
     return out
 

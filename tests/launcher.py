@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -78,7 +79,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             break
         fn, args = task
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            value = fn(rank, world_size, *args)
+            pickle.dumps(value)      # an unpicklable result fails here, with its traceback, not in
+            results.put((rank, True, value))     # the queue's feeder thread (a silent timeout)
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, traceback.format_exc()))
         finally:

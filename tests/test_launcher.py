@@ -18,6 +18,11 @@ def _sleep_on_rank_zero(rank, world_size, seconds):
     return rank
 
 
+def _unpicklable(rank, world_size):
+    import types
+    return types.MappingProxyType({"rank": rank})
+
+
 def _ranks(rank, world_size):
     return (rank, world_size)
 
@@ -32,4 +37,12 @@ def test_failure_carries_rank_and_traceback_then_pool_recovers(dist2):
 def test_timeout_kills_and_rebuilds(dist2):
     with pytest.raises(TimeoutError, match="_sleep_on_rank_zero did not finish"):
         dist2.run(_sleep_on_rank_zero, 5.0, timeout=1.0)
+    assert dist2.run(_ranks) == [(0, 2), (1, 2)]
+
+
+def test_unpicklable_result_is_reported_at_once(dist2):
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"(?s)_unpicklable failed.*cannot pickle 'mappingproxy'"):
+        dist2.run(_unpicklable, timeout=60)
+    assert time.monotonic() - t0 < 30        # reported by the rank, not by the timeout
     assert dist2.run(_ranks) == [(0, 2), (1, 2)]

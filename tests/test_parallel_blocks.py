@@ -63,8 +63,11 @@ def _inputs(seed=0, batch=32):          # 1024 tokens: bytes, not latency, decid
 
 
 def _activation_all_reduces(plan, batch=32):
-    """Forward all-reduces of the residual stream (batch x T x H floats): the layers' own."""
-    return [r.node for r in plan.redistributions if r.forward == ("all_reduce",) and r.nbytes == batch * T * H * 4]
+    """Forward reductions of the residual stream (batch x T x H floats): the layers' own (an
+    all-reduce, or after the last layer a reduce-scatter for a head that reads its features
+    split: the stream is carried Partial, `partial_plus`)."""
+    return [r.node for r in plan.redistributions if r.forward in (("all_reduce",), ("reduce_scatter",))
+            and r.nbytes == batch * T * H * 4]
 
 
 @pytest.mark.parametrize("p", [2, 4])

@@ -20,7 +20,7 @@ from .common import check_dim
 from .cross_entropy import vocab_parallel_cross_entropy
 
 __all__ = ["parallel_linear", "parallel_embedding", "parallel_cross_entropy", "masked_embedding",
-           "vocab_parallel_cross_entropy", "bias_share"]
+           "vocab_parallel_cross_entropy", "bias_share", "regroup"]
 
 
 def _is_column_sharded(x) -> bool:
@@ -101,6 +101,20 @@ def bias_share(bias, world_size: int):
     holds whole (the gradient of a sum is each summand's), so it is passed back as it is: the
     replicated bias gets its full gradient on every rank with no collective."""
     return _BiasShare.apply(bias, world_size)
+
+
+def regroup(x, groups: int, chunks: int):
+    """The last dim of `x`, `groups` consecutive groups of `chunks` equal blocks (CodeGen's fused
+    q / v / k in 4 model-parallel groups), reordered block by block: block 0 of every group, then
+    block 1 of every group, ... (q of every group, then v, then k: one block after another, as
+    Phi-3's fused projection lays them out). A capture normal form (`normalize.regroup_blocks`);
+    one FX node, so the planner sees the reorder as one op (`rules.shape`)."""
+    if groups == 1:
+        return x
+    return x.unflatten(-1, (groups, chunks, -1)).transpose(-3, -2).flatten(-3)
+
+
+torch.fx.wrap("regroup")
 
 
 def _global_padding_idx(padding_idx, num_embeddings: int):

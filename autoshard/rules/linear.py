@@ -29,7 +29,8 @@ def column_row(info: NodeInfo, x, w, b, *, x_dim: int, out_dim: int, w_out_dim: 
     linear layers and convolutions."""
     p = info.world_size
     found = []
-    for pl in info.shards(w_out_dim, info.shape(w)[w_out_dim]):     # k > 1: a fused projection's blocks
+    size = info.shape(w)[w_out_dim]
+    for pl in info.shards(w_out_dim, size) + info.group_shards(w_out_dim, size):   # a fused projection's blocks
         m = {x: REPLICATE, w: pl}
         if b is not None:
             m[b] = replace(pl, dim=0)

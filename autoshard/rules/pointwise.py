@@ -3,6 +3,7 @@
 A sharded output dim needs every input that has that dim (not broadcast) sharded the same way;
 broadcast inputs stay Replicate. Linear ops also carry Partial (sum of summands).
 """
+import math
 import operator
 from dataclasses import replace
 
@@ -102,11 +103,42 @@ def _type_as(info):
             for s in out if s.inputs[info.inputs.index(x)] is not None]
 
 
+IN_PLACE_SUMS = {operator.iadd, operator.isub, torch.Tensor.add_, torch.Tensor.sub_, aten.add_.Tensor, aten.sub_.Tensor}
+
+
 @register_rule(*SUMS)
 def _sum_like(info):
     # summands plus a number would add it once per rank: only tensors, all Partial, stay Partial
     numbers = any(isinstance(a, (int, float)) and not isinstance(a, bool) and a != 0 for a in info.node.args)
-    return elementwise(info, [] if numbers else [[n for n in info.inputs if info.is_tensor(n)]])
+    tensors = [n for n in info.inputs if info.is_tensor(n)]
+    found = elementwise(info, [] if numbers else [tensors])
+    if not numbers and len(tensors) == 2 and len(set(tensors)) == 2:
+        found += _partial_plus_whole(info, tensors)
+    return found
+
+
+def _partial_plus_whole(info, tensors):
+    """A Partial summand plus a whole tensor stays Partial: each rank adds its share (1/p) of the
+    whole one (`nn.functional.bias_share`, whose gradient is the output's, whole on every rank).
+    A word embedding split by vocabulary (Partial) plus replicated token-type embeddings plus a
+    position embedding split by rows (Partial) then needs one all-reduce, as Megatron's, instead
+    of one for the words and a gather for the positions. Not for the in-place op's own input
+    (its storage would hold the share), nor for integer tensors. The division is priced as one
+    more element-wise op over the whole operand (so a tie keeps the all-reduce before the sum)."""
+    out = info.out_shape
+    if out is None:
+        return []
+    node = info.node
+    op = getattr(torch.Tensor, node.target, None) if node.op == "call_method" else node.target
+    found = []
+    for part, whole in (tensors, tensors[::-1]):
+        if not info.val(whole).is_floating_point() or (op in IN_PLACE_SUMS and node.args[0] is whole):
+            continue
+        v = info.val(whole)
+        share = 1.0 + v.numel() / max(1, math.prod(out))
+        found.append(info.req({part: PARTIAL, whole: REPLICATE}, "partial_plus", PARTIAL,
+                              grads={whole: REPLICATE}, compute=share))
+    return found
 
 
 @register_rule(*PRODUCTS)

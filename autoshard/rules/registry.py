@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..collectives import split_kind
+from ..nn.functional import regroup
 from ..shapes import dynamic_dims
 from ..placements import (PARTIAL, REPLICATE, REPLICATE_PG, Partial, Placement, Replicate, ReplicatePartialGrad, Shard,
                           ShardGathered, block_sizes, divides, splits)
@@ -160,6 +161,18 @@ class NodeInfo:
                     found.append(Shard(d, len(parts), unit=u, parts=parts))
         return found
 
+    def group_shards(self, d: int, size: int) -> list:
+        """Shards of dim `d` in grouped blocks (`Shard(d, G * K, groups=G)`) for each reader that
+        reorders them block by block (`regroup_spec`): the output of CodeGen's fused projection,
+        a group of its q, v and k a group of ranks (only that reader takes it: the planner never
+        moves a grouped shard)."""
+        found = []
+        for spec in sorted({regroup_spec(u) for u in self.node.users} - {None}):
+            g, k = spec
+            if g > 1 and block_sizes(size, self.world_size, g * k, groups=g) is not None:
+                found.append(Shard(d, g * k, groups=g))
+        return found
+
     def fewer_units(self, size: int) -> bool:
         """Whether a dim of `size` holds fewer whole units (heads) than ranks for some unit the
         graph cuts features into: fewer K/V heads than ranks, which can only be replicated."""
@@ -184,6 +197,13 @@ class NodeInfo:
                                      (REPLICATE if isinstance(r, Partial) else r))
                    for n, r in zip(self.inputs, ins))
         return OpStrategy(name, output, ins, gr, compute, tuple(comm), dim, uneven)
+
+
+def regroup_spec(node) -> tuple | None:
+    """(groups, chunks) of a `regroup` node (`nn.functional.regroup`), else None."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is regroup:
+        return int(node.args[1]), int(node.args[2])
+    return None
 
 
 def may_differ(placement: Shard) -> bool:

@@ -13,7 +13,8 @@ from dataclasses import replace
 import torch
 
 from ..collectives import in_groups
-from ..placements import padded
+from ..nn.functional import regroup
+from ..placements import block_sizes, padded
 from .registry import PARTIAL, REPLICATE_PG, NodeInfo, Shard, may_differ, norm_dim, register_rule, register_shape_op
 
 aten = torch.ops.aten
@@ -414,3 +415,21 @@ def _stack(info):
 
 register_shape_op(torch.Tensor.size, torch.Tensor.dim, builtins.getattr, aten.sym_size.int, torch.Tensor.numel,
                   aten.sym_numel.default, aten._assert_tensor_metadata.default)
+
+
+@register_rule(regroup)
+def _regroup(info):
+    """`regroup(x, G, K)`, grouped blocks reordered one block after another: x held in grouped
+    blocks (`Shard(-1, G * K, groups=G)`, each group of ranks its group's share of every block)
+    gives the one-after-another layout split block by block (`Shard(-1, K)`); each rank reorders
+    its own groups (`local_ops`: regroup(x, G / p, K), nothing where a rank holds one group or
+    less). Batch dims pass through; Partial stays Partial (a permutation)."""
+    x, g, k = info.node.args[0], int(info.node.args[1]), int(info.node.args[2])
+    out, p = info.out_shape, info.world_size
+    last = len(out) - 1
+    found = [info.req({x: Shard(d)}, f"shard({d})", Shard(d), uneven=True) for d in range(last) if out[d] > 1]
+    grouped = Shard(last, g * k, groups=g)
+    if g > 1 and block_sizes(out[last], p, g * k, groups=g) is not None and block_sizes(out[last], p, k) is not None:
+        found.append(info.req({x: grouped}, "regroup", Shard(last, k), compute=1 / p))
+    found.append(info.req({x: PARTIAL}, "partial", PARTIAL))
+    return found
