@@ -94,6 +94,7 @@ class Spec:
     layers_key: str = "num_hidden_layers"
     remark: str = ""
     extra: dict = field(default_factory=dict)
+    per_layer: dict = field(default_factory=dict)   # kwargs listing a value per layer: {key: (value, layers per entry)}
 
 
 # Hyperparameters as published in each checkpoint's config.json (the depth is replaced by 2 layers).
@@ -207,6 +208,11 @@ CONFIGS: dict[str, Spec] = {
         vocab_size=51200, n_embd=1024, n_layer=20, n_head=16, rotary_dim=32, n_ctx=2048, n_positions=2048,
         activation_function="gelu_new", tie_word_embeddings=False, bos_token_id=1, eos_token_id=50256),
         parallel=True, attn="eager", layers_key="n_layer", remark="fused qkv_proj in 4 model-parallel blocks"),
+    "gpt-neo-1.3b": Spec("EleutherAI/gpt-neo-1.3B", "GPTNeoConfig", dict(
+        vocab_size=50257, hidden_size=2048, num_layers=24, num_heads=16, intermediate_size=None, window_size=256,
+        max_position_embeddings=2048, activation_function="gelu_new", bos_token_id=50256, eos_token_id=50256),
+        attn="eager", layers_key="num_layers", per_layer={"attention_types": (["global", "local"], 2)},
+        remark="global and local (window 256) attention alternate; tied embeddings"),
 }
 
 
@@ -214,7 +220,9 @@ CONFIGS: dict[str, Spec] = {
 
 def build(spec: Spec, layers: int):
     """The configuration and its model with `layers` layers, on meta."""
-    cfg = getattr(transformers, spec.config)(**{**spec.kwargs, spec.layers_key: layers, "use_cache": False})
+    # a list with an entry per layer (GPT-Neo's attention types) follows the depth built
+    scaled = {k: [[v, layers // n]] for k, (v, n) in spec.per_layer.items()}
+    cfg = getattr(transformers, spec.config)(**{**spec.kwargs, **scaled, spec.layers_key: layers, "use_cache": False})
     auto = getattr(transformers, spec.auto)
     with torch.device("meta"):
         model = auto.from_config(cfg, attn_implementation=spec.attn)
