@@ -71,6 +71,13 @@ def _int_list(e) -> bool:
     return isinstance(e, list) and bool(e) and all(isinstance(i, int) and not isinstance(i, bool) for i in e)
 
 
+def _set_meta(node: fx.Node, like: fx.Node, val, dynamic) -> None:
+    """A new node's meta: `like`'s (its module stack, source), with its own value and dynamic dims."""
+    node.meta = {k: v for k, v in like.meta.items() if k not in ("val", DYNAMIC)}
+    node.meta["val"] = val
+    node.meta[DYNAMIC] = dynamic
+
+
 def _constant(gm: fx.GraphModule, node) -> list | None:
     """The values of a 1-D integer constant tensor node (a lifted `get_attr`, through the copies
     export puts around it), else None."""
@@ -135,9 +142,7 @@ def unfuse_head_views(gm: fx.GraphModule) -> int:
         for user, (start, stop, keep) in taken.items():
             with gm.graph.inserting_before(user):
                 part = gm.graph.call_function(aten.slice.Tensor, (x, nd - 2, start * head_dim, stop * head_dim))
-                part.meta = {k: v for k, v in user.meta.items() if k not in ("val", DYNAMIC)}
-                part.meta["val"] = aten.slice.Tensor(xv, nd - 2, start * head_dim, stop * head_dim)
-                part.meta[DYNAMIC] = dynamic_dims(x)
+                _set_meta(part, user, aten.slice.Tensor(xv, nd - 2, start * head_dim, stop * head_dim), dynamic_dims(x))
                 heads_shape = [*shape[:-2], stop - start, head_dim] if keep else [*shape[:-2], head_dim]
                 viewed = gm.graph.call_function(aten.view.default, (part, heads_shape))
                 viewed.meta = dict(user.meta)
@@ -198,9 +203,7 @@ def _apply(gm: fx.GraphModule, src: fx.Node, steps, before: fx.Node) -> fx.Node:
                 like = step[1]
                 new = gm.graph.call_function(like.target, (out, *like.args[1:]), dict(like.kwargs))
                 dyn = dynamic_dims(out)
-        new.meta = {k: v for k, v in before.meta.items() if k not in ("val", DYNAMIC)}
-        new.meta["val"] = new.target(out.meta["val"], *new.args[1:], **new.kwargs)
-        new.meta[DYNAMIC] = dyn
+        _set_meta(new, before, new.target(out.meta["val"], *new.args[1:], **new.kwargs), dyn)
         out = new
     return out
 
@@ -304,16 +307,13 @@ def regroup_blocks(gm: fx.GraphModule) -> int:
             continue
         with gm.graph.inserting_before(split):
             grouped = gm.graph.call_function(regroup, (x, g, k))
-        grouped.meta = {key: v for key, v in view.meta.items() if key not in ("val", DYNAMIC)}
-        grouped.meta["val"] = regroup(x.meta["val"], g, k)
-        grouped.meta[DYNAMIC] = dynamic_dims(x)
+        _set_meta(grouped, view, regroup(x.meta["val"], g, k), dynamic_dims(x))
         for u in getters:
             i = u.args[1]
             with gm.graph.inserting_before(split):
                 part = gm.graph.call_function(aten.slice.Tensor, (grouped, len(xs) - 1, i * g * c, (i + 1) * g * c))
-            part.meta = {key: v for key, v in u.meta.items() if key not in ("val", DYNAMIC)}
-            part.meta["val"] = aten.slice.Tensor(grouped.meta["val"], len(xs) - 1, i * g * c, (i + 1) * g * c)
-            part.meta[DYNAMIC] = dynamic_dims(x)
+            _set_meta(part, u, aten.slice.Tensor(grouped.meta["val"], len(xs) - 1, i * g * c, (i + 1) * g * c),
+                      dynamic_dims(x))
             for r in list(u.users):
                 r.replace_input_with(u, part)
             gm.graph.erase_node(u)

@@ -28,7 +28,7 @@ from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_g
 from .decisions import decision_groups, fix_layouts
 from .placements import (REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, held_by_groups, is_even, local_numel,
                          shares)
-from .rules.registry import NodeInfo, OpStrategy, family_of, group_size, regroup_spec
+from .rules.registry import NodeInfo, OpStrategy, family_of, group_size, regroup_readers
 
 INF = math.inf
 # the weight of the largest rank's excess state over the ranks' mean in the memory term: small, so
@@ -444,7 +444,7 @@ def _structure(n: fx.Node, module) -> tuple | None:
     extra = module.extra_repr() if module is not None else None
     try:
         key = (n.op, target, extra, norm(n.args), norm(n.kwargs), out, n.meta.get(DYNAMIC),
-               tuple(sorted({regroup_spec(u) for u in n.users} - {None})))     # (`NodeInfo.group_shards`)
+               regroup_readers(n))     # (`NodeInfo.group_shards` reads them)
         hash(key)
     except TypeError:
         return None

@@ -132,9 +132,9 @@ def _partial_plus_whole(info, tensors):
     op = getattr(torch.Tensor, node.target, None) if node.op == "call_method" else node.target
     found = []
     for part, whole in (tensors, tensors[::-1]):
-        if not info.val(whole).is_floating_point() or (op in IN_PLACE_SUMS and node.args[0] is whole):
-            continue
         v = info.val(whole)
+        if not v.is_floating_point() or (op in IN_PLACE_SUMS and node.args[0] is whole):
+            continue
         share = 1.0 + v.numel() / max(1, math.prod(out))
         found.append(info.req({part: PARTIAL, whole: REPLICATE}, "partial_plus", PARTIAL,
                               grads={whole: REPLICATE}, compute=share))

@@ -163,12 +163,11 @@ class NodeInfo:
 
     def group_shards(self, d: int, size: int) -> list:
         """Shards of dim `d` in grouped blocks (`Shard(d, G * K, groups=G)`) for each reader that
-        reorders them block by block (`regroup_spec`): the output of CodeGen's fused projection,
+        reorders them block by block (`regroup_readers`): the output of CodeGen's fused projection,
         a group of its q, v and k a group of ranks (only that reader takes it: the planner never
         moves a grouped shard)."""
         found = []
-        for spec in sorted({regroup_spec(u) for u in self.node.users} - {None}):
-            g, k = spec
+        for g, k in regroup_readers(self.node):
             if g > 1 and block_sizes(size, self.world_size, g * k, groups=g) is not None:
                 found.append(Shard(d, g * k, groups=g))
         return found
@@ -199,11 +198,10 @@ class NodeInfo:
         return OpStrategy(name, output, ins, gr, compute, tuple(comm), dim, uneven)
 
 
-def regroup_spec(node) -> tuple | None:
-    """(groups, chunks) of a `regroup` node (`nn.functional.regroup`), else None."""
-    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is regroup:
-        return int(node.args[1]), int(node.args[2])
-    return None
+def regroup_readers(node: fx.Node) -> tuple:
+    """(groups, chunks) of each `regroup` (`nn.functional.regroup`) that reads `node`, sorted."""
+    return tuple(sorted({(int(u.args[1]), int(u.args[2])) for u in node.users
+                         if u.op == "call_function" and u.target is regroup}))
 
 
 def may_differ(placement: Shard) -> bool:
