@@ -22,7 +22,8 @@ import torch.fx
 
 from .errors import ProcessGroupError
 from .groups import get_group, is_initialized, subgroup_of, tensor_parallel_mesh
-from .placements import block_sizes, blocks_of, cat_along, checked_dim, pad_along, piece_sizes, split_along
+from .placements import block_sizes, blocks_of, piece_sizes
+from .pieces import cat_along, checked_dim, pad_along, split_along
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "gather_from", "reduce_scatter", "all_gather",
            "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError, ProcessGroupError
-from .placements import block_sizes, global_shape, is_even, local_shape, pad_along
+from .placements import block_sizes, global_shape, is_even, local_shape
+from .pieces import pad_along
 from .state_dict import group_of, layouts
 
 __all__ = ["attach", "save_pretrained", "saved_keys", "parse_size", "WEIGHTS_NAME", "INDEX_NAME"]

@@ -2,7 +2,7 @@
 
 `parallelize(model_on_meta, p, example, load=SOURCE)` plans and rewrites the meta model (no
 parameter memory), then fills each of this rank's tensors box by box
-(`placements.boxes`: one box for a contiguous shard, k for a strided fused q/k/v shard) from a
+(`pieces.boxes`: one box for a contiguous shard, k for a strided fused q/k/v shard) from a
 checkpoint, reading only those slices and converting their dtype slice by slice. Without
 `load=`, each module's own initialisation (`reset_parameters`, or a Hugging Face model's
 `_init_weights`) runs module by module in the model's order on a full-size copy of that module's
@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 
 from .errors import LoadError
-from .placements import Replicate, Shard, fill_boxes, local_shape
+from .placements import Replicate, Shard, local_shape
+from .pieces import fill_boxes
 
 __all__ = ["open_source", "check_source", "check_initialisable", "materialize", "meta_model", "example_ids",
            "memory_per_rank", "Source"]

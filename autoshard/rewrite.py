@@ -23,7 +23,8 @@ from .cost import fused_backward, redistribute
 from .errors import ShardingError
 from .groups import subgroup
 from .local_ops import FRESH_OUTPUT_OPS, LocalOps, shard_kw, target_of
-from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups, layout_of, split_along, stored
+from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups, layout_of, stored
+from .pieces import split_along
 from .shapes import fetch_attr
 from .state_dict import register_parallel_attribute
 from .verify import check_local_graph

@@ -19,7 +19,7 @@ from .errors import ShardingError, first_line
 from .nn import functional as PF
 from .nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from .groups import subgroup_size
-from .placements import cat_along, split_along
+from .pieces import cat_along, split_along
 
 
 def _within(group, p: int, rank: int) -> tuple[int, int]:

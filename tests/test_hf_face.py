@@ -300,7 +300,7 @@ def test_write_gathered_is_the_full_tensor(shape, dim, chunks, slab, monkeypatch
     import io
     import autoshard.hf as hf
     from autoshard import Shard
-    from autoshard.placements import cat_along, split_along
+    from autoshard.pieces import cat_along, split_along
     monkeypatch.setattr(hf, "SLAB_BYTES", slab)
     p = 2
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)

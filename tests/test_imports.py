@@ -18,7 +18,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # Bottom to top. A module may import from its own layer and any layer before it.
 LAYERS = [
-    ("data", ["errors", "placements"]),
+    ("data", ["errors", "placements", "pieces"]),
     ("group registry", ["groups"]),
     ("random streams", ["rng"]),
     ("collectives", ["collectives"]),
@@ -31,7 +31,7 @@ LAYERS = [
                "rules.norm", "rules.pointwise", "rules.shape"]),
     ("cost", ["cost"]),
     ("problem", ["decisions", "problem"]),
-    ("search and planner", ["search", "planner"]),
+    ("search and planner", ["assignment", "search", "planner"]),
     ("rewrite", ["verify", "local_ops", "rewrite", "blocks"]),
     ("call signatures", ["signatures"]),
     ("loading and checkpoints", ["loading", "checkpoint", "checkpoint.checksums", "checkpoint.reader", "checkpoint.writer",

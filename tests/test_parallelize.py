@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import autoshard
 from autoshard import distributed as ad
 from autoshard.collectives import count_comm
-from autoshard.placements import cat_along
+from autoshard.pieces import cat_along
 from autoshard.local_ops import FRESH_OUTPUT_OPS
 from autoshard.errors import CaptureError, ProcessGroupError, ShardingError
 from autoshard.nn import functional as PF

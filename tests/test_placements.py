@@ -1,9 +1,10 @@
-"""placements.boxes: a rank's pieces of a global tensor, checked against the split collect/relocate use."""
+"""pieces.boxes: a rank's pieces of a global tensor, checked against the split collect/relocate use."""
 import pytest
 import torch
 
-from autoshard.placements import split_along
-from autoshard.placements import PARTIAL, Replicate, Shard, boxes
+from autoshard.pieces import split_along
+from autoshard.placements import PARTIAL, Replicate, Shard
+from autoshard.pieces import boxes
 
 
 @pytest.mark.parametrize("shape,pl,p", [((12, 6), Shard(0, 3), 2), ((12, 6), Shard(1), 3), ((12, 8), Shard(0), 4),

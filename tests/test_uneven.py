@@ -278,7 +278,8 @@ def test_balanced_split_is_exact_and_checkpoints_across_degrees(dist2, dist3, di
 
 
 def test_balanced_boundaries():
-    from autoshard.placements import Shard, boxes, dtensor_boundaries, splits
+    from autoshard.placements import Shard, dtensor_boundaries, splits
+    from autoshard.pieces import boxes
     assert chunk_sizes(257, 3) == [86, 86, 85]                   # torch.chunk's, where no rank is empty
     assert chunk_sizes(12, 8) == [2, 2, 2, 2, 1, 1, 1, 1]        # balanced where it would leave one empty
     assert chunk_sizes(768, 8, 64) == [128] * 4 + [64] * 4       # the features of 12 heads of 64

@@ -4,7 +4,7 @@
 model's keys (optimizer state keyed by parameter name, as PyTorch's FQN-keyed optimizer state
 dicts are): a contiguous `Shard(d)` is a DTensor over the tensor-parallel group, a strided
 `Shard(d, k)` (the q/k/v rows of a fused weight) a ShardedTensor with k local shards, one per
-`placements.boxes` box. The values alias the module's parameters and the optimizer's state (but
+`pieces.boxes` box. The values alias the module's parameters and the optimizer's state (but
 for the boxes of a strided shard along a dim > 0, e.g. GPT-2's Conv1D c_attn, which ShardedTensor
 needs as contiguous copies), so `dcp.save` writes them without a copy and `dcp.load` fills them
 in place. `set_state_dict` checks keys and global shapes, then copies into the module whatever
@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from ..placements import Replicate, boxes, dtensor_boundaries, fill_boxes, global_shape
+from ..placements import Replicate, dtensor_boundaries, global_shape
+from ..pieces import boxes, fill_boxes
 from ..state_dict import group_of, layouts
 
 # DCP reads .size()/.device of the ShardedTensors we hand it and each read warns that ShardedTensor

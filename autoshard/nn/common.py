@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..placements import split_along
+from ..pieces import split_along
 from ..groups import get_group, register_group
 from ..errors import ProcessGroupError
 from ..state_dict import (check_parallel_dim, layouts, register_ddp_parameters_to_ignore, register_parallel_attribute,

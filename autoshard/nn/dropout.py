@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import rng
-from ..placements import Shard, global_shape, groups_of, split_along
+from ..placements import Shard, global_shape, groups_of
+from ..pieces import split_along
 
 MASKS = ("independent", "single_process")
 

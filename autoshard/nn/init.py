@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..placements import split_along
+from ..pieces import split_along
 from ..groups import get_group
 from ..state_dict import ORDER_TYPE, PARALLEL_DIM, get_parallel_dim, torchshard_layout
 from .common import group_info
