@@ -223,41 +223,57 @@ class State:
         self.total += delta
 
     def reduce_early(self) -> None:
-        """Settle a tie the per-node choice breaks late: an op that keeps Partial inputs Partial
+        """Settle the ties the per-node choice breaks late: an op that keeps Partial inputs Partial
         (a dropout of a row layer's output, a residual add of a whole or Partial tensor to it)
-        while every reader of its result needs the sum whole takes its inputs whole instead, so the
-        all-reduce comes before it, as in Megatron's row-parallel layer (whose fresh output is then
-        summed in place), wherever that costs no more (never where it would reduce two summands
-        apart: the two branches of a parallel block). A result some reader sums while Partial or
-        reads split stays Partial."""
+        while every reader of its result reads it in one other placement X (whole, or split)
+        takes the strategy that outputs X instead, wherever that costs no more, so the reduction
+        comes before it: as in Megatron's row-parallel layer, whose fresh output is all-reduced in
+        place, and a residual add of a split stream (BLOOM's MLP adds its input, held split: the
+        row layer's output is reduce-scattered to it, rather than the stream gathered whole to be
+        added while Partial). Never where it would reduce two summands apart (the two branches
+        of a parallel block: that costs more). A result some reader sums while Partial stays
+        Partial."""
         prob, place, sidx = self.prob, self.place, self.sidx
         for i in reversed(range(len(prob.nodes))):      # readers first: a chain settles in one pass
-            if prob.kind[i] != "op" or not isinstance(place[i], Partial) or not prob.strats[i] or sidx[i] == 0 \
-                    or not isinstance(prob.strats[i][0].output, Replicate) or not prob.users[i]:
+            if prob.kind[i] != "op" or not isinstance(place[i], Partial) or not prob.strats[i] or not prob.users[i]:
                 continue
             ins = [r for r in prob.strats[i][sidx[i]].inputs if r is not None]
-            if not any(isinstance(r, Partial) for r in ins) or not all(isinstance(r, (Partial, Replicate)) for r in ins):
-                continue            # Partial inputs passed through or summed (a dropout, a residual add)
-            if not all(self._reads_whole(u, i) for u in prob.users[i]):
+            if not any(isinstance(r, Partial) for r in ins):
+                continue            # a fresh Partial (a row layer's product) is not a tie
+            want = self._read_as(i)
+            if want is None or isinstance(want, Partial):
                 continue
             tensors = {prob.root[j] for j in (i, *prob.ins[i])}
-            before = prob.node_cost[i][sidx[i]] + sum(prob.tensor_cost(j, place, sidx) for j in tensors)
             old = sidx[i], place[i]
-            sidx[i], place[i] = 0, self._out(i, 0, place)
-            new = {j: prob.tensor_cost(j, place, sidx) for j in tensors}
-            after = prob.node_cost[i][0] + sum(new.values())
-            if after > before + 1e-12 * max(1.0, abs(before)):
-                sidx[i], place[i] = old
+            before = prob.node_cost[i][sidx[i]] + sum(self.tcost[j] for j in tensors)
+            best = None
+            for si, s in enumerate(prob.strats[i]):
+                if s.output != want:
+                    continue
+                sidx[i], place[i] = si, self._out(i, si, place)
+                new = {j: prob.tensor_cost(j, place, sidx) for j in tensors}
+                after = prob.node_cost[i][si] + sum(new.values())
+                if after <= before + 1e-12 * max(1.0, abs(before)) and (best is None or after < best[0]):
+                    best = after, si, new
+            sidx[i], place[i] = old
+            if best is None:
                 continue
+            after, si, new = best
+            sidx[i], place[i] = si, self._out(i, si, place)
             self.total += after - before
             for j, c in new.items():
                 self.tcost[j] = c
 
-    def _reads_whole(self, u: int, i: int) -> bool:
-        """Whether node u's strategy reads tensor i whole (Replicate) in every slot it reads it."""
-        strats = self.prob.strats[u]
-        return bool(strats) and all(isinstance(strats[self.sidx[u]].inputs[k], Replicate)
-                                    for k, j in enumerate(self.prob.ins[u]) if j == i)
+    def _read_as(self, i: int):
+        """The one placement every reader's strategy reads tensor i in, or None if they differ."""
+        seen = set()
+        for u in self.prob.users[i]:
+            strats = self.prob.strats[u]
+            if not strats:
+                return None
+            s = strats[self.sidx[u]]
+            seen.update(s.inputs[k] for k, j in enumerate(self.prob.ins[u]) if j == i)
+        return seen.pop() if len(seen) == 1 else None
 
     def set_choices(self, choices: dict[int, int]) -> float:
         delta, ov = self.trial({g: c for g, c in choices.items() if c != self.choice[g]})

@@ -9,7 +9,9 @@ Gloo ranks against the single-process model: tiny Hugging Face RoBERTa (vocabula
 positions: uneven at 3) and BERT masked LMs, and a plain module whose whole operand comes first
 in a subtraction (`bias - x`). Each checks the loss, the logits and every gradient, the bytes
 counted against the plan's, the strategy taken and that the embeddings move nothing but that
-one all-reduce; the Hugging Face ones also in eval mode at another shape.
+one all-reduce; the Hugging Face ones also in eval mode at another shape. A tiny BLOOM whose
+residual stream is held split between layers reduce-scatters each row layer's output to the split
+residual instead of gathering the residual to add it while Partial (`State.reduce_early`).
 """
 import copy
 import os
@@ -141,3 +143,46 @@ def test_in_place_sum_never_shares_its_own_input():
     plus = [s for s in lookup(node, {})(info) if s.name == "partial_plus"]
     x, y = info.inputs
     assert [(str(s.inputs[0]), str(s.inputs[1])) for s in plus] == [("P", "R")], plus
+
+
+def _bloom_stream_case(rank, p):
+    """A tiny BLOOM whose plan holds the residual stream split on hidden between the layer norms
+    (split norms, reduce-scatter and all-gather: Megatron's sequence parallelism on features), in
+    train mode with residual dropout on and single-process masks."""
+    import transformers
+    from hf_models import build_model, example_kwargs
+    cfg = dict(vocab_size=256, hidden_size=512, n_layer=2, n_head=4, hidden_dropout=0.1, attention_dropout=0.0)
+    model = build_model(transformers.BloomConfig, transformers.BloomForCausalLM, cfg, attn_implementation="eager")
+    model.train()
+    ref = copy.deepcopy(model)
+    kw = example_kwargs(256, batch=2, seq=128)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", dropout_masks="single_process")
+    torch.manual_seed(11)
+    want = ref(**kw)
+    autoshard.manual_seed(11)
+    with count_comm() as c:
+        res = gm(**kw)
+        res.loss.backward()
+    want.loss.backward()
+    close_to_scale(res.loss, want.loss, f"bloom at {p}: loss")
+    close_to_scale(res.logits, want.logits, f"bloom at {p}: logits")
+    grads_match(gm, ref, f"bloom at {p}")
+    plan = gm._autoshard_plan
+    residual = {d.module: d.strategy for d in plan.nodes.values()
+                if d.op == "add.Tensor" and d.module.endswith(".mlp")}
+    gathered_to_sum = [r.node for r in plan.redistributions if "all_gather" in r.forward
+                       and any(plan.nodes[u].strategy == "partial_plus" for u in r.consumers if u in plan.nodes)]
+    norms = {k: v for k, v in plan.layouts.items() if "layernorm" in k and k.endswith("weight")}
+    return residual, gathered_to_sum, norms, (c.bytes, plan.comm_bytes)
+
+
+def test_row_output_reduced_to_a_split_residual(dist2):
+    """BLOOM's MLP adds its residual, held split, to the row layer's Partial output. The per-node
+    choice gathered the residual whole to add it while Partial, then reduce-scattered the sum
+    for the next norm; `State.reduce_early` reduce-scatters the row layer's output instead and
+    adds the split residual to it: one all-gather a layer less, exact with dropout on."""
+    for residual, gathered, norms, (counted, planned) in dist2.run(_bloom_stream_case, timeout=300):
+        assert counted == pytest.approx(planned, rel=1e-9)
+        assert any(str(v).startswith("S") for v in norms.values()), norms     # the stream is split
+        assert len(residual) == 2 and set(residual.values()) == {"shard(2)"}, residual
+        assert gathered == [], gathered
