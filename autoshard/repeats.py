@@ -17,7 +17,10 @@ sharing its shapes and dynamic-dim marks.
   before the run, the second reads either that same value (shared: the mask, the rotary
   embeddings) or the first layer's matching output (carried: the hidden state), whose shape and
   dtype the second layer's matching output repeats; the first layer's outputs feed only the
-  second. Anything else is a `RepeatError`, and capture traces the whole model instead.
+  second. Size arithmetic one layer makes and later layers read (torch.export's `batch * heads`
+  in BLOOM's first layer) counts as a value from before the run; constants the tracer lifted are
+  the same if equal, or both made on meta (values unknown, never run). Anything else is a
+  `RepeatError`, and capture traces the whole model instead.
 
 Which node belongs to which block (`owner`) comes from the tracers themselves:
 `node.meta["nn_module_stack"]` for ops, the tensor's owner for `get_attr`.
@@ -246,9 +249,12 @@ class _Match:
             return False
         if not (isinstance(t0, torch.Tensor) and isinstance(t1, torch.Tensor)) or isinstance(t0, nn.Parameter):
             return False
-        if t0.shape != t1.shape or t0.dtype != t1.dtype or t0.is_meta or t1.is_meta:    # a value unknown
-            return False                                                                  # is not the same
-        return bool(torch.equal(t0, t1))
+        if t0.shape != t1.shape or t0.dtype != t1.dtype or t0.is_meta != t1.is_meta:
+            return False
+        # made on meta (a model captured on meta: GPT-Neo's `torch.tensor(finfo.min, device=x.device)`)
+        # the values are unknown, and never used: such a capture is for planning, and loading
+        # weights into it refuses meta constants (`loading`)
+        return t0.is_meta or bool(torch.equal(t0, t1))
 
     def check(self) -> None:
         self.constants = set()      # l1's constants equal to l0's under another name: the copies share them
@@ -275,6 +281,24 @@ class _Match:
                 raise RepeatError(f"{owner(n, self.b0)}'s {n.name} is read after the tail's second period")
 
 
+def _is_size(n: fx.Node) -> bool:
+    """Integer arithmetic on sizes (`sym_size`, `operator.mul` of a symbolic batch and a head count)."""
+    return n.op == "call_function" and isinstance(n.meta.get("val"), (int, torch.SymInt)) and \
+        (getattr(n.target, "__module__", None) == "_operator" or n.target is torch.ops.aten.sym_size.int)
+
+
+def _shared_sizes(graph: fx.Graph, blocks: tuple) -> set:
+    """Size arithmetic one layer computes and others read: torch.export makes an expression once
+    (BLOOM's `batch * heads` for its reshapes, in the first layer) and every later layer reads it.
+    Such a node is a value from before the rest of the run, not a node the layers repeat."""
+    shared = set()
+    for n in reversed(list(graph.nodes)):
+        b = owner(n, blocks) if _is_size(n) else None
+        if b is not None and any(u in shared or owner(u, blocks) != b for u in n.users):
+            shared.add(n)
+    return shared
+
+
 def expand(gm: fx.GraphModule, model: nn.Module, found: list) -> int:
     """Write the layers `cut` left out into `gm` (captured with them cut), as copies of each
     run's second layer; returns the number of layers written. `model` is whole again; the caller
@@ -284,8 +308,9 @@ def expand(gm: fx.GraphModule, model: nn.Module, found: list) -> int:
     for name, keys, k in found:
         qualified = [f"{name}.{key}" if name else key for key in keys]
         b0, b1 = tuple(qualified[:k]), tuple(qualified[k:2 * k])
-        l0 = [n for n in graph.nodes if owner(n, b0) is not None]
-        l1 = [n for n in graph.nodes if owner(n, b1) is not None]
+        shared = _shared_sizes(graph, b0 + b1)
+        l0 = [n for n in graph.nodes if owner(n, b0) is not None and n not in shared]
+        l1 = [n for n in graph.nodes if owner(n, b1) is not None and n not in shared]
         if not l0 or not l1:
             raise RepeatError(f"no graph nodes of {', '.join(b0 if not l0 else b1)}")
         match = _Match(l0, l1, b0, b1, gm)

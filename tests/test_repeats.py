@@ -148,3 +148,41 @@ def test_gemma2_sliding_and_global_layers():
     assert [k for _, _, k in repeats.tail_runs(model)] == [2]           # layer_types alternate
     ids = torch.randint(0, 256, (2, 16))
     _same_as_whole(model, {"input_ids": ids, "labels": ids}, world=2, layers=6, tracer="export")
+
+
+def test_bloom_size_made_in_the_first_layer_is_shared():
+    """torch.export makes BLOOM's `batch * heads` (its reshapes' size) once, in the first layer,
+    and every later layer reads it: a value from before the rest of the run, not a node the layers
+    repeat. Traced once, the module equals the model, also at another batch size (the size is
+    symbolic)."""
+    cfg = transformers.BloomConfig(vocab_size=256, hidden_size=64, n_layer=6, n_head=4, hidden_dropout=0.0,
+                                   attention_dropout=0.0)
+    model = transformers.BloomForCausalLM(cfg).eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    cap, _ = _same_as_whole(model, {"input_ids": ids, "labels": ids}, world=2, layers=6, tracer="export")
+    other = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for x in (ids, other):
+            torch.testing.assert_close(cap.gm(input_ids=x, labels=x).loss, model(input_ids=x, labels=x).loss)
+
+
+def test_constants_made_on_meta_repeat():
+    """A model built on meta makes its forward's constants on meta (GPT-Neo's
+    `torch.tensor(finfo.min, device=x.device)` in every attention): their values are unknown, so
+    layers whose constants differ only by being separate meta tensors still repeat (a meta capture
+    plans; loading weights into it refuses meta constants)."""
+    cfg = transformers.GPTNeoConfig(vocab_size=256, hidden_size=64, num_layers=6, num_heads=4,
+                                    attention_types=[[["global", "local"], 3]], window_size=8, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = transformers.GPTNeoForCausalLM(cfg)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    kw = {"input_ids": ids, "labels": ids}
+    once, p1 = _plan(model, kw, 2, tracer="export")
+    whole, p2 = _plan(model, kw, 2, tracer="export", once=False)
+    assert any("6 repeated layers traced as 4" in n for n in once.notes), once.notes
+    assert _digest(p1) == _digest(p2)
+
+    def ops(gm):                 # the copies share the second period's constants, named once
+        return sorted((n.op, "constant" if "lifted_tensor" in str(n.target) else str(n.target)) for n in gm.graph.nodes)
+    assert ops(once.gm) == ops(whole.gm)
+    assert sum("lifted_tensor" in str(n.target) for n in whole.gm.graph.nodes) == 6
