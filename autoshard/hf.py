@@ -183,8 +183,7 @@ def _write_gathered(f, buf: torch.Tensor, layout, shape) -> None:
     unequal sizes come padded to the largest (`_padded`) and are cropped here, block by block."""
     p, dim = buf.size(0), layout.dim
     outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
-    sizes = block_sizes(shape[dim], p, layout.chunks, layout.unit, layout.parts, layout.nest,   # [block][rank]
-                        layout.groups)
+    sizes = block_sizes(shape[dim], p, **layout.blocking)                # [block][rank]
     v = buf.view(p, outer, sum(s[0] for s in sizes), inner)
     parts = [(r, sum(b[r] for b in sizes[:c]), s[r]) for c, s in enumerate(sizes) for r in range(p)]
     row = shape[dim] * inner * buf.element_size()                        # bytes of one outer index

@@ -340,7 +340,7 @@ class LocalOps:
                 sizes[d] = self.call(local_size, (s, self.rank // m, groups, out.unit, out.chunks, out.parts, out.nest))
         elif s != -1:
             try:
-                sizes[d] = piece_sizes(s, groups, out.chunks, out.unit, out.parts, out.nest)[self.rank // m]
+                sizes[d] = piece_sizes(s, groups, **out.blocking)[self.rank // m]
             except ValueError as e:
                 raise ShardingError(f"{n.format_node()}: sharded dim {d} as {out}: {e}") from None
         n.args = (n.args[0], sizes) if packed else (n.args[0], *sizes)

@@ -119,6 +119,13 @@ class Shard:
         s = s if self.groups == 1 else f"{s}g{self.groups}"
         return s if self.replicas == 1 else f"{s}r{self.replicas}"
 
+    @property
+    def blocking(self) -> dict:
+        """How the dim is cut into blocks, as the keywords of `block_sizes`, `piece_sizes`,
+        `pieces.split_along` and `pieces.cat_along`: one spelling for every place that sizes, cuts
+        or joins this shard."""
+        return dict(chunks=self.chunks, unit=self.unit, parts=self.parts, nest=self.nest, groups=self.groups)
+
     def __repr__(self) -> str:
         size = "" if self.size is None else f", size={self.size}"
         unit = "" if self.unit == 1 else f", unit={self.unit}"
@@ -151,8 +158,7 @@ class ShardGathered(Shard):
 def stored(placement):
     """How a parameter of `placement` is held and saved: the plain Shard / Replicate it is."""
     if isinstance(placement, ShardGathered):
-        return Shard(placement.dim, placement.chunks, placement.size, placement.unit, placement.parts,
-                     nest=placement.nest, groups=placement.groups)
+        return Shard(placement.dim, size=placement.size, **placement.blocking)
     if isinstance(placement, ReplicatePartialGrad):
         return REPLICATE
     return placement
@@ -273,7 +279,7 @@ def shares(n: int, placement, world_size: int) -> tuple | None:
     """`block_sizes` of a dim of `n` held with the Shard `placement` (`[block][rank]`; the ranks of a
     group of `replicas` hold the same share)."""
     groups, m = groups_of(placement, world_size)
-    sizes = block_sizes(n, groups, placement.chunks, placement.unit, placement.parts, placement.nest, placement.groups)
+    sizes = block_sizes(n, groups, **placement.blocking)
     if sizes is None or m == 1:
         return sizes
     return tuple(tuple(block[r // m] for r in range(world_size)) for block in sizes)
@@ -353,8 +359,7 @@ def local_shape(shape, placement: Placement, world_size: int, rank: int | None =
         raise ValueError(f"dim {d} of {placement} is out of range for shape {shape}")
     groups, m = groups_of(placement, world_size)
     try:
-        sizes = piece_sizes(shape[d], groups, placement.chunks, placement.unit, placement.parts, placement.nest,
-                            placement.groups)
+        sizes = piece_sizes(shape[d], groups, **placement.blocking)
     except ValueError as e:
         raise ValueError(f"dim {d}: {e}") from None
     return shape[:d] + (sizes[0 if rank is None else rank // m],) + shape[d + 1:]

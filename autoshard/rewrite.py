@@ -34,8 +34,7 @@ def shard_tensor(t: torch.Tensor, placement, rank: int, p: int) -> torch.Tensor:
     """This rank's shard of `t` (one contiguous copy of the shard only)."""
     if not isinstance(placement, Shard):
         return t
-    piece = split_along(t.detach(), placement.dim, p, placement.chunks, uneven=True, unit=placement.unit,
-                        parts=placement.parts, nest=placement.nest, groups=placement.groups)[rank]
+    piece = split_along(t.detach(), placement.dim, p, uneven=True, **placement.blocking)[rank]
     # a view (a dim-0 block is contiguous already) would keep the whole tensor alive: copy it once
     return piece if piece._base is None else piece.clone(memory_format=torch.contiguous_format)
 

@@ -163,8 +163,7 @@ def collect_state_dict(model, state_dict, prefix: str = "", *, dst=None, group=N
 def _gather_entry(value, layout, pg, p, dst, rank):
     """The full tensor of `layout` from every rank's `value` (shards of unequal sizes travel
     padded to the largest and are cropped)."""
-    sizes = None if layout.size is None else piece_sizes(layout.size, p, layout.chunks, layout.unit, layout.parts,
-                                                         layout.nest, layout.groups)
+    sizes = None if layout.size is None else piece_sizes(layout.size, p, **layout.blocking)
     if sizes is not None and value.size(layout.dim) != sizes[rank]:
         raise ShardingError(f"collect_state_dict: a {tuple(value.shape)} shard on rank {rank}, but {layout.size} "
                             f"rows on {p} ranks give it {sizes[rank]} along dim {layout.dim}")
@@ -181,7 +180,7 @@ def _gather_entry(value, layout, pg, p, dst, rank):
             return None
     if sizes is not None:
         pieces = [piece.narrow(layout.dim, 0, n) for piece, n in zip(pieces, sizes)]
-    return cat_along(pieces, layout.dim, layout.chunks, layout.parts, layout.unit, layout.nest, layout.groups)
+    return cat_along(pieces, layout.dim, **layout.blocking)
 
 
 def relocate_state_dict(model, state_dict, prefix: str = "", group=None):
@@ -195,9 +194,8 @@ def relocate_state_dict(model, state_dict, prefix: str = "", group=None):
             continue
         _expect_shape("relocate_state_dict", key, value, global_shape(local.shape, layout, p),
                       f"the full tensor of a {layout} shard of {tuple(local.shape)} on {p} ranks")
-        piece = split_along(value, layout.dim, p, layout.chunks, what=f"state dict entry {key!r}",
-                            uneven=layout.size is not None, unit=layout.unit, parts=layout.parts,
-                            nest=layout.nest, groups=layout.groups)[rank]
+        piece = split_along(value, layout.dim, p, what=f"state dict entry {key!r}", uneven=layout.size is not None,
+                            **layout.blocking)[rank]
         out[key] = piece.clone(memory_format=torch.contiguous_format)
     return out
 

@@ -51,8 +51,7 @@ class ParallelDropout(nn.Module):
             full = list(global_shape(x.shape, self.shard, self.world_size))
             noise = x.new_empty(full).bernoulli_(1.0 - self.p, generator=rng.generator("replicated", x.device))
             groups, m = groups_of(self.shard, self.world_size)        # (the ranks of a group: one piece)
-            noise = split_along(noise, self.shard.dim, groups, self.shard.chunks, uneven=True,
-                                unit=self.shard.unit, parts=self.shard.parts, nest=self.shard.nest)[self.rank // m]
+            noise = split_along(noise, self.shard.dim, groups, uneven=True, **self.shard.blocking)[self.rank // m]
         else:
             g = rng.generator("sharded" if sharded else "replicated", x.device)
             noise = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=g)
@@ -123,8 +122,7 @@ class ParallelAttention(nn.Module):
         full = list(probs.shape)
         full[split] = self.shard.size if self.shard.size is not None else full[split] * self.world_size
         noise = probs.new_empty(full).bernoulli_(1.0 - p, generator=rng.generator("replicated", q.device))
-        noise = split_along(noise, split, self.world_size, self.shard.chunks, uneven=True,
-                            unit=self.shard.unit, parts=self.shard.parts, nest=self.shard.nest)[self.rank]
+        noise = split_along(noise, split, self.world_size, uneven=True, **self.shard.blocking)[self.rank]
         return (probs * noise.div_(1.0 - p)) @ v
 
 
