@@ -1,18 +1,18 @@
 """autoshard: automatic tensor parallelism for PyTorch by torch.fx graph rewriting."""
-from . import distributed, placements
+from . import distributed, nn
 from .errors import AutoshardError, CaptureError, LoadError, ProcessGroupError, ShardingError
-from .placements import Partial, Replicate, Shard
-from . import collectives, nn
-from .state_dict import (collect_state_dict, get_parallel_dim, layouts, register_ddp_parameters_to_ignore,
-                         register_parallel_attribute, register_parallel_dim, relocate_state_dict, slice)
+from .runtime import collectives, placements
+from .runtime.placements import Partial, Replicate, Shard
+from .runtime.state_dict import (collect_state_dict, get_parallel_dim, layouts, register_ddp_parameters_to_ignore,
+                                 register_parallel_attribute, register_parallel_dim, relocate_state_dict, slice)
 
-from .state_dict import ORDER_TYPE as _ORDER_TYPE, PARALLEL_DIM as _PARALLEL_DIM  # TorchShard's names
+from .runtime.state_dict import ORDER_TYPE as _ORDER_TYPE, PARALLEL_DIM as _PARALLEL_DIM  # TorchShard's names
 
 __version__ = "0.1.0"
 from .api import from_pretrained, parallelize, plan
-from .blocks import blocks_of
-from .rng import manual_seed
-from .cost import CostModel
+from .rewrite.blocks import blocks_of
+from .runtime.rng import manual_seed
+from .planner.cost import CostModel
 from .plan import Plan
 
 

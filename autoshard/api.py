@@ -11,16 +11,18 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import groups as D
-from . import blocks as B
-from . import hf, loading, rng, signatures
-from .capture import capture, has_meta
-from .cost import CostModel
+from .runtime import groups as D
+from .rewrite import blocks as B
+from .io import hf, loading
+from .runtime import rng
+from .rewrite import signatures
+from .capture.trace import capture, has_meta
+from .planner.cost import CostModel
 from .errors import CaptureError, LoadError, ProcessGroupError, ShardingError
 from .nn.dropout import MASKS
 from .plan import Plan, check_outputs
-from .planner import plan_graph
-from .rewrite import rewrite
+from .planner.build import plan_graph
+from .rewrite.rewriter import rewrite
 
 _COST_KEYS = {"bandwidth", "latency", "flops", "memory_weight", "state_factor", "memory_budget"}
 

@@ -207,7 +207,7 @@ def cmd_plan(args) -> int:
     if (args.target is None) == (args.from_pretrained is None):
         raise CliError("give either MODULE:FACTORY or --from-pretrained DIR")
     if args.from_pretrained is not None:
-        from .loading import example_ids, meta_model
+        from .io.loading import example_ids, meta_model
         from .errors import LoadError
         try:
             model = meta_model(args.from_pretrained, args.weights_dtype)
@@ -222,7 +222,7 @@ def cmd_plan(args) -> int:
     if inputs is not None:
         example = inputs
     if args.draw:                           # before planning, which can take a while
-        from .draw import FORMATS
+        from .views.draw import FORMATS
         if os.path.splitext(args.draw)[1].lower() not in FORMATS:
             raise CliError(f"--draw {args.draw}: the extension picks the format, one of {', '.join(FORMATS)}")
     knobs = {k: getattr(args, k) for k in ("bandwidth", "latency", "memory_weight", "memory_budget")
@@ -232,7 +232,7 @@ def cmd_plan(args) -> int:
                           tracer=args.tracer, tokens=args.tokens, outputs=args.outputs, **knobs)
     memory = None
     if args.from_pretrained is not None:
-        from .loading import memory_per_rank
+        from .io.loading import memory_per_rank
         memory = memory_per_rank(model, plan)
     if args.json:
         print(json.dumps(dict(summary(plan), **({"memory_per_rank": memory} if memory else {})), indent=1))
@@ -263,7 +263,7 @@ def cmd_demo(argv) -> int:
 
 
 def cmd_convert(args) -> int:
-    from .checkpoint import dcp_to_torch_save, torch_save_to_dcp
+    from .io.checkpoint import dcp_to_torch_save, torch_save_to_dcp
     if os.path.isdir(args.src):
         dcp_to_torch_save(args.src, args.dst)
         print(f"wrote {args.dst} (torch.save of the full tensors of {args.src})")
@@ -274,7 +274,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .checkpoint import verify
+    from .io.checkpoint import verify
     report = verify(args.checkpoint)
     print(report)
     return 0 if report.ok else 1

@@ -97,7 +97,7 @@ def _rank(rank: int, opts, port: int, results) -> None:
     """One rank: join the gloo group, run `_train`, tear the group down."""
     import torch.distributed as dist
 
-    from autoshard import distributed as D      # before the group exists: see its module comment
+    from . import distributed as D  # before the group exists: see its module comment
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.world_size))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -113,7 +113,7 @@ def _train(rank: int, opts, results) -> None:
     import torch.distributed as dist
 
     import autoshard
-    from autoshard.collectives import CommCounter, count_comm
+    from .runtime.collectives import CommCounter, count_comm
 
     p = opts.world_size
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)

@@ -15,8 +15,8 @@ from typing import Any, Mapping
 
 import torch.fx as fx
 
-from .collectives import ring_bytes
-from .placements import Placement
+from .runtime.collectives import ring_bytes
+from .runtime.placements import Placement
 
 OUTPUTS = ("full", "sharded")      # how a plan returns the graph's outputs (Plan.outputs)
 
@@ -102,7 +102,7 @@ class Plan:
         return self.comm_time + self.compute_time
 
     def report(self) -> str:
-        from .report import format_plan
+        from .views.report import format_plan
         return format_plan(self)
 
     def __str__(self) -> str:
@@ -111,12 +111,12 @@ class Plan:
     def to_networkx(self):
         """The captured graph with this plan's placements, bytes and collectives on its nodes and
         edges, as a networkx.DiGraph (autoshard.graph)."""
-        from .graph import to_networkx
+        from .views.graph import to_networkx
         return to_networkx(self)
 
     def draw(self, path, **options):
         """Write a picture of this plan to `path` (.svg or .png; needs matplotlib, the "draw"
         extra): repeated blocks folded, parameters colored by layout, collectives marked with
         their bytes (autoshard.draw)."""
-        from .draw import draw
+        from .views.draw import draw
         return draw(self, path, **options)

@@ -120,7 +120,7 @@ def crc_costs(path) -> tuple:
     """([zlib.crc32, the CRC-32 autoshard uses] GB/s on 4 MiB blocks, seconds to read the
     checkpoint's .distcp files back from the page cache, seconds to read them and CRC every
     block) on this process."""
-    from autoshard.checkpoint.checksums import crc32
+    from autoshard.io.checkpoint.checksums import crc32
     block = os.urandom(4 << 20)
     speeds = []
     for fn in (zlib.crc32, crc32):
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
             cells += [quartiles(off), quartiles(on),
                       f"{statistics.median(on) / statistics.median(off):.3f} ({paired:.3f})"]
         print(f"| {op} | " + " | ".join(cells) + " |")
-    from autoshard.checkpoint.checksums import CRC32_BY
+    from autoshard.io.checkpoint.checksums import CRC32_BY
     print(f"\nCRC-32 computed by {CRC32_BY}. One process: zlib.crc32 {speed[0]:.2f} GB/s, {CRC32_BY} {speed[1]:.2f} GB/s; "
           f"reading the {size / 2 ** 20:.1f} MiB back from the page cache {read_s:.3f} s, reading it and the CRC of "
           f"every 4 MiB block {read_crc_s:.3f} s")

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard.distributed
-from autoshard.report import fmt_bytes as report_fmt_bytes
+from autoshard.views.report import fmt_bytes as report_fmt_bytes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -446,7 +446,7 @@ def fmt_counts(counts: dict[str, int] | None) -> str:
 # ----------------------------------------------------------------------------- output
 
 def fmt_bytes(n: float | None) -> str:
-    """autoshard's byte format (autoshard.report.fmt_bytes); "-" for a missing figure."""
+    """autoshard's byte format (autoshard.views.report.fmt_bytes); "-" for a missing figure."""
     return "-" if n is None else report_fmt_bytes(n)
 
 

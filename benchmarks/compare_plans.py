@@ -29,7 +29,7 @@ Per feasible variant, on every rank: ``autoshard.parallelize(copy, p, example, p
 the loss is checked against the single-process model (relative 1e-4) before anything is timed
 (a mismatch is a bug: flagged ``BUG`` in the table and the JSON, and still timed); then
 
-- measured comm bytes per rank per step (fwd + bwd) with ``autoshard.collectives.count_comm``
+- measured comm bytes per rank per step (fwd + bwd) with ``autoshard.runtime.collectives.count_comm``
   (ring bytes, the definition ``plan.comm_bytes`` uses), shown beside ``plan.comm_bytes`` with
   their ratio; and, independently, with ``CommDebugMode`` (benchmarks/common.py), whose
   payloads are converted to ring bytes per rank (all-reduce 2(p-1)/p n, all-gather and
@@ -214,7 +214,7 @@ def _planner(model, p, example, tracer, reuse: bool):
     """``plan(**kw)`` for one model at degree ``p``.
 
     The first call is ``autoshard.plan(model, p, example, tracer=...)``. With ``reuse``, later
-    calls plan the graph that call captured (``autoshard.planner.plan_graph`` on
+    calls plan the graph that call captured (``autoshard.planner.build.plan_graph`` on
     ``plan.graph_module``, which is what ``autoshard.plan`` runs after capturing; search and
     rewrite only read the graph), so the slow part (FakeTensor propagation, torch.export) runs
     once per model instead of once per variant. ``--no-reuse`` calls ``autoshard.plan`` every time.
@@ -225,7 +225,7 @@ def _planner(model, p, example, tracer, reuse: bool):
     def make(**kw):
         if "plan" in first and reuse:
             try:
-                from autoshard.planner import plan_graph
+                from autoshard.planner.build import plan_graph
             except ImportError:
                 plan_graph = None
             if plan_graph is not None:
@@ -311,7 +311,7 @@ def _plan_summary(pl) -> dict:
 def run_case(case: Case, p: int, group, warmup: int, rounds: int, budget_s: float, reuse: bool) -> dict:
     """On every rank: plan every variant, parallelize, check, count, time. Rank 0's result."""
     import autoshard
-    from autoshard.collectives import count_comm
+    from autoshard.runtime.collectives import count_comm
     rank = dist.get_rank(group)
     t_case = time.perf_counter()
     model, args, kwargs, tracer = build(case, p)

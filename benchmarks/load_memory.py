@@ -117,7 +117,7 @@ def _plan_job(cfg, world, queue):
     import torch
     import transformers
     import autoshard
-    from autoshard.loading import meta_model
+    from autoshard.io.loading import meta_model
     base = proc_status()["VmRSS"]
     t0 = time.perf_counter()
     model = meta_model(transformers.LlamaConfig(**cfg, tie_word_embeddings=False))

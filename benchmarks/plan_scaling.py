@@ -7,9 +7,9 @@
 
 What is measured, per graph (one process, one thread, shapes only: models on the meta device):
 
-- capture: `autoshard.capture.capture(model, example, tracer=...)`, i.e. tracing plus FakeTensor
+- capture: `autoshard.capture.trace.capture(model, example, tracer=...)`, i.e. tracing plus FakeTensor
   shape propagation, for `symbolic_trace` and (GPT only) `torch.export`. Wall seconds of one run.
-- plan: `autoshard.planner.plan_graph(gm, p, CostModel())` on the captured graph: sharding rules per
+- plan: `autoshard.planner.build.plan_graph(gm, p, CostModel())` on the captured graph: sharding rules per
   node, cost tables, the greedy search and freezing the Plan, i.e. everything `autoshard.plan`
   does after capture. Best of `--repeats` runs (wall and CPU seconds; the CPU time is the more
   stable number on a shared machine), split into its stages: Problem (rules + cost tables),
@@ -53,11 +53,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-from autoshard import search as S  # noqa: E402
-from autoshard.planner import chunk_candidates, plan_graph  # noqa: E402
-from autoshard.capture import capture  # noqa: E402
-from autoshard.cost import CostModel  # noqa: E402
-from autoshard.planner import build_plan  # noqa: E402
+from autoshard.planner import search as S  # noqa: E402
+from autoshard.planner.build import chunk_candidates, plan_graph  # noqa: E402
+from autoshard.capture.trace import capture  # noqa: E402
+from autoshard.planner.cost import CostModel  # noqa: E402
+from autoshard.planner.build import build_plan  # noqa: E402
 from factories import dag_size, random_dag  # noqa: E402
 from models import GPT  # noqa: E402
 

@@ -16,7 +16,7 @@ configuration). From the Plan: `comm_bytes` (ring bytes one rank sends per train
 backward, fp32) and `params_per_rank`. The model's total is its unique parameters (tied ones once).
 
 The reference is Megatron-LM's plan of the same step, per rank, in ring bytes
-(`autoshard.collectives.ring_bytes`; an all-reduce of n bytes sends 2(p-1)/p n), 4 bytes an element,
+(`autoshard.runtime.collectives.ring_bytes`; an all-reduce of n bytes sends 2(p-1)/p n), 4 bytes an element,
 h the hidden size, V the vocabulary, L = 2 layers:
 
 - layers: (4L + 2) all-reduces of T x h. Per layer 4: in forward the row-parallel outputs of attention
@@ -67,7 +67,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.collectives import ring_bytes  # noqa: E402
+from autoshard.runtime.collectives import ring_bytes  # noqa: E402
 from common import env_info  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

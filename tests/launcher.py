@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 def _reset_autoshard() -> None:
     try:
-        from autoshard import groups, rng
+        from autoshard.runtime import groups, rng
     except ImportError:
         return
     groups.forget()

@@ -63,7 +63,7 @@ def hf_step_matches(gm, ref, kw, what, sharded_logits=False):
     keyword inputs `kw`: the loss, the logits (a DTensor, gathered here, with
     `sharded_logits`) and every gradient (collected whole) must agree. Returns the bytes the
     step's collectives counted, for comparing with the plan's."""
-    from autoshard.collectives import count_comm
+    from autoshard.runtime.collectives import count_comm
     from torch.distributed.tensor import DTensor
     with count_comm() as c:
         res = gm(**kw)
@@ -108,7 +108,7 @@ def block_steps_match(gm, ref, x_of, what, seeds=(1, 2)):
     """Steps of a parallel module `gm` and of the single-process `ref` on the batches
     `x_of(seed)`, the output weighted by a fixed ramp: the loss and every gradient agree at each
     step. Returns the bytes the first step's collectives counted."""
-    from autoshard.collectives import count_comm
+    from autoshard.runtime.collectives import count_comm
     measured = []
     for seed in seeds:
         x = x_of(seed)

@@ -301,8 +301,8 @@ class Methods(nn.Module):
 
 
 def test_tensor_methods_map_dims_like_functions():
-    from autoshard.capture import capture
-    from autoshard.problem import Problem
+    from autoshard.capture.trace import capture
+    from autoshard.planner.problem import Problem
     cap = capture(Methods(), (torch.randn(2, 8, 32),))
     prob = Problem(cap.gm, 2, autoshard.CostModel())
     maps = {n.target: {(str(s.inputs[0]), str(s.output)) for s in prob.strats[i]}

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 import autoshard
-from autoshard.capture import capture
-from autoshard.shapes import dynamic_dims
+from autoshard.capture.trace import capture
+from autoshard.capture.shapes import dynamic_dims
 from hf_models import llama
 from models import GPT
 from refs import close_to_scale, grads

@@ -57,7 +57,7 @@ def test_blocks_are_graph_modules_with_the_models_names():
 
 
 def test_blocks_found_and_named():
-    from autoshard.blocks import find_blocks
+    from autoshard.rewrite.blocks import find_blocks
     model, _ = llama(num_hidden_layers=3)
     assert find_blocks(model) == ["model.layers.0", "model.layers.1", "model.layers.2"]
     assert find_blocks(MLPStack(blocks=2)) == ["blocks.0", "blocks.1"]

@@ -384,7 +384,7 @@ def test_reader_copies_exactly_the_requested_box_a_block_at_a_time(tmp_path, see
     non-contiguous ones: the reader's box equals narrowing the saved tensor (nothing around it is
     written), no block exceeds block_bytes or the box (or one element), and a box of whole rows
     reads its own bytes and nothing else."""
-    from autoshard.checkpoint.reader import FileSystemReader as Reader, _locate
+    from autoshard.io.checkpoint.reader import FileSystemReader as Reader, _locate
     g = torch.Generator().manual_seed(seed)
     import torch.utils.serialization as serialization
     # float8 and uint16 are pickled by _rebuild_tensor_v3 (an untyped storage, the dtype an argument)
@@ -488,7 +488,7 @@ def test_reader_leaves_what_it_cannot_read_to_pytorch_and_says_so(tmp_path):
         dcp.save(tensors, checkpoint_id=path, no_dist=True)
     into = {"a": torch.zeros(6, 4), "b": torch.zeros(5, dtype=torch.long), "obj": {"lr": 0.0}}
     reader = autoshard.checkpoint.FileSystemReader(path)
-    with mock.patch("autoshard.checkpoint.reader._locate", return_value=None), \
+    with mock.patch("autoshard.io.checkpoint.reader._locate", return_value=None), \
             pytest.warns(UserWarning, match=r"2 saved tensor\(s\) read whole by PyTorch's reader.*a, b"):
         dcp.load(into, storage_reader=reader, no_dist=True)
     assert torch.equal(into["a"], tensors["a"]) and torch.equal(into["b"], tensors["b"]) and into["obj"] == {"lr": 0.1}

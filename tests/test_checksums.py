@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 import autoshard
 from autoshard import distributed as ad
 from autoshard.checkpoint import CheckpointError
-from autoshard.checkpoint.checksums import CheckedItem, ItemSums, item_sums
+from autoshard.io.checkpoint.checksums import CheckedItem, ItemSums, item_sums
 from autoshard.cli import main as cli_main
 from models import GPT
 
@@ -289,7 +289,7 @@ def test_checked_reads_return_the_exact_bytes_and_refuse_every_block_a_flipped_b
 def test_checked_box_reads_copy_exactly_the_box_through_small_blocks(tmp_path, seed):
     """Random saved tensors (dtypes, transposed views), checksum blocks of 1..300 bytes and reader
     blocks of 1..200: every random box read through the checks equals narrowing the tensor."""
-    from autoshard.checkpoint.reader import _locate
+    from autoshard.io.checkpoint.reader import _locate
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for i in range(8):
@@ -363,7 +363,7 @@ def test_what_the_reader_leaves_to_pytorch_is_checked_too(tmp_path):
     data, _ = _members(path, info)["data/0"]
     _flipped(path, str(tmp_path / "bad"), info.relative_path, data + 40 * 7 * 4)
     into = _zeros()
-    with mock.patch("autoshard.checkpoint.reader._locate", return_value=None), \
+    with mock.patch("autoshard.io.checkpoint.reader._locate", return_value=None), \
             pytest.warns(UserWarning, match="read whole by PyTorch's reader"), \
             pytest.raises(CheckpointError, match=r"bad/__0_0.distcp: 'w': bytes \[\d+, \d+\) .* do not match"):
         autoshard.checkpoint.load(into, str(tmp_path / "bad"))

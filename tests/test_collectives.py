@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.fx
 
 import autoshard
-from autoshard import collectives as C
+from autoshard.runtime import collectives as C
 from autoshard.errors import ProcessGroupError, ShardingError
 import refs
 from refs import close, ref_piece
@@ -131,7 +131,7 @@ def _counters(rank, p):
 
 class _Traced(torch.nn.Module):
     def forward(self, x):
-        return autoshard.collectives.reduce_from(autoshard.collectives.copy_to(x) * 2, "world")
+        return autoshard.runtime.collectives.reduce_from(autoshard.runtime.collectives.copy_to(x) * 2, "world")
 
 
 def _traced_runs(rank, p):
@@ -239,13 +239,13 @@ def test_bad_split_errors_name_shape_and_sizes(dist2):
 def test_each_collective_is_one_named_fx_node():
     class M(torch.nn.Module):
         def forward(self, x):
-            y = autoshard.collectives.copy_to(x)
-            y = autoshard.collectives.scatter_to(y, 1, chunks=3, group="world")
-            y = autoshard.collectives.all_to_all(y, 1, 0)
-            y = autoshard.collectives.gather_from(y, 0)
-            y = autoshard.collectives.reduce_scatter(y, 1)
-            y = autoshard.collectives.all_gather(y, 1)
-            return autoshard.collectives.reduce_from(y)
+            y = autoshard.runtime.collectives.copy_to(x)
+            y = autoshard.runtime.collectives.scatter_to(y, 1, chunks=3, group="world")
+            y = autoshard.runtime.collectives.all_to_all(y, 1, 0)
+            y = autoshard.runtime.collectives.gather_from(y, 0)
+            y = autoshard.runtime.collectives.reduce_scatter(y, 1)
+            y = autoshard.runtime.collectives.all_gather(y, 1)
+            return autoshard.runtime.collectives.reduce_from(y)
 
     gm = torch.fx.symbolic_trace(M())
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -253,11 +253,11 @@ def test_each_collective_is_one_named_fx_node():
     assert [n.target for n in calls] == [getattr(C, name) for name in names]
     assert calls[1].kwargs == {"chunks": 3, "group": "world"}
     for name in names:
-        assert f"autoshard_collectives_{name}(" in gm.code
+        assert f"autoshard_runtime_collectives_{name}(" in gm.code
 
 
 def test_imported_by_name_is_also_a_leaf():
-    from autoshard.collectives import copy_to
+    from autoshard.runtime.collectives import copy_to
 
     class M(torch.nn.Module):
         def forward(self, x):

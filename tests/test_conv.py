@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard.errors import ShardingError
-from autoshard.placements import Shard
+from autoshard.runtime.placements import Shard
 from refs import close_to_scale as _close, grads as _grads
 
 

@@ -14,10 +14,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models import GPT  # noqa: E402
 
 from autoshard import Replicate, Shard  # noqa: E402
-from autoshard.planner import plan_graph  # noqa: E402
-from autoshard.capture import capture  # noqa: E402
-from autoshard.cost import CostModel  # noqa: E402
-from autoshard.draw import picture_graph  # noqa: E402
+from autoshard.planner.build import plan_graph  # noqa: E402
+from autoshard.capture.trace import capture  # noqa: E402
+from autoshard.planner.cost import CostModel  # noqa: E402
+from autoshard.views.draw import picture_graph  # noqa: E402
 
 V, H, HEADS, B, S = 8192, 128, 8, 2, 64      # sizes of tests/test_plan.py (Megatron's plan wins)
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
-from autoshard.collectives import count_comm  # noqa: E402
+from autoshard.runtime.collectives import count_comm  # noqa: E402
 from refs import block_steps_match, close_to_scale, grads_match  # noqa: E402
 
 

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
-from autoshard.placements import chunk_sizes  # noqa: E402
+from autoshard.runtime.placements import chunk_sizes  # noqa: E402
 from refs import block_steps_match, dcp_load_model, dcp_save_model, gathers_near, hf_step_matches  # noqa: E402
 from test_fused import FusedBlock, _x  # noqa: E402
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
-from autoshard.placements import REPLICATE_PG, chunk_sizes  # noqa: E402
+from autoshard.runtime.placements import REPLICATE_PG, chunk_sizes  # noqa: E402
 from refs import block_steps_match, dcp_load_model, dcp_save_model, gathers_near, hf_step_matches  # noqa: E402
 
 VOCAB = 256

@@ -118,7 +118,7 @@ def _save_case(rank, p, root):
 def _failure_case(rank, gm, path):
     """The writer fails in the middle of a tensor: every rank raises, the directory stays as it
     was, and no partial directory is left."""
-    import autoshard.hf as hf
+    import autoshard.io.hf as hf
     from autoshard.errors import CheckpointError
     before = sorted(os.listdir(path))
     original = hf._write_gathered
@@ -205,7 +205,7 @@ def _replica_case(rank, p, root):
     """4 ranks as 2 tensor-parallel groups of 2 (data-parallel replicas): only global rank 0
     publishes; every rank returns after the directory is complete."""
     import autoshard
-    import autoshard.checkpoint.storage as storage
+    import autoshard.io.checkpoint.storage as storage
     tp = autoshard.distributed.init_process_group(2)
     model, kwargs = hf_models.llama(vocab_size=256, num_hidden_layers=1)
     gm = autoshard.parallelize(model, 2, kwargs, tracer="export", group=tp)
@@ -234,7 +234,7 @@ def test_data_parallel_replicas_write_once(dist4, tmp_path):
 
 def test_world_one_without_a_process_group(tmp_path, monkeypatch):
     import autoshard
-    import autoshard.hf as hf
+    import autoshard.io.hf as hf
     from autoshard.errors import CheckpointError, ProcessGroupError
     model, kwargs = hf_models.gpt2(vocab_size=256, n_layer=1)
     model.generation_config.max_new_tokens = 7
@@ -265,7 +265,7 @@ def test_world_one_without_a_process_group(tmp_path, monkeypatch):
 
 def test_a_module_that_is_not_hugging_face_gets_nothing():
     import torch.fx as fx
-    import autoshard.hf as hf
+    import autoshard.io.hf as hf
     lin = torch.nn.Linear(4, 4)
     gm = fx.symbolic_trace(lin)
     assert hf.attach(gm, lin) is False
@@ -279,13 +279,13 @@ def test_a_module_that_is_not_hugging_face_gets_nothing():
 @pytest.mark.parametrize("size, expected", [(123, 123), ("200KB", 200_000), ("5GB", 5 * 10 ** 9),
                                             ("2MiB", 2 * 2 ** 20), ("1.5 kib", 1536), ("50gb", 50 * 10 ** 9)])
 def test_parse_size(size, expected):
-    from autoshard.hf import parse_size
+    from autoshard.io.hf import parse_size
     assert parse_size(size) == expected
 
 
 @pytest.mark.parametrize("size", ["5 parsecs", "GB", 0, -1, True, "0B"])
 def test_parse_size_refuses(size):
-    from autoshard.hf import parse_size
+    from autoshard.io.hf import parse_size
     with pytest.raises(ValueError, match="max_shard_size"):
         parse_size(size)
 
@@ -298,9 +298,9 @@ def test_write_gathered_is_the_full_tensor(shape, dim, chunks, slab, monkeypatch
     """Every shard layout, through the slab path (several slab sizes) and the block path, writes
     the bytes of the assembled tensor."""
     import io
-    import autoshard.hf as hf
+    import autoshard.io.hf as hf
     from autoshard import Shard
-    from autoshard.pieces import cat_along, split_along
+    from autoshard.runtime.pieces import cat_along, split_along
     monkeypatch.setattr(hf, "SLAB_BYTES", slab)
     p = 2
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
@@ -312,7 +312,7 @@ def test_write_gathered_is_the_full_tensor(shape, dim, chunks, slab, monkeypatch
 
 
 def test_files_split_by_size_and_align():
-    from autoshard.hf import _files, _header
+    from autoshard.io.hf import _files, _header
     e = [(f"t{i}", None, None, [n], dt) for i, (n, dt) in
          enumerate([(10, torch.bfloat16), (100, torch.float32), (3, torch.int64), (1000, torch.float32)])]
     files = _files(e, 420)                 # 20 + 400 bytes fit, 24 more do not; 4000 alone

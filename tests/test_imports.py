@@ -1,10 +1,13 @@
 """autoshard's import graph runs one way: from the entry points down to data, no loops.
 
 Every module of `autoshard/` is read with `ast` (nothing is imported), every import of an
-autoshard module is an edge, function-level imports included. The layers below are the
-package's map (docs/design.md shows the same one): a module may import from its own layer and
-the layers under it, never from one above; the only exceptions are the Plan's hand-overs to the
-views that draw and print it, made inside its methods. No module uses another's private name.
+autoshard module is an edge, function-level imports included. The package's folders are its
+pipeline stages; the layers below are that map (docs/design.md shows the same one): a module may
+import from its own package (or top-level module) and the layers under it, never from one above;
+the only exceptions are the Plan's hand-overs to the views that draw and print it, made inside
+its methods. There is no import loop, even inside a package, and no module uses another's private
+name. The folder stays readable: few modules at the top, none over MAX_LINES lines, and each
+package's `__init__` says what it takes and what it hands on.
 """
 from __future__ import annotations
 
@@ -16,32 +19,24 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "autoshard")
 
-# Bottom to top. A module may import from its own layer and any layer before it.
+# Bottom to top, by package (a folder of autoshard/) or top-level module. A unit may import from
+# itself and from any layer before it.
 LAYERS = [
-    ("data", ["errors", "placements", "pieces"]),
-    ("group registry", ["groups"]),
-    ("random streams", ["rng"]),
-    ("collectives", ["collectives"]),
+    ("errors", ["errors"]),
+    ("runtime: placements, groups, collectives, random streams, state dicts", ["runtime"]),
     ("the Plan (frozen data)", ["plan"]),
-    ("TorchShard attributes and state dicts", ["state_dict"]),
-    ("TorchShard's layers and names", ["nn", "nn.common", "nn.cross_entropy", "nn.functional", "nn.init",
-                                       "nn.layers", "nn.loss", "nn.norm", "nn.dropout", "distributed"]),
-    ("capture", ["shapes", "repeats", "normalize", "capture"]),
-    ("rules", ["rules", "rules.registry", "rules.attention", "rules.conv", "rules.linear", "rules.loss",
-               "rules.norm", "rules.pointwise", "rules.shape"]),
-    ("cost", ["cost"]),
-    ("problem", ["decisions", "problem"]),
-    ("search and planner", ["assignment", "search", "planner"]),
-    ("rewrite", ["verify", "local_ops", "rewrite", "blocks"]),
-    ("call signatures", ["signatures"]),
-    ("loading and checkpoints", ["loading", "checkpoint", "checkpoint.checksums", "checkpoint.reader", "checkpoint.writer",
-                                 "checkpoint.verify", "checkpoint.state",
-                                 "checkpoint.storage", "hf"]),
-    ("views of a plan", ["report", "graph", "draw"]),
-    ("entry points", ["api", "cli", "demo", "__main__", ""]),
+    ("TorchShard's layers and names", ["nn", "distributed"]),
+    ("capture", ["capture"]),
+    ("planner and its rules", ["planner"]),
+    ("rewrite", ["rewrite"]),
+    ("io: loading, Hugging Face, checkpoints", ["io"]),
+    ("views of a plan", ["views"]),
+    ("entry points", ["api", "checkpoint", "cli", "demo", "__main__", ""]),
 ]
-# (importer, imported): allowed upward, and only from inside a function (a lazy hand-over).
-HAND_OVERS = {("plan", "report"), ("plan", "graph"), ("plan", "draw")}
+# (importer, imported unit): allowed upward, and only from inside a function (a lazy hand-over).
+HAND_OVERS = {("plan", "views")}
+MAX_TOP_MODULES = 10        # modules directly in autoshard/, besides __init__ and __main__
+MAX_LINES = 450
 
 
 def _modules() -> dict[str, str]:
@@ -115,14 +110,21 @@ def _edges():
                 yield name, target, what, nested, line
 
 
-LAYER = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
+LAYER = {u: i for i, (_, units) in enumerate(LAYERS) for u in units}
+
+
+def _unit(name: str) -> str:
+    """The package (first folder) a module belongs to, or the top-level module itself."""
+    first = name.partition(".")[0]
+    return first if name == "" or "." in name or MODULES[name].endswith("__init__.py") else name
 
 
 def test_every_module_has_a_layer():
-    missing = sorted(set(MODULES) - set(LAYER))
-    stale = sorted(set(LAYER) - set(MODULES))
-    assert not missing, f"modules with no layer in tests/test_imports.py LAYERS (place them): {missing}"
-    assert not stale, f"LAYERS names modules that do not exist: {stale}"
+    units = {_unit(m) for m in MODULES}
+    missing = sorted(units - set(LAYER))
+    stale = sorted(set(LAYER) - units)
+    assert not missing, f"packages or modules with no layer in tests/test_imports.py LAYERS (place them): {missing}"
+    assert not stale, f"LAYERS names packages or modules that do not exist: {stale}"
 
 
 def test_no_import_loops():
@@ -136,12 +138,13 @@ def test_no_import_loops():
 def test_imports_run_downward():
     bad = []
     for a, b, what, nested, line in _edges():
-        if LAYER[b] <= LAYER[a]:
+        ua, ub = _unit(a), _unit(b)
+        if LAYER[ub] <= LAYER[ua]:
             continue
-        if (a, b) in HAND_OVERS and nested:
+        if (ua, ub) in HAND_OVERS and nested:
             continue
-        bad.append(f"autoshard/{a.replace('.', '/')}.py:{line} ({LAYERS[LAYER[a]][0]}) imports "
-                   f"{b or 'autoshard'} ({LAYERS[LAYER[b]][0]}), a layer above it")
+        bad.append(f"{os.path.relpath(MODULES[a], os.path.dirname(ROOT))}:{line} ({LAYERS[LAYER[ua]][0]}) imports "
+                   f"{b or 'autoshard'} ({LAYERS[LAYER[ub]][0]}), a layer above it")
     assert not bad, "\n".join(bad)
 
 
@@ -173,13 +176,29 @@ def test_no_private_names_across_modules():
 
 
 @pytest.mark.parametrize("source, complaint", [
-    ("from .api import parallelize\n", "imports api"),
-    ("def f():\n    from .draw import draw\n", "imports draw"),
+    ("from ..api import parallelize\n", "imports api"),
+    ("def f():\n    from ..views.draw import draw\n", "imports views.draw"),
+    ("from ..planner import cost\n", "imports planner.cost"),
 ])
 def test_the_check_catches_an_upward_import(tmp_path, monkeypatch, source, complaint):
-    """The walker sees module-level and function-level imports (a check that cannot fail is none)."""
-    path = tmp_path / "capture.py"
+    """The walker sees module-level and function-level imports, and a package's module importing
+    a later stage (a check that cannot fail is none)."""
+    path = tmp_path / "trace.py"
     path.write_text(source)
-    monkeypatch.setitem(MODULES, "capture", str(path))
+    monkeypatch.setitem(MODULES, "capture.trace", str(path))
     with pytest.raises(AssertionError, match=complaint):
         test_imports_run_downward()
+
+
+def test_the_folder_reads_as_the_pipeline():
+    """Few modules at the top (what users call or import), one folder per stage, each folder's
+    `__init__` saying in its docstring what the stage takes and what it hands on."""
+    top = sorted(n for n, path in MODULES.items() if n and "." not in n and not path.endswith("__init__.py")
+                 and n != "__main__")
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly in autoshard/: {top}"
+    for name, path in MODULES.items():
+        if path.endswith("__init__.py") and name and "." not in name:
+            doc = ast.get_docstring(ast.parse(open(path).read()))
+            assert doc and "takes" in doc.lower() and "hands on" in doc.lower(), \
+                f"autoshard/{name}/__init__.py: its docstring should say what the stage takes and hands on"
+

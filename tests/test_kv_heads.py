@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
-from autoshard.collectives import count_comm  # noqa: E402
-from autoshard.cost import CostModel  # noqa: E402
-from autoshard.placements import REPLICATE_PG, Shard, ShardGathered  # noqa: E402
+from autoshard.runtime.collectives import count_comm  # noqa: E402
+from autoshard.planner.cost import CostModel  # noqa: E402
+from autoshard.runtime.placements import REPLICATE_PG, Shard, ShardGathered  # noqa: E402
 import refs  # noqa: E402
 from refs import close_to_scale, grads  # noqa: E402
 
@@ -249,7 +249,7 @@ def test_strided_and_whole_unit_shards_move_by_gather_and_cut():
     """An all-to-all moves equal contiguous blocks; a strided shard (the rotary's halves of a
     head_dim split) or a whole-unit one reaches another dim by a gather and a cut, in the cost
     model as in the rewrite (`Rewriter.forward`)."""
-    from autoshard.cost import redistribute
+    from autoshard.planner.cost import redistribute
     both = (("all_gather",), ("all_gather",))
     assert redistribute(Shard(3, 2), Shard(1)) == both
     assert redistribute(Shard(1), Shard(3, 2)) == both
@@ -262,9 +262,9 @@ def test_unequal_shards_move_by_gather_and_cut():
     equal blocks: the plan prices the gather and cut the rewrite runs; equal ones keep the
     all-to-all."""
     import torch.nn as nn
-    from autoshard.capture import capture
-    from autoshard.planner import chunk_candidates, unit_candidates
-    from autoshard.search import Problem
+    from autoshard.capture.trace import capture
+    from autoshard.planner.build import chunk_candidates, unit_candidates
+    from autoshard.planner.search import Problem
 
     gm = capture(nn.Linear(8, 7), (torch.randn(4, 8, 8),)).gm
     prob = Problem(gm, 4, CostModel(), chunk_candidates(gm), unit_candidates(gm))
@@ -358,7 +358,7 @@ def test_falcon_heads_cut_after_the_view_capture_on_meta():
     """The parts taken after the view into heads become slices of the projection's features,
     whose index constants are kept on a model built on meta (made on the CPU, not lifted without
     values): the meta model's plan is the CPU model's."""
-    from autoshard.capture import capture
+    from autoshard.capture.trace import capture
     ids = _falcon_batch()["input_ids"]
     plans = []
     for device in ("cpu", "meta"):

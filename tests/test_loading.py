@@ -1,4 +1,4 @@
-"""Models built on meta, filled with only this rank's shards (autoshard.loading).
+"""Models built on meta, filled with only this rank's shards (autoshard.io.loading).
 
 At world sizes 2 and 4 (gloo, CPU): a meta-built GPT (fused q/k/v, tied embeddings) loaded with
 load= from a torch.save file, a safetensors file and a sharded Hugging Face-style directory
@@ -156,11 +156,11 @@ def test_from_pretrained_equals_hf(world, dist2, dist4, checkpoints):
 @pytest.fixture
 def no_rewrite(monkeypatch):
     """Fails the test if parallelize gets as far as building (allocating) this rank's module."""
-    import autoshard.rewrite
+    import autoshard.rewrite.rewriter
 
     def boom(*a, **k):
         raise AssertionError("rewrite (shard allocation) reached despite a bad input")
-    monkeypatch.setattr(autoshard.rewrite, "rewrite", boom)
+    monkeypatch.setattr(autoshard.rewrite.rewriter, "rewrite", boom)
 
 
 def _bad(load, match, model=None):
@@ -211,7 +211,7 @@ def test_device_and_real_model(tmp_path):
     """device= places the filled shards; a model built on CPU can be loaded into as well; the
     safetensors reads are of this rank's boxes only (a fused q/k/v shard: three blocks)."""
     from safetensors.torch import save_file
-    from autoshard import loading
+    from autoshard.io import loading
     sd = {k: v for k, v in _gpt(seed=3).state_dict().items() if k != "head.weight"}
     path = str(tmp_path / "w.safetensors")
     save_file(sd, path)
@@ -239,9 +239,9 @@ def test_cli_from_pretrained_reads_no_weights(tmp_path, capsys):
     assert main(["plan", "--from-pretrained", str(tmp_path), "-n", "2", "--tokens", "16"]) == 0
     text = capsys.readouterr().out
     assert "lm_head" in text and "per-rank memory at world size 2" in text
-    model = autoshard.loading.meta_model(str(tmp_path))
+    model = autoshard.io.loading.meta_model(str(tmp_path))
     plan = autoshard.plan(model, 2, {"input_ids": torch.zeros(1, 16, dtype=torch.long)}, tracer="export")
-    mem = autoshard.loading.memory_per_rank(model, plan)
+    mem = autoshard.io.loading.memory_per_rank(model, plan)
     assert f"{mem['parameters']:,d}" in text
     assert mem["parameters"] == 4 * plan.params_per_rank
     with pytest.raises(SystemExit):

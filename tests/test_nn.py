@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
-from autoshard.collectives import count_comm
+from autoshard.runtime.collectives import count_comm
 from autoshard.errors import ProcessGroupError, ShardingError
 from autoshard.nn import ParallelCrossEntropyLoss, ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from autoshard.nn.init import shard_init_helper_

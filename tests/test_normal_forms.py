@@ -1,4 +1,4 @@
-"""Capture's normal forms (autoshard.normalize): graphs rewritten, equal in value, into forms the
+"""Capture's normal forms (autoshard.capture.normalize): graphs rewritten, equal in value, into forms the
 rules can split. BLOOM merges batch and heads for its `baddbmm` / `bmm` (`[b * H, s, d]`, its
 ALiBi bias `[H, 1, s]` repeated b times): captured, the scores are a 4-d `matmul` of the unmerged
 tensors with the bias broadcast, so the heads split over the ranks. One process: the captured
@@ -29,7 +29,7 @@ def _bloom():
 
 
 def test_bloom_scores_captured_as_4d_matmul():
-    from autoshard.capture import capture
+    from autoshard.capture.trace import capture
     model, kw = _bloom()
     gm = capture(model, kwargs=kw, tracer="export").gm
     targets = {n.target for n in gm.graph.nodes}
@@ -86,7 +86,7 @@ def _grouped_x(seed, batch=2, seq=6):
 
 
 def test_groups_captured_as_regroup():
-    from autoshard.capture import capture
+    from autoshard.capture.trace import capture
     from autoshard.nn.functional import regroup
     torch.manual_seed(0)
     model = _GroupedQKV()

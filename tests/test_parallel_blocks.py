@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
-from autoshard.collectives import count_comm  # noqa: E402
+from autoshard.runtime.collectives import count_comm  # noqa: E402
 from refs import close_grads, close_to_scale, grads, hf_step_matches  # noqa: E402
 
 H, HEADS, T = 64, 4, 32

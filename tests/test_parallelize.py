@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import distributed as ad
-from autoshard.collectives import count_comm
-from autoshard.pieces import cat_along
-from autoshard.local_ops import FRESH_OUTPUT_OPS
+from autoshard.runtime.collectives import count_comm
+from autoshard.runtime.pieces import cat_along
+from autoshard.rewrite.local_ops import FRESH_OUTPUT_OPS
 from autoshard.errors import CaptureError, ProcessGroupError, ShardingError
 from autoshard.nn import functional as PF
 from launcher import _free_port
@@ -332,10 +332,10 @@ def test_rank_without_process_group_builds_that_ranks_module():
             assert torch.equal(cat_along(pieces, layouts[key].dim, layouts[key].chunks), full.detach()), key
         else:                                                       # replicated: the model's own tensor
             assert all(piece.data_ptr() == full.data_ptr() for piece in pieces), key
-    assert "autoshard_collectives" in shards[0].code                # collectives are named graph nodes
+    assert "autoshard_runtime_collectives" in shards[0].code                # collectives are named graph nodes
     gpt, ids = _build("gpt_loss")[:2]
     reduces = [n for gm in (shards[0], autoshard.parallelize(gpt, 2, ids, rank=0)) for n in gm.graph.nodes
-               if n.target is autoshard.collectives.reduce_from and n.args[0].target in FRESH_OUTPUT_OPS]
+               if n.target is autoshard.runtime.collectives.reduce_from and n.args[0].target in FRESH_OUTPUT_OPS]
     assert reduces and all(n.kwargs.get("inplace") for n in reduces)    # row matmul / lookup outputs: no copy
     with pytest.raises(ProcessGroupError, match="needs a process group"):
         shards[0](*args)                                            # running it needs the group

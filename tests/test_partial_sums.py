@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
-from autoshard.collectives import count_comm  # noqa: E402
+from autoshard.runtime.collectives import count_comm  # noqa: E402
 from refs import close_to_scale, grads_match, hf_step_matches  # noqa: E402
 
 
@@ -129,7 +129,7 @@ def test_whole_operand_first_in_a_subtraction(dist3):
 def test_in_place_sum_never_shares_its_own_input():
     """`x.add_(partial)` would leave x's storage holding x / p: the rule offers the share only of
     the operand that is not written."""
-    from autoshard.rules.registry import NodeInfo, lookup
+    from autoshard.planner.rules.registry import NodeInfo, lookup
 
     class M(nn.Module):
         def forward(self, x, y):

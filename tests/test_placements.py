@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from autoshard.pieces import split_along
-from autoshard.placements import PARTIAL, Replicate, Shard
-from autoshard.pieces import boxes
+from autoshard.runtime.pieces import split_along
+from autoshard.runtime.placements import PARTIAL, Replicate, Shard
+from autoshard.runtime.pieces import boxes
 
 
 @pytest.mark.parametrize("shape,pl,p", [((12, 6), Shard(0, 3), 2), ((12, 6), Shard(1), 3), ((12, 8), Shard(0), 4),
@@ -35,7 +35,7 @@ def test_boxes_errors():
 def test_uneven_sizes_follow_torch_chunk():
     """torch.chunk's boundaries (DTensor's): ceil(n/p) each, the last ranks what is left; where
     those leave a rank empty (10 on 8: five chunks of 2), balanced: the first n mod p one more."""
-    from autoshard.placements import chunk_sizes, global_shape, layout_of, local_shape, splits
+    from autoshard.runtime.placements import chunk_sizes, global_shape, layout_of, local_shape, splits
     for n in (257, 50257, 10, 7, 64):
         for p in (2, 3, 4, 8):
             if n < p:
@@ -55,8 +55,8 @@ def test_shards_held_by_groups_of_ranks():
     """`Shard(d, replicas=m)`: p/m groups of m consecutive ranks, each group's piece held by all of
     its ranks (4 kv heads on 8 ranks, groups of 2: rank r holds head r // 2); priced and gathered
     within the group (`kind@m`); never a stored tensor's layout."""
-    from autoshard.collectives import ring_bytes
-    from autoshard.placements import ShardGathered, divides, is_even, local_shape, shares, stored
+    from autoshard.runtime.collectives import ring_bytes
+    from autoshard.runtime.placements import ShardGathered, divides, is_even, local_shape, shares, stored
     pl = Shard(2, replicas=2)
     assert [local_shape((2, 16, 1024), pl, 8, r)[2] for r in range(8)] == [256] * 8
     assert shares(1024, pl, 8) == ((256,) * 8,)
@@ -78,7 +78,7 @@ def test_shards_held_by_groups_of_ranks():
 def test_strategies_on_group_shards_stay_exact():
     """An op reading a shard held by groups of ranks may only pass it on as such (a sum over its
     dim, or a whole result, would count each group's piece m times); a parameter is never held so."""
-    from autoshard.rules.registry import OpStrategy, closed_groups
+    from autoshard.planner.rules.registry import OpStrategy, closed_groups
     g, s = Shard(1, replicas=2), Shard(1)
     assert closed_groups(OpStrategy("shard(1)", g, (g, Replicate())))
     assert not closed_groups(OpStrategy("partial", PARTIAL, (g,)))
@@ -93,8 +93,8 @@ def test_strategies_on_group_shards_stay_exact():
 def test_group_shards_move_only_to_the_ranks_own_pieces():
     """A group's piece is cut to each rank's own (a local slice, the gradient zero-padded: still a
     summand within the group); no other redistribution reads or makes one."""
-    from autoshard.cost import partial_grad_edge, redistribute
-    from autoshard.placements import REPLICATE_PG
+    from autoshard.planner.cost import partial_grad_edge, redistribute
+    from autoshard.runtime.placements import REPLICATE_PG
     g = Shard(1, replicas=2)
     assert redistribute(g, g) == ((), ()) and redistribute(g, Shard(1)) == ((), ())
     for other in (Replicate(), PARTIAL, Shard(2), Shard(1, replicas=4), Shard(1, 2)):

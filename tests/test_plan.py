@@ -24,9 +24,9 @@ from models import GPT, MLP, Block  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard import Replicate, Shard, ShardingError  # noqa: E402
-from autoshard.planner import plan_graph  # noqa: E402
-from autoshard.capture import capture  # noqa: E402
-from autoshard.cost import CostModel  # noqa: E402
+from autoshard.planner.build import plan_graph  # noqa: E402
+from autoshard.capture.trace import capture  # noqa: E402
+from autoshard.planner.cost import CostModel  # noqa: E402
 
 H, HEADS, B, S, V = 128, 8, 2, 64, 8192
 T = B * S

@@ -102,7 +102,7 @@ def _names_a_node(message: str, model, example, tracer) -> bool:
     """Whether an error message names a node of the captured graph or a module / parameter."""
     names = {n for n, _ in model.named_modules() if n} | {n for n, _ in model.named_parameters()}
     try:
-        from autoshard.capture import capture
+        from autoshard.capture.trace import capture
         names |= {n.name for n in capture(model, example, tracer=tracer).gm.graph.nodes if n.op != "output"}
     except Exception:  # noqa: BLE001 - a capture failure is named by the CaptureError itself
         pass

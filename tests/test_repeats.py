@@ -1,14 +1,14 @@
-"""Repeated layers are traced once (autoshard.repeats): the graph, and so the plan, equal what a
+"""Repeated layers are traced once (autoshard.capture.repeats): the graph, and so the plan, equal what a
 layer-by-layer capture gives; layers that differ (shapes, dtypes, attributes, per-layer config)
 start runs of their own; a loop that does not repeat is traced whole, with a note."""
 import torch
 import torch.nn as nn
 import transformers
 
-from autoshard import repeats
-from autoshard.capture import capture
-from autoshard.cost import CostModel
-from autoshard.planner import plan_graph
+from autoshard.capture import repeats
+from autoshard.capture.trace import capture
+from autoshard.planner.cost import CostModel
+from autoshard.planner.build import plan_graph
 from models import GPT, Block
 
 

@@ -19,10 +19,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from factories import RandomDAG, random_dag  # noqa: E402
 
-from autoshard import search as S  # noqa: E402
-from autoshard.planner import chunk_candidates, plan_graph  # noqa: E402
-from autoshard.capture import capture  # noqa: E402
-from autoshard.cost import CostModel  # noqa: E402
+from autoshard.planner import search as S  # noqa: E402
+from autoshard.planner.build import chunk_candidates, plan_graph  # noqa: E402
+from autoshard.capture.trace import capture  # noqa: E402
+from autoshard.planner.cost import CostModel  # noqa: E402
 
 N_DAGS = 200
 TOLERANCE = 0.05          # greedy within 5% of exact ...

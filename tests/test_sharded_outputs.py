@@ -20,7 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
-from autoshard.collectives import count_comm, ring_bytes  # noqa: E402
+from autoshard.runtime.collectives import count_comm, ring_bytes  # noqa: E402
 from models import GPT  # noqa: E402
 from refs import close_to_scale, grads  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The parallel module takes every call its model's forward takes: with and without labels,
 positionally and by keyword, with an attention_mask; each new signature is captured, planned on
-the parameters' existing layouts and rewritten on its first use (autoshard.signatures)."""
+the parameters' existing layouts and rewritten on its first use (autoshard.rewrite.signatures)."""
 import copy
 import gc
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard.errors import ShardingError
-from autoshard.placements import Shard
+from autoshard.runtime.placements import Shard
 from hf_models import llama
 from refs import close_to_scale, grads
 

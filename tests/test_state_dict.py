@@ -10,7 +10,7 @@ import autoshard
 from autoshard import distributed as ad
 from autoshard.errors import ShardingError
 from autoshard.nn import ParallelEmbedding, ParallelLinear, RegisterParallelDim
-from autoshard.state_dict import torchshard_layout
+from autoshard.runtime.state_dict import torchshard_layout
 from refs import close, ref_piece, seeded
 
 

@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
-from autoshard.collectives import count_comm  # noqa: E402
-from autoshard.placements import chunk_sizes  # noqa: E402
+from autoshard.runtime.collectives import count_comm  # noqa: E402
+from autoshard.runtime.placements import chunk_sizes  # noqa: E402
 from models import GPT  # noqa: E402
 from refs import close_to_scale, dcp_load_model, dcp_save_model, grads_match  # noqa: E402
 
@@ -278,8 +278,8 @@ def test_balanced_split_is_exact_and_checkpoints_across_degrees(dist2, dist3, di
 
 
 def test_balanced_boundaries():
-    from autoshard.placements import Shard, dtensor_boundaries, splits
-    from autoshard.pieces import boxes
+    from autoshard.runtime.placements import Shard, dtensor_boundaries, splits
+    from autoshard.runtime.pieces import boxes
     assert chunk_sizes(257, 3) == [86, 86, 85]                   # torch.chunk's, where no rank is empty
     assert chunk_sizes(12, 8) == [2, 2, 2, 2, 1, 1, 1, 1]        # balanced where it would leave one empty
     assert chunk_sizes(768, 8, 64) == [128] * 4 + [64] * 4       # the features of 12 heads of 64

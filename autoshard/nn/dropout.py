@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import rng
-from ..placements import Shard, global_shape, groups_of
-from ..pieces import split_along
+from ..runtime import rng
+from ..runtime.placements import Shard, global_shape, groups_of
+from ..runtime.pieces import split_along
 
 MASKS = ("independent", "single_process")
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import functional as PF
 from .common import check_dim, convert_modules, group_info, install_shards
-from ..state_dict import register_parallel_dim
+from ..runtime.state_dict import register_parallel_dim
 
 
 class _ParallelLayer(nn.Module):

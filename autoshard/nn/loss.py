@@ -5,7 +5,7 @@ from torch import nn
 from torch.nn import _reduction
 
 from . import functional as PF
-from ..groups import register_group
+from ..runtime.groups import register_group
 
 
 class ParallelCrossEntropyLoss(nn.Module):

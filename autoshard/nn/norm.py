@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import collectives as C
-from ..groups import get_group
+from ..runtime import collectives as C
+from ..runtime.groups import get_group
 
 
 def _sum_over_ranks(x, group):

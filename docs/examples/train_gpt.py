@@ -181,7 +181,7 @@ def run(args, tp: int, backend: str, device: torch.device) -> int:
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         idx, targets = batch(step)
-        with autoshard.collectives.count_comm() as comm:
+        with autoshard.runtime.collectives.count_comm() as comm:
             loss = train(idx, targets)
             opt.zero_grad(set_to_none=True)
             loss.backward()

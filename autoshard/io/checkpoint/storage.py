@@ -1,0 +1,218 @@
+"""Saving and loading DCP checkpoints: atomic saves, checked loads, conversion to one file.
+
+`save` / `load` wrap `dcp.save` / `dcp.load`: save writes into a hidden sibling directory and
+renames it into place once every rank has written (a failed save leaves no checkpoint that looks
+complete, and keeps the previous one), with `.checksums` of every block (writer.py); load refuses
+a checkpoint of another model (missing or extra keys, other global shapes) or a partial
+directory before any tensor is touched, and checks every block it reads (reader.py).
+`LoadPlanner` is the same check for `dcp.load(..., planner=LoadPlanner())`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from ...errors import CheckpointError
+from .checksums import BLOCK_BYTES, FILE_NAME
+from .reader import FileSystemReader
+from .state import few, global_shape_of, quiet, quiet_single_process
+from .verify import verify
+from .writer import FileSystemWriter
+
+
+# ----------------------------------------------------------------------------- checks against a checkpoint
+
+def _flat(state_dict) -> dict:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    return flatten_state_dict(state_dict)[0]
+
+
+def check_checkpoint(state_dict, metadata) -> None:
+    """Refuse `metadata` (a DCP checkpoint's) for `state_dict`: keys the state dict asks for that the
+    checkpoint lacks, keys the checkpoint has under the state dict's top-level names that nobody
+    asks for, and tensors whose global shapes differ. Raises CheckpointError naming all of them."""
+    flat = _flat(state_dict)
+    saved = metadata.state_dict_metadata
+    tops = {k.split(".", 1)[0] for k in flat}
+    missing = sorted(k for k in flat if k not in saved)
+    extra = sorted(k for k in saved if k not in flat and k.split(".", 1)[0] in tops)
+    shapes = []
+    for key, value in flat.items():
+        md = saved.get(key)
+        if md is None:
+            continue
+        got = global_shape_of(value)
+        if isinstance(md, TensorStorageMetadata) and got is not None and tuple(md.size) != got:
+            shapes.append(f"{key!r}: checkpoint {tuple(md.size)}, model {got}")
+        elif isinstance(md, BytesStorageMetadata) and isinstance(value, torch.Tensor):
+            shapes.append(f"{key!r}: the checkpoint holds an object, the model a tensor of {got}")
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {few(missing)}")
+    if extra:
+        problems.append(f"in the checkpoint but not in the model: {few(extra)}")
+    if shapes:
+        problems.append("global shapes differ: " + "; ".join(shapes[:8]) +
+                        (f"; and {len(shapes) - 8} more" if len(shapes) > 8 else ""))
+    if problems:
+        raise CheckpointError("the checkpoint does not fit the state dict (nothing was loaded):\n  "
+                              + "\n  ".join(problems))
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that first runs `check_checkpoint` (on every rank, before any
+    read): `dcp.load(sd, checkpoint_id=path, planner=LoadPlanner())`."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        if metadata is not None:
+            check_checkpoint(state_dict, metadata)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+
+def _read_metadata(path):
+    """The checkpoint's Metadata, after checking that every file it names is there and long enough."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        names = sorted(os.listdir(path))[:8]
+        raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata file; it holds {names}): "
+                              "an unfinished or failed save, or not a DCP checkpoint")
+    reader = dcp.FileSystemReader(path)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unpickling error means the same thing
+        raise CheckpointError(f"{path}/.metadata cannot be read: {type(e).__name__}: {e}") from e
+    need: dict = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        file = os.path.join(path, name)
+        have = os.path.getsize(file) if os.path.isfile(file) else None
+        if have is None or have < size:
+            raise CheckpointError(f"{path}: partial checkpoint: {name} is "
+                                  f"{'missing' if have is None else f'{have} bytes'}, .metadata needs {size} bytes")
+    return metadata
+
+
+# ----------------------------------------------------------------------------- save / load
+
+def _is_coordinator(pg) -> bool:
+    return not dist.is_initialized() or dist.get_rank(pg) == 0
+
+
+def _barrier(pg) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=pg)
+
+
+def sibling(path: str, suffix: str) -> str:
+    """The hidden sibling `.NAME.suffix` of `path`, where a checkpoint is written before it is published."""
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}.{suffix}")
+
+
+def publish(tmp: str, path: str) -> None:
+    """Rename the finished `tmp` into `path`; a checkpoint already there goes only after."""
+    old = sibling(path, "old")
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save(state_dict, checkpoint_id, *, process_group=None, checksums: bool = True,
+         checksum_block_bytes: int = BLOCK_BYTES) -> None:
+    """`dcp.save(state_dict)` into `checkpoint_id` (a directory), atomically: the ranks write into
+    a hidden sibling directory, which rank 0 renames into place once every rank has written. A
+    failed save raises on every rank and leaves `checkpoint_id` as it was. With `checksums`
+    (the default) it also writes `.checksums`: the CRC-32 of every `checksum_block_bytes` block
+    of every saved item, which `load` checks on every read."""
+    path = os.path.abspath(os.fspath(checkpoint_id))
+    tmp = sibling(path, "partial")
+    pg = process_group
+    if _is_coordinator(pg):
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(pg)
+    try:
+        with quiet_single_process():
+            writer = FileSystemWriter(tmp, block_bytes=checksum_block_bytes) if checksums else dcp.FileSystemWriter(tmp)
+            dcp.save(state_dict, storage_writer=writer, process_group=pg,
+                     no_dist=not dist.is_initialized())
+    except BaseException as e:
+        if _is_coordinator(pg):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, CheckpointException):      # a BaseException: make it an ordinary error
+            raise CheckpointError(f"saving {path} failed; it was left as it was. {_failures(e)}") from e
+        raise
+    if _is_coordinator(pg):
+        publish(tmp, path)
+    _barrier(pg)
+
+
+def _failures(e) -> str:
+    """The per-rank errors of DCP's CheckpointException, one line each."""
+    return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+
+
+def load(state_dict, checkpoint_id, *, process_group=None) -> None:
+    """`dcp.load(state_dict)` from `checkpoint_id` in place, after checking that the directory is
+    complete and that its keys and global shapes are the state dict's (CheckpointError otherwise,
+    raised on every rank before any tensor is touched). Reads with `FileSystemReader`: only this
+    rank's boxes of each saved tensor, a bounded block at a time, each block checked against the
+    checkpoint's `.checksums` before it is copied (a mismatch is a CheckpointError naming the
+    file, key and byte range; what was loaded before it came from blocks that matched). A
+    checkpoint without `.checksums` loads unchecked, with a one-line note."""
+    path = os.fspath(checkpoint_id)
+    metadata = _read_metadata(path)
+    check_checkpoint(state_dict, metadata)
+    try:
+        with quiet_single_process():
+            dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=DefaultLoadPlanner(),  # checked above
+                     process_group=process_group, no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        raise CheckpointError(f"loading {path} failed: {_failures(e)}") from e
+
+
+# ----------------------------------------------------------------------------- conversion
+
+def dcp_to_torch_save(checkpoint_dir, torch_file) -> None:
+    """A DCP checkpoint as one `torch.save` file of full tensors (for the unsharded model); one
+    process. A checkpoint with `.checksums` is verified first (PyTorch's converter reads it)."""
+    from torch.distributed.checkpoint import format_utils
+    _read_metadata(checkpoint_dir)
+    if os.path.isfile(os.path.join(os.fspath(checkpoint_dir), FILE_NAME)):
+        report = verify(checkpoint_dir)
+        if not report.ok:
+            raise CheckpointError(f"{os.fspath(checkpoint_dir)} is damaged, not converted:\n  " +
+                                  "\n  ".join(report.problems[:8]) +
+                                  (f"\n  and {len(report.problems) - 8} more" if len(report.problems) > 8 else ""))
+    with quiet():
+        format_utils.dcp_to_torch_save(checkpoint_dir, torch_file)
+
+
+def torch_save_to_dcp(torch_file, checkpoint_dir) -> None:
+    """A `torch.save` file (e.g. {"model": model.state_dict(), ...}) as a DCP checkpoint that loads
+    at any degree (PyTorch's converter, into a hidden sibling directory renamed into place)."""
+    from torch.distributed.checkpoint import format_utils
+    if not os.path.isfile(torch_file):
+        raise CheckpointError(f"{torch_file}: no such file")
+    path = os.path.abspath(os.fspath(checkpoint_dir))
+    tmp = sibling(path, "partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with quiet():
+            format_utils.torch_save_to_dcp(torch_file, tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"converting {torch_file}: {type(e).__name__}: {e}") from e
+    publish(tmp, path)

@@ -1,0 +1,298 @@
+"""An assignment of placements to a Problem's nodes and its cost (the search's state).
+
+Decisions live on parameter groups; every other node takes its locally cheapest strategy given
+its inputs' placements, so an assignment is evaluated by one forward propagation and a change by
+re-propagating only the nodes whose inputs changed (`State.trial`, seen through `_Overlay`
+copies until committed). `reduce_early` settles the ties the per-node choice breaks late. The
+search (`search.py`) decides which changes to try.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+import torch
+
+from ..runtime.placements import REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups
+from .problem import INF, Problem
+
+
+def _whole_in_group(placement) -> bool:
+    """Rp (whole on every rank) or a shard held by groups of ranks: a tensor every rank of a group
+    holds whole, its gradient a summand per rank."""
+    return isinstance(placement, ReplicatePartialGrad) or held_by_groups(placement)
+
+class State:
+    """A labelling: the group choices and every node's strategy and output placement."""
+
+    def __init__(self, prob: Problem):
+        self.prob = prob
+        n = len(prob.nodes)
+        self.choice = [0] * len(prob.groups)
+        self.param_place: dict[int, object] = {}
+        for grp in prob.groups:       # choice 0: all-Replicate, unless a pin removed that option
+            for key, pl in zip(grp.params, grp.choices[0]):
+                if not isinstance(pl, Replicate):
+                    self.param_place[key] = pl
+        self.sidx = [0] * n
+        self.place = [None] * n
+        for i in range(n):
+            self._assign(i, self.place, self.sidx)
+        # communication cost of every tensor under this labelling, kept current by commit()
+        self.tcost = [prob.tensor_cost(j, self.place, self.sidx) for j in range(n)]
+        self.total = self.evaluate()
+
+    # ---------------------------------------------------------------- propagation
+    def placement_of_param(self, key):
+        return self.param_place.get(key, REPLICATE)
+
+    def _whole_before(self, i, j, place) -> bool:
+        """Whether a consumer of tensor j decided before node i already makes j whole with a
+        collective (a norm's statistics all-reduce its Partial input: the norm's product may
+        read it whole too, for nothing more)."""
+        if not isinstance(place[j], (Shard, Partial)):
+            return False
+        prob, sidx = self.prob, self.sidx
+        for u in prob.users[j]:
+            if u < i and prob.strats[u] and prob.kind[u] == "op":
+                s = prob.strats[u][sidx[u]]
+                if any(k == j and isinstance(s.inputs[slot], Replicate) for slot, k in enumerate(prob.ins[u])):
+                    return True
+        return False
+
+    def _best(self, i, place) -> int:
+        """The locally cheapest strategy of node i given its inputs' placements (memoised)."""
+        prob = self.prob
+        before = tuple(self._whole_before(i, j, place) for j in prob.ins[i])
+        key = (i, *[place[j] for j in prob.ins[i]], *[place[a] for j in prob.ins[i] for a in prob.returned_above[j]],
+               before)
+        hit = prob.best_memo.get(key)
+        if hit is None:
+            hit = prob.best_memo[key] = self._best_uncached(i, place, before)
+        return hit
+
+    def _best_uncached(self, i, place, before) -> int:
+        prob = self.prob
+        best, best_c = 0, INF
+        # an Rp input (replicated K/V) is sliced only where it meets an input split already (the
+        # query heads): slicing it on its own is locally free but starts a split whose cost
+        # shows only later, which a node-by-node choice cannot see
+        # (so is a shard held by groups of ranks, cut to each rank's own piece)
+        rp = any(_whole_in_group(place[j]) for j in prob.ins[i])
+        split_in = rp and any(isinstance(place[j], Shard) and not held_by_groups(place[j]) for j in prob.ins[i])
+        for si, s in enumerate(prob.strats[i]):
+            if rp and not split_in and any(_whole_in_group(place[j]) and isinstance(s.inputs[slot], Shard) and
+                                           s.inputs[slot] != place[j] for slot, j in enumerate(prob.ins[i])):
+                continue
+            c = prob.node_cost[i][si]
+            for slot, j in enumerate(prob.ins[i]):
+                req = s.inputs[slot]
+                if req is None:
+                    continue
+                c += prob.edge_cost(j, place[j], req, s.grad(slot), before[slot] or prob.whole_anyway(j, place))
+                if c >= best_c:
+                    break
+            if c < best_c:
+                best, best_c = si, c
+        return best
+
+    def _out(self, i, si, place):
+        prob = self.prob
+        kind = prob.kind[i]
+        if kind == "input" or kind == "buffer":
+            return REPLICATE if isinstance(prob.val[i], torch.Tensor) else None
+        if kind == "param":
+            return self.placement_of_param(prob.param_key[i])
+        if kind == "select":
+            src = place[prob.ins[i][0]]
+            k = prob.nodes[i].args[1]
+            return src[k] if isinstance(src, tuple) else (REPLICATE if isinstance(prob.val[i], torch.Tensor) else None)
+        if kind == "output":
+            return None
+        return prob.strats[i][si].output
+
+    def _assign(self, i, place, sidx):
+        si = self._best(i, place) if self.prob.kind[i] == "op" else 0
+        sidx[i] = si
+        place[i] = self._out(i, si, place)
+
+    def evaluate(self, place=None, sidx=None, param_place=None) -> float:
+        """Total cost of a labelling (defaults: this state's)."""
+        prob = self.prob
+        place = self.place if place is None else place
+        sidx = self.sidx if sidx is None else sidx
+        pp = self.param_place if param_place is None else param_place
+        total = 0.0
+        for i in range(len(prob.nodes)):
+            if prob.strats[i]:
+                total += prob.node_cost[i][sidx[i]]
+            total += prob.tensor_cost(i, place, sidx)
+        for key in prob.param_obj:
+            total += prob.param_cost(key, pp.get(key, REPLICATE))
+        return total
+
+    # ---------------------------------------------------------------- incremental change
+    def trial(self, changes: dict[int, int]):
+        """Cost delta of setting group -> choice in `changes`, and the overlay that does it.
+
+        Re-propagates in place from the changed parameters (in topological order) and undoes
+        the change before returning; old tensor costs come from `tcost`, not recomputed."""
+        prob = self.prob
+        new_pp = {}
+        heap = []
+        for g, ch in changes.items():
+            grp = prob.groups[g]
+            for key, pl in zip(grp.params, grp.choices[ch]):
+                if pl != self.placement_of_param(key):
+                    new_pp[key] = pl
+        if not new_pp:
+            return 0.0, None
+        place, sidx, kind, users = self.place, self.sidx, prob.kind, prob.users
+        old_place, old_sidx = {}, {}          # undo log: node -> value before the trial
+        seen = set()
+        saved, self.param_place = self.param_place, _Overlay(self.param_place, new_pp)
+        try:
+            for key, pl in new_pp.items():
+                for i in prob.param_nodes[key]:
+                    old_place.setdefault(i, place[i])
+                    place[i] = pl
+                    for u in users[i]:
+                        heapq.heappush(heap, u)
+            while heap:
+                i = heapq.heappop(heap)
+                if i in seen:
+                    continue
+                seen.add(i)
+                si = self._best(i, place) if kind[i] == "op" else 0
+                out = self._out(i, si, place)
+                if si != sidx[i]:
+                    old_sidx[i] = sidx[i]
+                    sidx[i] = si
+                    for j in prob.ins[i]:               # later readers of its split inputs: _whole_before
+                        if isinstance(place[j], (Shard, Partial)):
+                            for u in users[j]:
+                                if u > i:
+                                    heapq.heappush(heap, u)
+                if out != place[i]:
+                    old_place[i] = place[i]
+                    place[i] = out
+                    for u in users[i]:
+                        heapq.heappush(heap, u)
+                    for u in prob.reread.get(i, ()):     # their whole_anyway may change with it
+                        heapq.heappush(heap, u)
+            changed = set(old_sidx) | set(old_place)
+            tensors = set(changed)
+            for i in changed:
+                tensors.update(prob.ins[i])
+            tensors = {prob.root[j] for j in tensors}          # a view's cost is its class root's
+            delta = 0.0
+            for i in changed:
+                if prob.strats[i]:
+                    delta += prob.node_cost[i][sidx[i]] - prob.node_cost[i][old_sidx.get(i, sidx[i])]
+            tcost, tnew = self.tcost, {}
+            for j in tensors:
+                c = tnew[j] = prob.tensor_cost(j, place, sidx)
+                delta += c - tcost[j]
+            place_new = {i: place[i] for i in old_place}
+            sidx_new = {i: sidx[i] for i in old_sidx}
+        finally:
+            self.param_place = saved
+            for i, v in old_place.items():
+                place[i] = v
+            for i, v in old_sidx.items():
+                sidx[i] = v
+        for key, pl in new_pp.items():
+            delta += prob.param_cost(key, pl) - prob.param_cost(key, self.placement_of_param(key))
+        if math.isnan(delta):
+            delta = INF
+        return delta, (changes, new_pp, place_new, sidx_new, tnew)
+
+    def commit(self, delta, overlay):
+        if overlay is None:
+            return
+        changes, new_pp, place_new, sidx_new, tnew = overlay
+        for g, ch in changes.items():
+            self.choice[g] = ch
+        self.param_place.update(new_pp)
+        for i, v in place_new.items():
+            self.place[i] = v
+        for i, v in sidx_new.items():
+            self.sidx[i] = v
+        for j, c in tnew.items():
+            self.tcost[j] = c
+        self.total += delta
+
+    def reduce_early(self) -> None:
+        """Settle the ties the per-node choice breaks late: an op that keeps Partial inputs Partial
+        (a dropout of a row layer's output, a residual add of a whole or Partial tensor to it)
+        while every reader of its result reads it in one other placement X (whole, or split)
+        takes the strategy that outputs X instead, wherever that costs no more, so the reduction
+        comes before it: as in Megatron's row-parallel layer, whose fresh output is all-reduced in
+        place, and a residual add of a split stream (BLOOM's MLP adds its input, held split: the
+        row layer's output is reduce-scattered to it, rather than the stream gathered whole to be
+        added while Partial). Never where it would reduce two summands apart (the two branches
+        of a parallel block: that costs more). A result some reader sums while Partial stays
+        Partial."""
+        prob, place, sidx = self.prob, self.place, self.sidx
+        for i in reversed(range(len(prob.nodes))):      # readers first: a chain settles in one pass
+            if prob.kind[i] != "op" or not isinstance(place[i], Partial) or not prob.strats[i] or not prob.users[i]:
+                continue
+            ins = [r for r in prob.strats[i][sidx[i]].inputs if r is not None]
+            if not any(isinstance(r, Partial) for r in ins):
+                continue            # a fresh Partial (a row layer's product) is not a tie
+            want = self._read_as(i)
+            if want is None or isinstance(want, Partial):
+                continue
+            tensors = {prob.root[j] for j in (i, *prob.ins[i])}
+            old = sidx[i], place[i]
+            before = prob.node_cost[i][sidx[i]] + sum(self.tcost[j] for j in tensors)
+            best = None
+            for si, s in enumerate(prob.strats[i]):
+                if s.output != want:
+                    continue
+                sidx[i], place[i] = si, self._out(i, si, place)
+                new = {j: prob.tensor_cost(j, place, sidx) for j in tensors}
+                after = prob.node_cost[i][si] + sum(new.values())
+                if after <= before + 1e-12 * max(1.0, abs(before)) and (best is None or after < best[0]):
+                    best = after, si, new
+            sidx[i], place[i] = old
+            if best is None:
+                continue
+            after, si, new = best
+            sidx[i], place[i] = si, self._out(i, si, place)
+            self.total += after - before
+            for j, c in new.items():
+                self.tcost[j] = c
+
+    def _read_as(self, i: int):
+        """The one placement every reader's strategy reads tensor i in, or None if they differ."""
+        seen = set()
+        for u in self.prob.users[i]:
+            strats = self.prob.strats[u]
+            if not strats:
+                return None
+            s = strats[self.sidx[u]]
+            seen.update(s.inputs[k] for k, j in enumerate(self.prob.ins[u]) if j == i)
+        return seen.pop() if len(seen) == 1 else None
+
+    def set_choices(self, choices: dict[int, int]) -> float:
+        delta, ov = self.trial({g: c for g, c in choices.items() if c != self.choice[g]})
+        self.commit(delta, ov)
+        return delta
+
+
+class _Overlay:
+    """A list seen through a dict of changes (copy-on-write for trials)."""
+
+    __slots__ = ("base", "new")
+
+    def __init__(self, base, new):
+        self.base, self.new = base, new
+
+    def __getitem__(self, i):
+        return self.new[i] if i in self.new else self.base[i]
+
+    def get(self, k, default=None):
+        if k in self.new:
+            return self.new[k]
+        return self.base.get(k, default)

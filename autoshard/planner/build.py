@@ -1,0 +1,266 @@
+"""Planning a captured graph: Problem -> search -> Plan (beside the search, below the entry points).
+
+`plan_graph(gm, p, cost)` builds the Problem of a graph whose nodes carry shapes, runs the
+search (greedy, or exact for tests and benchmarks; with a memory budget, the cheapest memory
+weight that fits), and `build_plan` freezes the chosen State into a Plan.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import time
+from dataclasses import replace
+from types import MappingProxyType
+
+import torch
+import torch.fx as fx
+
+from . import search as _search
+from ..capture.shapes import dynamic_dims
+from .cost import CostModel, flops, ring_bytes
+from ..errors import ShardingError
+from ..runtime.placements import Replicate, Shard, local_numel, padded, splits
+from ..plan import NodeDecision, Plan, Redistribution, check_outputs
+from .decisions import module_of
+from .rules.registry import PARALLEL_LAYERS, family_of
+from .rules.shape import sliced_dim, sliced_range, view_groups
+
+
+def chunk_candidates(gm: fx.GraphModule) -> tuple:
+    """Numbers of equal pieces tensors are split into (a fused q/k/v gives 3) or joined from (cat)."""
+    ks = set()
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "call_function" and n.target in (torch.cat, torch.concat, torch.ops.aten.cat.default):
+            pieces = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+            if len(pieces) > 1:
+                ks.add(len(pieces))          # a cat of equal shards is a strided shard of that many
+            continue
+        if n.op == "call_function" and n.target in (torch.ops.aten.slice.Tensor, operator.getitem):
+            src = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+            cut = sliced_dim(n, src.dim()) if isinstance(src, torch.Tensor) and isinstance(v, torch.Tensor) else None
+            if cut is not None and v.shape[cut[0]] and src.shape[cut[0]] % v.shape[cut[0]] == 0 \
+                    and v.shape[cut[0]] < src.shape[cut[0]]:
+                ks.add(src.shape[cut[0]] // v.shape[cut[0]])     # a fused tensor sliced into equal parts
+            continue
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        if n.op == "output" or not any(w in name for w in ("split", "chunk")):
+            continue                 # only splits unfuse (not a model's outputs, not (cos, sin))
+        if isinstance(v, (tuple, list)) and len(v) > 1 and all(isinstance(t, torch.Tensor) for t in v):
+            if len({(tuple(t.shape), t.dtype) for t in v}) == 1:     # not (values, indices), (out, mask)
+                ks.add(len(v))
+    return tuple(sorted(ks))
+
+
+def part_candidates(gm: fx.GraphModule) -> tuple:
+    """Sizes of the unequal parts a tensor's dim is cut into: by slices whose bounds cut it (a
+    grouped q/k/v projection sliced into q, k and v: (q, kv, kv) features), or by a split with
+    unequal sizes. A strided shard in blocks of those sizes keeps every part split."""
+    cuts, found = {}, set()
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        if n.target in (torch.ops.aten.slice.Tensor, operator.getitem) and isinstance(n.args[0], fx.Node):
+            src = n.args[0].meta.get("val")
+            cut = sliced_range(n, src.shape) if isinstance(src, torch.Tensor) else None
+            if cut is not None and 0 < cut[2] - cut[1] < src.shape[cut[0]]:
+                cuts.setdefault((n.args[0], cut[0]), {0, int(src.shape[cut[0]])}).update(cut[1:])
+        elif n.target in (torch.split, torch.ops.aten.split_with_sizes.default, "split") and len(n.args) > 1 \
+                and isinstance(n.args[1], (list, tuple)) and all(isinstance(q, int) for q in n.args[1]):
+            if len(set(n.args[1])) > 1:
+                found.add(tuple(n.args[1]))
+    for c in cuts.values():
+        c = sorted(c)
+        parts = tuple(b - a for a, b in zip(c, c[1:]))
+        if len(parts) > 1 and len(set(parts)) > 1:
+            found.add(parts)
+    return tuple(sorted(found))
+
+
+def unit_candidates(gm: fx.GraphModule) -> tuple:
+    """Sizes of the units reshapes cut a dim into or merge from (a head's features: [.., 896] <->
+    [.., 14, 64] gives 64): where those units do not divide over the ranks, a split in whole
+    units (`Shard(d, unit=u)`) is what keeps heads whole."""
+    us = set()
+    for n in gm.graph.nodes:
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        if n.op not in ("call_function", "call_method") or not any(w in name for w in ("view", "reshape", "flatten")):
+            continue
+        src = n.args[0].meta.get("val") if n.args and isinstance(n.args[0], fx.Node) else None
+        v = n.meta.get("val")
+        if not isinstance(src, torch.Tensor) or not isinstance(v, torch.Tensor):
+            continue
+        a, b = tuple(int(s) for s in src.shape), tuple(int(s) for s in v.shape)
+        dyn_a, dyn_b = dynamic_dims(n.args[0]), dynamic_dims(n)
+        for ga, gb in view_groups(a, b) or ():
+            if any(d in dyn_a for d in ga) or any(d in dyn_b for d in gb):
+                continue                 # batch x sequence flattened: tokens, not heads
+            ia, ib = [d for d in ga if a[d] > 1], [d for d in gb if b[d] > 1]
+            for one, many, sizes in ((ia, ib, b), (ib, ia, a)):
+                if len(one) == 1 and len(many) > 1:
+                    us.add(math.prod(sizes[d] for d in many[1:]))
+    return tuple(sorted(us))
+
+
+def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
+               tracer="fx", notes=(), example=((), {}), layouts=None, outputs="full") -> Plan:
+    """Plan an already captured graph (shapes in node.meta['val']); `layouts` (parameter name ->
+    placement) fixes the parameters' layouts, leaving the search only the activations;
+    `outputs` ("full" or "sharded") is what the graph's output needs of the tensors it returns."""
+    check_outputs(outputs)
+    t0 = time.perf_counter()
+    prob = _search.Problem(gm, world_size, cost, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
+                           layouts=layouts, outputs=outputs, part_candidates=part_candidates(gm))
+    if not prob.param_obj:
+        raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
+    if cost.memory_budget is None or layouts is not None:
+        state = _run(prob, search)
+    else:
+        state, prob = _fit_budget(gm, world_size, cost, pin, search, outputs)
+        if _state_bytes(prob, state) > cost.memory_budget:
+            notes = list(notes) + [f"no plan fits memory_budget={cost.memory_budget:.0f} bytes; the most "
+                                   f"sharded one needs {_state_bytes(prob, state):.0f}"]
+    seconds = time.perf_counter() - t0
+    notes = list(notes) + _divisibility_notes(prob, world_size)
+    return build_plan(prob, state, tracer=tracer, search=search, seconds=seconds, notes=notes, example=example)
+
+
+def _run(prob, search):
+    state = _search.exact(prob) if search == "exact" else _search.greedy(prob)
+    state.reduce_early()
+    return state
+
+
+def _state_bytes(prob, state) -> float:
+    """Training-state bytes a rank holds under `state` (parameters, gradients, optimizer moments)."""
+    return sum(local_numel(t.shape, state.placement_of_param(k), prob.p) * t.element_size() * prob.cost.state_factor
+               for k, t in prob.param_obj.items())
+
+
+def _fit_budget(gm, p, cost, pin, search, outputs):
+    """With a memory budget: the plan of the smallest memory weight (x4 steps from ~0) that fits."""
+    weight = 1e-15
+    while True:
+        prob = _search.Problem(gm, p, replace(cost, memory_weight=weight), chunk_candidates(gm), unit_candidates(gm),
+                               pins=pin or {}, outputs=outputs, part_candidates=part_candidates(gm))
+        state = _run(prob, search)
+        if _state_bytes(prob, state) <= cost.memory_budget or weight > 1e-3:
+            return state, prob
+        weight *= 4
+
+
+def _divisibility_notes(prob, p) -> list:
+    notes = []
+    grouped = {k for g in prob.groups for k in g.params}
+    for key, obj in prob.param_obj.items():
+        if key in grouped or obj.dim() < 2:
+            continue
+        consumers = [u for i, kk in prob.param_key.items() if kk == key for u in prob.users[i]]
+        if any(prob.kind[c] == "op" for c in consumers):
+            names = prob.param_names[key][0]
+            if not any(splits(obj.shape, Shard(d), p) for d in range(obj.dim())):
+                notes.append(f"{names} {list(obj.shape)} stays replicated: its dims do not divide by {p} "
+                             f"without leaving a rank empty")
+            elif any(s % p for s in obj.shape):
+                notes.append(f"{names} {list(obj.shape)} stays replicated: its dims do not divide by {p}, and "
+                             f"an op using it has no rule for shards of unequal sizes")
+    return notes
+
+
+def op_name(n: fx.Node, gm) -> str:
+    if n.op == "call_module":
+        return type(gm.get_submodule(n.target)).__name__
+    if n.op == "call_method":
+        return f".{n.target}"
+    return getattr(n.target, "__name__", str(n.target))
+
+
+def _parallel_layer(n: fx.Node) -> bool:
+    """A linear / addmm / matmul / embedding / convolution op: a TorchShard parallel layer, listed
+    in Plan.dims (None when it stays whole)."""
+    return family_of(n) in PARALLEL_LAYERS
+
+
+def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {})) -> Plan:
+    """Freeze a search State into a Plan."""
+    p = prob.p
+    nodes, redists = {}, []
+    comm_kind: dict[str, list] = {}
+
+    def count(kind, nb):
+        c = comm_kind.setdefault(kind, [0, 0.0])
+        c[0] += 1
+        c[1] += ring_bytes(kind, nb, p)
+
+    for i, n in enumerate(prob.nodes):
+        if not prob.strats[i] or prob.kind[i] == "output":
+            continue
+        s = prob.strats[i][state.sidx[i]]
+        nodes[n.name] = NodeDecision(n.name, op_name(n, prob.gm), s.name, s.output, s.inputs,
+                                     tuple(s.grad(k) for k in range(len(s.inputs))), s.dim, s.comm,
+                                     module_of(prob, i))
+        for kind, nb in s.comm:
+            count(kind, nb)
+    for j, n in enumerate(prob.nodes):
+        if not prob.nbytes[j]:
+            continue
+        for req, grad, fwd, bwd, consumers, via in prob.comms_of(j, state.place, state.sidx):
+            if fwd or bwd or req != state.place[j]:       # a local split moves no bytes but must happen
+                names = tuple(prob.nodes[c].name for c in consumers)
+                # shards of unequal sizes travel padded to the largest (the search ignores those < p rows)
+                shape, src = prob.val[j].shape, state.place[j]
+                nbytes = max(padded(prob.nbytes[j], shape, pl, p) for pl in (src, req))
+                r = Redistribution(n.name, src, req, grad, fwd, bwd, nbytes, names,
+                                   None if via is None else prob.nodes[via].name)
+                redists.append(r)
+                for kind in fwd + bwd:
+                    count(kind, r.nbytes)
+    returned = {}                                   # how the graph's output returns each tensor it reads
+    for i, n in enumerate(prob.nodes):
+        if prob.kind[i] == "output":
+            for j in prob.ins[i]:
+                if isinstance(prob.val[j], torch.Tensor):
+                    returned[prob.nodes[j].name] = prob.returned(state.place[j], prob.val[j].shape)
+    layouts, total, per_rank, seen = {}, 0, 0, set()
+    for key, obj in prob.param_obj.items():
+        pl = state.placement_of_param(key)
+        for name in prob.param_names[key]:
+            layouts[name] = pl
+    for name, obj in prob.gm.named_parameters(remove_duplicate=False):
+        pl = layouts.setdefault(name, layouts.get(next(iter(prob.param_names.get(id(obj), [])), None), Replicate()))
+        if id(obj) not in seen:       # parameters inside leaf modules (LayerNorm) count too
+            seen.add(id(obj))
+            total += obj.numel()
+            per_rank += local_numel(obj.shape, pl, p)
+    dims = {}
+    for g, grp in enumerate(prob.groups):
+        for c in grp.anchors:
+            if any(x.dim is not None for x in prob.strats[c]):      # linear / embedding, not a norm
+                dims.setdefault(module_of(prob, c), prob.strats[c][state.sidx[c]].dim)
+    for i, n in enumerate(prob.nodes):               # a linear / embedding left whole (sizes do not divide)
+        if prob.kind[i] == "op" and any(k in prob.param_key for k in prob.ins[i]) and _parallel_layer(n):
+            dims.setdefault(module_of(prob, i), prob.strats[i][state.sidx[i]].dim)
+    for i, n in enumerate(prob.nodes):               # losses and other ops with a TorchShard dim
+        if prob.kind[i] == "op" and any(x.dim is not None for x in prob.strats[i]) and \
+                not any(k in prob.param_key for k in prob.ins[i]):
+            dims.setdefault(module_of(prob, i), prob.strats[i][state.sidx[i]].dim)
+    comm_time = sum(prob.cost.comm_time(k, r.nbytes, p) for r in redists for k in r.forward + r.backward)
+    comm_time += sum(prob.cost.comm_time(k, nb, p) for d in nodes.values() for k, nb in d.comm)
+    compute = 0.0
+    for i, n in enumerate(prob.nodes):
+        if prob.strats[i] and prob.kind[i] == "op":
+            s = prob.strats[i][state.sidx[i]]
+            compute += prob.cost.compute_time(flops(n, s) * s.compute)
+    fingerprint = tuple(sorted((name, tuple(prob.param_obj[k].shape)) for k in prob.param_obj
+                               for name in prob.param_names[k]))
+    bad = set(prob.unsupported)
+    unsupported = tuple(f"{n.name}: {op_name(n, prob.gm)}" for n in prob.nodes if n.name in bad)
+    return Plan(
+        world_size=p, tracer=tracer, nodes=MappingProxyType(nodes), redistributions=tuple(redists),
+        layouts=MappingProxyType(layouts), dims=MappingProxyType(dims),
+        comm_bytes=sum(v[1] for v in comm_kind.values()),
+        comm_by_kind=MappingProxyType({k: (v[0], v[1]) for k, v in comm_kind.items()}),
+        comm_time=comm_time, compute_time=compute, params_total=total, params_per_rank=per_rank,
+        unsupported=unsupported, notes=tuple(notes), fingerprint=fingerprint, cost_model=prob.cost,
+        search=search, search_seconds=seconds, objective=state.total, graph_module=prob.gm, example=example,
+        outputs=prob.outputs, output_placements=MappingProxyType(returned))

@@ -1,0 +1,299 @@
+"""Every call the original forward accepts, served by the one module `parallelize` returns.
+
+The module's own graph serves the call signature of the example it was planned with. A call
+with other arguments (no labels, an attention_mask, keywords for positionals) is captured on a
+meta copy of the model, planned with the layouts the module's parameters already have, and
+rewritten on its first use (`build`, given by the entry point); its code then runs with the
+module itself as `self`, so one set of parameters, buffers and mode modules serves every
+signature, and train()/eval(), .to() and state dicts see no difference. A signature is its
+present arguments: name, and for a tensor its number of dims and dtype, for a constant its value;
+None counts as absent.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.graph import CodeGen
+from torch.utils import _pytree as pytree
+
+from .blocks import add_variant, keep_blocks
+from ..capture.trace import apart
+from ..capture.shapes import placeholder_inputs
+from ..errors import ShardingError, first_line
+from .rewriter import InputCheck
+
+_CONSTANTS = (bool, int, float, str, torch.dtype, torch.device)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """`model`'s structure with every parameter and buffer on meta (ties kept): nothing is
+    copied but Python objects and small non-tensor state."""
+    memo = {}
+    for named in (model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        for _, t in named:
+            if t is None or id(t) in memo:
+                continue
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _value_key(v):
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.dim(), v.dtype)
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_value_key(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((k, _value_key(x)) for k, x in v.items())))
+    if isinstance(v, _CONSTANTS) or v is None:
+        return ("constant", v)
+    return ("object", type(v).__qualname__)
+
+
+@dataclass(frozen=True)
+class Call:
+    """A call bound to forward's parameters: the present arguments by name (None dropped;
+    `**kwargs` entries by their own names) and those that must go by position."""
+
+    arguments: tuple            # ((name, value), ...) in forward's order
+    positional: tuple           # names of positional-only / *args entries
+
+    @property
+    def key(self) -> tuple:
+        return tuple((name, _value_key(v)) for name, v in self.arguments)
+
+    def arrangement(self) -> "Arrangement":
+        """Positional-only and *args entries by position, the rest by keyword."""
+        return Arrangement(self.positional, tuple(n for n, _ in self.arguments if n not in self.positional))
+
+    def describe(self) -> str:
+        def show(v):
+            if isinstance(v, torch.Tensor):
+                return f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+            return type(v).__name__ if _value_key(v)[0] == "object" else repr(v)
+        return ", ".join(f"{n}={show(v)}" for n, v in self.arguments)
+
+
+def bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> Call:
+    """`args`/`kwargs` as forward's parameters (a TypeError, as Python's, when they do not fit)."""
+    bound = signature.bind(*args, **kwargs)
+    out, positional = [], []
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out.extend((k, v) for k, v in value.items() if v is not None)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            for i, v in enumerate(value):
+                out.append((f"*{i}", v))
+                positional.append(f"*{i}")
+        elif value is not None:
+            out.append((name, value))
+            if kind is inspect.Parameter.POSITIONAL_ONLY:
+                positional.append(name)
+    return Call(tuple(out), tuple(positional))
+
+
+def _positional_names(signature: inspect.Signature, count: int) -> tuple:
+    """The names `bind` gives the first `count` positional arguments."""
+    out = []
+    for q in signature.parameters.values():
+        if len(out) == count:
+            break
+        if q.kind is q.VAR_POSITIONAL:
+            out.extend(f"*{i}" for i in range(count - len(out)))
+        elif q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD):
+            out.append(q.name)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Arrangement:
+    """How a graph takes its inputs: which names by position, which by keyword (the capture's)."""
+
+    positional: tuple
+    keywords: tuple
+
+    def split(self, call: Call) -> tuple[tuple, dict]:
+        given = dict(call.arguments)
+        return tuple(given.get(n) for n in self.positional), {n: given.get(n) for n in self.keywords}
+
+
+class Served:
+    """One signature's graph: its input check and how to run it with the module as `self`."""
+
+    def __init__(self, arrangement: Arrangement, check: InputCheck, holder: fx.GraphModule, fn, out_spec=None):
+        self.arrangement, self.check, self.holder = arrangement, check, holder
+        self.fn, self.out_spec = fn, out_spec        # fn(self, *inputs); out_spec: an export graph's outputs
+
+    def __call__(self, module: nn.Module, call: Call):
+        args, kwargs = self.arrangement.split(call)
+        self.check(self.holder, args, kwargs)
+        if self.out_spec is None:                    # the module's own graph, or a symbolic_trace one
+            return self.fn(module, *args, **kwargs)
+        flat = placeholder_inputs(self.holder, "export", args, kwargs)
+        return pytree.tree_unflatten(list(self.fn(module, *flat)), self.out_spec)
+
+
+class Signatures:
+    """The call dispatcher kept by a parallel module (`module._autoshard_signatures`)."""
+
+    def __init__(self, signature: inspect.Signature, first: Call, served: Served, build, modules=frozenset(),
+                 copy_error=None):
+        self.signature, self.build, self.modules = signature, build, modules   # modules: the model's own names
+        self.served = {(True, first.key): served}    # (training, call key): the graph that serves it
+        self.plans = {(True, first.key): None}       # the module's own plan is module._autoshard_plan
+        self.copy_error, self.first = copy_error, first
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        call = bind(self.signature, args, kwargs)
+        key = (module.training, call.key)
+        served = self.served.get(key)
+        if served is None:
+            served = self._add(module, call, key)
+        return served(module, call)
+
+    def prepare(self, module: nn.Module) -> None:
+        """Build the example call's graph for the module's current mode now (a model parallelized in
+        eval mode runs its evaluation graph from the first call, planned inside parallelize)."""
+        key = (module.training, self.first.key)
+        if key not in self.served:
+            self._add(module, self.first, key)
+
+    def _add(self, module: nn.Module, call: Call, key: tuple) -> Served:
+        mode = "training" if module.training else "evaluation"
+        if self.copy_error is not None:
+            raise ShardingError(f"this module cannot capture the {mode} graph of ({call.describe()}), which it "
+                                f"was not planned with: the model could not be copied for capture "
+                                f"({self.copy_error}); plan with an example of this call")
+        with apart():                                # planned apart from the caller's modes and hooks
+            holder, plan = self.build(call, module.training)
+        served = adopt(module, holder, len(self.served), call.arrangement(), plan, self.modules)
+        self.served[key] = served
+        self.plans[key] = plan
+        return served
+
+
+def _resolves(root: nn.Module, target: str):
+    try:
+        obj = root
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+    except AttributeError:
+        return None
+
+
+def _bind(owner: nn.Module, source: nn.Module, graph: fx.Graph, k: int, names: set) -> None:
+    """Point the get_attr / call_module targets of `graph` (made in `source`) at `owner`: those in
+    `names` (parameters, buffers, the model's own submodules) by name, shapes checked; anything
+    else (new mode modules, an export graph's helpers and constants) added to `owner` under
+    autoshard_call<k>_* names."""
+    renamed = {}
+    for n in graph.nodes:
+        if n.op not in ("get_attr", "call_module"):
+            continue
+        if n.target in names:
+            ours, theirs = _resolves(owner, n.target), _resolves(source, n.target)
+            if isinstance(theirs, torch.Tensor) and tuple(ours.shape) != tuple(theirs.shape):
+                raise ShardingError(f"this call's plan holds {n.target} as {list(theirs.shape)} on this rank, the "
+                                    f"module as {list(ours.shape)}")
+            continue
+        if n.target not in renamed:
+            obj = _resolves(source, n.target)
+            new = f"autoshard_call{k}_{n.target.replace('.', '_')}"
+            if isinstance(obj, nn.Module):
+                meta = [q for q, t in list(obj.named_parameters()) + list(obj.named_buffers()) if t.is_meta]
+                if meta:
+                    raise ShardingError(f"this call uses module {n.target} ({type(obj).__name__}), which the "
+                                        f"module's own graph does not, and its tensors {meta[:3]} cannot be "
+                                        "filled; plan with an example of this call")
+                obj.train(owner.training)
+                owner.add_module(new, obj)
+            elif isinstance(obj, torch.Tensor):
+                if obj.is_meta:
+                    raise ShardingError(f"this call's graph holds a constant {n.target} {list(obj.shape)} made on "
+                                        "meta: the model was gone, so the call was captured on a meta copy; keep "
+                                        "the model alive, or plan with an example of this call")
+                owner.register_buffer(new, obj, persistent=False)
+            else:
+                setattr(owner, new, obj)
+            renamed[n.target] = new
+        n.target = renamed[n.target]
+
+
+def _compiled(graph: fx.Graph, what: str):
+    code = graph.python_code(root_module="self")
+    scope = dict(code.globals)
+    exec(compile(code.src, f"<autoshard {what}>", "exec"), scope)  # noqa: S102 - fx's own codegen
+    return scope["forward"]
+
+
+def _own_names(module: nn.Module, model_modules=frozenset(), prefix: str = "") -> set:
+    """What a graph may refer to by name in `module`: its parameters, buffers and the model's own
+    submodules (`model_modules`, qualified from the root; `prefix`: module's path there)."""
+    return {n for n, _ in module.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in module.named_buffers(remove_duplicate=False)} | \
+        {n for n, m in module.named_modules(remove_duplicate=False) if prefix + n in model_modules}
+
+
+def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrangement, plan,
+          model_modules=frozenset()) -> Served:
+    """Make `holder` (a rewritten graph on meta tensors) run against `module`: its parameters,
+    buffers and the model's own submodules (`model_modules`: a symbolic_trace leaf such as a batch
+    norm) by their names in `module` (shapes checked), everything else the graph refers to added
+    to `module` under autoshard_call<k>_* names (`_bind`). Where `module` keeps blocks as modules
+    (autoshard.blocks), the holder's graph is split at the same blocks and each block's graph
+    becomes that block's variant k, so this call, too, runs every block through its module (FSDP2's
+    and checkpointing's hooks included); returns the compiled Served."""
+    blocks = module.__dict__.get("_autoshard_blocks", {})
+    if blocks:
+        keep_blocks(holder, list(blocks), variant=k)
+        for name, mine in blocks.items():
+            theirs = _resolves(holder, name)
+            if isinstance(theirs, fx.GraphModule) and theirs is not holder:
+                _bind(mine, theirs, theirs.graph, k, _own_names(mine, model_modules, name + "."))
+                add_variant(mine, k, _compiled(theirs.graph, f"call signature {k}, block {name}"))
+    graph = holder.graph
+    _bind(module, holder, graph, k, _own_names(module, model_modules))
+    out_spec = getattr(holder, "_out_spec", None) if plan.tracer == "export" else None
+    if out_spec is not None:
+        graph.set_codegen(CodeGen())                  # flat inputs and outputs: the specs are applied here
+    return Served(arrangement, InputCheck.of(plan, holder), holder, _compiled(graph, f"call signature {k}"), out_spec)
+
+
+def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> None:
+    """Give `module` (a rank's rewrite of `model`) the dispatcher: the example's signature in
+    training mode runs the module's graph; another one, or any in eval mode, is built on first use
+    by `build(capture_on, bind_to, call, train) -> (holder, plan)`: captured on `model` while the caller keeps it (a weak reference: its real
+    constants are then right), else on its meta copy, and rewritten on the meta copy's tensors."""
+    signature = inspect.signature(model.forward)
+    args, kwargs = example
+    first = bind(signature, args, kwargs)
+    arrangement = Arrangement(_positional_names(signature, len(args)), tuple(kwargs))
+    graph_forward = type(module).forward
+    served = Served(arrangement, InputCheck.of(module._autoshard_plan, module), module, graph_forward)
+    try:
+        on_meta, error = meta_copy(model), None
+    except Exception as e:  # noqa: BLE001 - reported on the first call that needs it
+        on_meta, error = None, f"{type(e).__name__}: {first_line(e, 160)}"
+    alive = weakref.ref(model)
+
+    def build_for(call, train):
+        model = alive()
+        return build(model if model is not None else on_meta, on_meta, call, train)
+    modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False) if n)
+    module._autoshard_signatures = Signatures(signature, first, served, build_for, modules, error)
+    module._autoshard_signatures.prepare(module)
+
+    def forward(self, *args, **kwargs):
+        return self.__dict__["_autoshard_signatures"](self, args, kwargs)
+    forward.__doc__ = f"{type(model).__name__}.forward on this rank's shards (autoshard.signatures)"
+    forward.__signature__ = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                                               *signature.parameters.values()])
+    type(module).forward = forward

@@ -1,0 +1,474 @@
+"""Autograd-aware collectives over a tensor-parallel group, and byte counters.
+
+Each collective is one small autograd function whose backward is the dual of its forward
+(Megatron's mappings.py): copy/all-reduce, scatter/all-gather, reduce-scatter/all-gather,
+all-to-all/all-to-all.  Every public wrapper returns its input unchanged at group size 1 and is
+an FX leaf (`torch.fx.wrap`), so a traced or rewritten graph shows it as one named
+`call_function` node.  In traced code pass `group` as a registry key string
+(`autoshard.groups.register_group`), never as a ProcessGroup object.
+
+Works on gloo (CPU) and NCCL (CUDA): the single-tensor collectives are used when the backend
+has them, with list-based fallbacks otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from ..errors import ProcessGroupError
+from .groups import get_group, is_initialized, subgroup_of, tensor_parallel_mesh
+from .placements import block_sizes, blocks_of, piece_sizes
+from .pieces import cat_along, checked_dim, pad_along, split_along
+
+__all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "gather_from", "reduce_scatter", "all_gather",
+           "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+# ----------------------------------------------------------------------------- counters
+
+def ring_bytes(kind: str, nbytes: int, world_size: int) -> float:
+    """Bytes one rank sends in a ring `kind` collective on a tensor of `nbytes` bytes.
+
+    `nbytes` is the full tensor; in an all_to_all a rank holds 1/p of it and sends (p-1)/p of that.
+    `kind@m` is that collective within groups of m consecutive ranks, on the group's m/p of the
+    tensor (`in_groups`: K/V heads gathered onto the ranks whose query heads read them)."""
+    kind, m = split_kind(kind)
+    if m is not None:
+        return ring_bytes(kind, nbytes * m / world_size, m)
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
+    p = int(world_size)
+    if p <= 1:
+        return 0.0
+    factor = {"all_reduce": 2 * (p - 1) / p, "all_to_all": (p - 1) / p / p}.get(kind, (p - 1) / p)
+    return factor * nbytes
+
+
+def in_groups(kind: str, m: int) -> str:
+    """The name of collective `kind` run within groups of m consecutive ranks (`ring_bytes`)."""
+    return kind if m == 1 else f"{kind}@{m}"
+
+
+def split_kind(kind: str) -> tuple[str, int | None]:
+    """(collective, ranks a group) of a `kind@m` name; (kind, None) for the whole group's."""
+    base, _, m = kind.partition("@")
+    return (base, int(m)) if m else (base, None)
+
+
+@dataclass
+class CommEvent:
+    """One collective call: which function, ring kind, direction and per-rank ring bytes."""
+
+    op: str
+    kind: str
+    direction: str          # "forward" | "backward"
+    bytes: float
+
+
+@dataclass(eq=False)
+class CommCounter:
+    """Collectives recorded while a `count_comm()` block was active (this process only)."""
+
+    events: list = field(default_factory=list)
+
+    @property
+    def calls(self) -> int:
+        return len(self.events)
+
+    @property
+    def bytes(self) -> float:
+        return sum(e.bytes for e in self.events)
+
+    @property
+    def by_kind(self) -> dict:
+        """kind -> (calls, bytes)."""
+        return self._group_by("kind")
+
+    @property
+    def by_direction(self) -> dict:
+        """"forward" / "backward" -> (calls, bytes)."""
+        return self._group_by("direction")
+
+    def _group_by(self, attr: str) -> dict:
+        out: dict = {}
+        for e in self.events:
+            calls, nbytes = out.get(getattr(e, attr), (0, 0.0))
+            out[getattr(e, attr)] = (calls + 1, nbytes + e.bytes)
+        return out
+
+
+_ACTIVE: list[CommCounter] = []      # global, not thread-local: CUDA backward runs on other threads
+
+
+@contextlib.contextmanager
+def count_comm():
+    """Count every autoshard collective run inside the block, forward and backward (nestable)."""
+    counter = CommCounter()
+    _ACTIVE.append(counter)
+    try:
+        yield counter
+    finally:
+        _ACTIVE.remove(counter)
+
+
+def _record(op: str, kind: str, direction: str, nbytes: int, p: int, group=None) -> None:
+    if _ACTIVE:
+        m = subgroup_of(group)
+        kind = kind if m is None else in_groups(kind, m)       # named as the plan names it
+        event = CommEvent(op, kind, direction, ring_bytes(kind, nbytes, p))     # (p = m: the same bytes)
+        for counter in _ACTIVE:
+            counter.events.append(event)
+
+
+# ----------------------------------------------------------------------------- raw communication
+
+_UNSUPPORTED: set = set()            # (backend, op) pairs that raised, so we fall back at once
+
+
+def _backend(group) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # noqa: BLE001 - fake or custom groups
+        return "unknown"
+
+
+def _try_single(op: str, group, fn) -> bool:
+    """Run a single-tensor collective `fn`; False (and remember) when the backend lacks it."""
+    key = (_backend(group), op)
+    if key in _UNSUPPORTED:
+        return False
+    try:
+        fn()
+        return True
+    except (RuntimeError, NotImplementedError) as e:     # raised before any data moved
+        if "support" not in str(e) and "implement" not in str(e):
+            raise
+        _UNSUPPORTED.add(key)
+        return False
+
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op=dist.ReduceOp.SUM, inplace=False):
+    """Sum (or `reduce_op`) of `x` over the group, in a fresh contiguous tensor (in `x` itself
+    with `inplace`, which needs `x` contiguous)."""
+    out = x if inplace else x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=reduce_op, group=group)
+    _record(op, "all_reduce", direction, out.nbytes, dist.get_world_size(group), group)
+    return out
+
+
+def _stacked_gather(x, group):
+    """[p, *x.shape] tensor of every rank's `x`."""
+    x = x.contiguous()
+    p = dist.get_world_size(group)
+    out = x.new_empty((p,) + tuple(x.shape))
+    flat_in, flat_out = x.reshape(-1), out.view(-1)
+    if not _try_single("all_gather", group, lambda: _all_gather_single(flat_out, flat_in, group=group)):
+        dist.all_gather(list(out.unbind(0)), x, group=group)
+    return out
+
+
+def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forward", **cut):
+    """Full tensor from every rank's Shard(dim, chunks) piece; `size`, the full size of `dim`
+    where shards differ (torch.chunk's boundaries, in `unit`s, of equal blocks or of `parts`,
+    in groups of `nest` ranks: the `cut` keywords): each is padded to the largest and cropped."""
+    p = dist.get_world_size(group)
+    dim = checked_dim(dim, x.dim())
+    sizes = None if size is None else piece_sizes(size, p, chunks, **cut)
+    if sizes is not None and sizes[0] == sizes[-1]:
+        sizes = None                                 # equal pieces: nothing to pad
+    stacked = _stacked_gather(x if sizes is None else pad_along(x, dim, sizes[0]), group)
+    _record(op, "all_gather", direction, stacked.nbytes, stacked.size(0), group)
+    pieces = stacked.unbind(0)
+    if sizes is not None:
+        pieces = [piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)]
+    return cat_along(pieces, dim, chunks, **cut)
+
+
+def _scatter(x, dim, chunks, group, **cut):
+    """This rank's Shard(dim, chunks) piece of the full `x` (no communication; torch.chunk's
+    boundaries, in `unit`s, where the size does not divide)."""
+    pieces = split_along(x, dim, dist.get_world_size(group), chunks, uneven=True, **cut)
+    return pieces[dist.get_rank(group)].contiguous()
+
+
+def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forward", **cut):
+    """This rank's Shard(dim, chunks) piece of the sum of `x` over the group (an uneven split
+    reduces equal pieces padded to the largest and crops its own)."""
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
+    dim = checked_dim(dim, x.dim())
+    pieces = split_along(x, dim, p, chunks, uneven=True, **cut)
+    own, largest = pieces[rank].size(dim), pieces[0].size(dim)
+    if any(piece.size(dim) != largest for piece in pieces):        # uneven: padded to the largest
+        pieces = [pad_along(piece, dim, largest) for piece in pieces]
+    stacked = torch.stack(pieces)
+    out = pieces[0].new_empty(pieces[0].shape)
+    if not _try_single("reduce_scatter", group,
+                       lambda: _reduce_scatter_single(out.view(-1), stacked.view(-1), group=group)):
+        dist.all_reduce(stacked, group=group)
+        out = stacked[rank].clone()
+    _record(op, "reduce_scatter", direction, stacked.nbytes, p, group)
+    return out if own == out.size(dim) else out.narrow(dim, 0, own).contiguous()
+
+
+def _all_to_all(x, src_dim, dst_dim, group, op="all_to_all", direction="forward"):
+    """Move the shard from `src_dim` to `dst_dim`: split on dst_dim, exchange, cat on src_dim."""
+    p = dist.get_world_size(group)
+    src_dim, dst_dim = checked_dim(src_dim, x.dim()), checked_dim(dst_dim, x.dim())
+    stacked = torch.stack(split_along(x, dst_dim, p))
+    out = torch.empty_like(stacked)
+    if not _try_single("all_to_all", group, lambda: dist.all_to_all_single(out, stacked, group=group)):
+        dist.all_to_all(list(out.unbind(0)), list(stacked.unbind(0)), group=group)
+    _record(op, "all_to_all", direction, x.nbytes * p, p, group)
+    return torch.cat(out.unbind(0), src_dim)
+
+
+# ----------------------------------------------------------------------------- autograd functions
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return raw_all_reduce(grad, ctx.group, "copy_to", "backward"), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, inplace=False):
+        inplace = inplace and x.is_contiguous()
+        if inplace:
+            ctx.mark_dirty(x)               # autograd sees the in-place write (version counter)
+        return raw_all_reduce(x, group, "reduce_from", "forward", inplace=inplace)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _ScatterTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, group, cut):
+        out = _scatter(x, dim, chunks, group, **dict(cut))          # checks dim first
+        ctx.args = (dim, chunks, group, x.size(dim))
+        ctx.cut = dict(cut)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, *ctx.args, op="scatter_to", direction="backward", **ctx.cut), None, None, None, None
+
+
+class _SlicePartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, group, cut):
+        out = _scatter(x, dim, chunks, group, **dict(cut))
+        ctx.args = (x.shape, dim, chunks, dict(cut), dist.get_world_size(group), dist.get_rank(group))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dim, chunks, cut, p, rank = ctx.args
+        full = grad.new_zeros(shape)
+        sizes = block_sizes(shape[dim], p, chunks, **cut)                                 # [block][rank]
+        blocks = full.split(blocks_of(shape[dim], chunks, cut.get("parts")), dim)         # views of `full`
+        for block, piece, share in zip(blocks, grad.split([s[rank] for s in sizes], dim), sizes):
+            block.narrow(dim, sum(share[:rank]), share[rank]).copy_(piece)
+        return full, None, None, None, None
+
+
+class _GatherFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, group, size, cut):
+        ctx.args = (dim, chunks, group)
+        ctx.cut = dict(cut)
+        return _gather(x, dim, chunks, group, size, op="gather_from", **ctx.cut)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter(grad, *ctx.args, **ctx.cut), None, None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, group, cut):
+        out = _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", **dict(cut))
+        ctx.args = (dim, chunks, group, x.size(dim))
+        ctx.cut = dict(cut)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, *ctx.args, op="reduce_scatter", direction="backward", **ctx.cut), None, None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, group, size, cut):
+        ctx.args = (dim, chunks, group)
+        ctx.cut = dict(cut)
+        return _gather(x, dim, chunks, group, size, op="all_gather", **ctx.cut)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, *ctx.args, op="all_gather", direction="backward", **ctx.cut), None, None, None, \
+            None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, group):
+        ctx.args = (src_dim, dst_dim, group)
+        return _all_to_all(x, src_dim, dst_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src_dim, dst_dim, group = ctx.args
+        return _all_to_all(grad, dst_dim, src_dim, group, direction="backward"), None, None, None
+
+
+# ----------------------------------------------------------------------------- public wrappers
+
+def _fx_leaf(fn):
+    """Record `fn` as one call_function node when called on FX proxies, however it was imported;
+    under torch.compile it runs eagerly between compiled graphs (a graph break: the process
+    group calls and counters are not traced)."""
+    eager = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.fx.Proxy):
+                return a.tracer.create_proxy("call_function", wrapper, args, kwargs)
+        if torch.compiler.is_compiling():
+            return eager(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def _resolve(group):
+    """(ProcessGroup, size) of `group`; raises ProcessGroupError when there is none."""
+    pg = get_group(group)
+    return pg, dist.get_world_size(pg)
+
+
+@_fx_leaf
+def copy_to(x, group=None):
+    """fwd: identity; bwd: all-reduce (sum) of the gradient."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _CopyTo.apply(x, pg)
+
+
+@_fx_leaf
+def reduce_from(x, group=None, inplace=False):
+    """fwd: all-reduce (sum); bwd: identity. `inplace=True` sums into `x` itself (saves a copy,
+    as Megatron does): only for an intermediate that nothing else reads, such as the output of a
+    row-parallel matmul; the rewriter sets it where the graph proves that."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _ReduceFrom.apply(x, pg, inplace)
+
+
+def _cut(unit=1, parts=None, nest=1) -> tuple:
+    """How a shard's dim is cut (`placements.block_sizes`' unit / parts / nest), as the items of
+    its keywords: `parts` a tuple (an FX graph may carry it as a list)."""
+    return (("unit", int(unit)), ("parts", None if parts is None else tuple(int(q) for q in parts)), ("nest", int(nest)))
+
+
+@_fx_leaf
+def scatter_to(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
+    """fwd: keep this rank's Shard(dim, chunks) piece (torch.chunk's boundaries, in `unit`s of
+    that many elements, where the size does not divide; `parts`: blocks of those sizes); bwd:
+    all-gather the gradient."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _ScatterTo.apply(x, dim, chunks, pg, _cut(unit, parts, nest))
+
+
+@_fx_leaf
+def slice_partial(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
+    """fwd: keep this rank's Shard(dim, chunks) piece, as scatter_to; bwd: the gradient's piece
+    in place in zeros of the full shape, no communication. The ranks' gradients are then
+    summands of the whole one (Partial): the slice of a tensor whose gradient stays Partial
+    (`ReplicatePartialGrad`: replicated K/V heads sliced to the heads this rank's queries read)."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _SlicePartial.apply(x, dim, chunks, pg, _cut(unit, parts, nest))
+
+
+@_fx_leaf
+def gather_from(x, dim, chunks=1, group=None, size=None, unit=1, parts=None, nest=1):
+    """fwd: all-gather Shard(dim, chunks) pieces; bwd: keep this rank's piece of the gradient.
+    `size`: the full size of `dim` when the pieces differ in size (torch.chunk's boundaries, in
+    `unit`s of that many elements)."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg, size, _cut(unit, parts, nest))
+
+
+@_fx_leaf
+def reduce_scatter(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
+    """fwd: reduce-scatter (sum, keep Shard(dim, chunks) piece); bwd: all-gather the gradient."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _ReduceScatter.apply(x, dim, chunks, pg, _cut(unit, parts, nest))
+
+
+@_fx_leaf
+def all_gather(x, dim, chunks=1, group=None, size=None, unit=1, parts=None, nest=1):
+    """fwd: all-gather Shard(dim, chunks) pieces (`size`, `unit` as in gather_from); bwd:
+    reduce-scatter the (Partial) gradient."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _AllGather.apply(x, dim, chunks, pg, size, _cut(unit, parts, nest))
+
+
+@_fx_leaf
+def all_to_all(x, src_dim, dst_dim, group=None):
+    """fwd: shard moves from src_dim to dst_dim; bwd: the gradient's shard moves back."""
+    pg, p = _resolve(group)
+    return x if p == 1 else _AllToAll.apply(x, src_dim, dst_dim, pg)
+
+
+def global_shape_stride(x, dim: int, p: int, size=None) -> tuple:
+    """(size, stride) of the global tensor whose dim `dim` is `x`'s split over p ranks, as
+    DTensor computes them for a Shard(dim): the dim times p (or `size`, the full size where
+    shards differ), and the strides of dims laid out outside it scaled to match."""
+    shape, stride = list(x.shape), list(x.stride())
+    local = shape[dim]
+    shape[dim] = local * p if size is None else size
+    for i in range(len(stride)):
+        if i != dim and stride[i] >= stride[dim] and local:
+            stride[i] = stride[i] // local * shape[dim]
+    return torch.Size(shape), tuple(stride)
+
+
+@_fx_leaf
+def to_dtensor(x, dim, group=None, size=None):
+    """`x`, this rank's block of a tensor split on `dim` over the tensor-parallel group (`size`:
+    the full size of `dim` where blocks differ, at torch.chunk's boundaries as DTensor's),
+    as a `torch.distributed.tensor.DTensor` with placement `Shard(dim)` over that group's 1-D
+    mesh (`groups.tensor_parallel_mesh`). No communication; differentiable (the gradient of
+    the DTensor, brought to `Shard(dim)`, is the gradient of `x`). Made for every group size."""
+    from torch.distributed.tensor import DTensor, Shard as DShard
+    if not is_initialized():
+        raise ProcessGroupError("outputs='sharded' returns split outputs as DTensors over the tensor-parallel "
+                                "group, which needs the process group: a module built with rank= and no group "
+                                "is for inspection only")
+    mesh = tensor_parallel_mesh(group, x.device.type)
+    dim = dim % x.dim()
+    shape, stride = global_shape_stride(x, dim, mesh.size(), size)
+    return DTensor.from_local(x, mesh, (DShard(dim),), run_check=False, shape=shape, stride=stride)
+
+
+for _name in ("copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter",
+              "all_gather", "all_to_all", "to_dtensor"):
+    torch.fx.wrap(_name)
+del _name
