@@ -238,8 +238,7 @@ def _same_source(model: nn.Module, on_meta: nn.Module, pg) -> nn.Module:
     """What every rank captures a new call on: the model itself only where every rank still has
     it, else the meta copy everywhere (a model that one rank's garbage collector has freed and
     another's not yet would make the ranks capture, and plan, different graphs)."""
-    dev = "cuda" if torch.distributed.get_backend(pg) == "nccl" else "cpu"
-    alive = torch.tensor([int(model is not on_meta)], dtype=torch.int64, device=dev)
+    alive = torch.tensor([int(model is not on_meta)], dtype=torch.int64, device=D.device_of(pg))
     torch.distributed.all_reduce(alive, op=torch.distributed.ReduceOp.MIN, group=pg)
     return model if alive.item() else on_meta
 
@@ -255,8 +254,7 @@ def _plan_digest(plan: Plan) -> int:
 def _check_same_plan(plan: Plan, pg) -> None:
     """Every rank of the group must build from the same plan, or collectives would not pair up
     (a hang until the timeout); compare digests and say which ranks differ."""
-    dev = "cuda" if torch.distributed.get_backend(pg) == "nccl" else "cpu"
-    mine = torch.tensor([_plan_digest(plan)], dtype=torch.int64, device=dev)
+    mine = torch.tensor([_plan_digest(plan)], dtype=torch.int64, device=D.device_of(pg))
     every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size(pg))]
     torch.distributed.all_gather(every, mine, group=pg)
     digests = [int(t.item()) for t in every]

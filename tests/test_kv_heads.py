@@ -183,7 +183,7 @@ def test_layouts_are_stored_as_plain_shards_and_replicas():
 
 def _gemma_case(rank, p):
     """Gemma, a family no other test names: one kv head of head_dim 32 beside 4 query heads, a
-    vocabulary of 301, at 4 ranks (before the strided-shard fix in `cost.redistribute` its plan
+    vocabulary of 301, at 4 ranks (before the strided-shard fix in `transitions.redistribute` its plan
     priced an all-to-all of a rotary's strided shard that the rewrite could not run)."""
     import transformers
     torch.manual_seed(0)
@@ -249,7 +249,7 @@ def test_strided_and_whole_unit_shards_move_by_gather_and_cut():
     """An all-to-all moves equal contiguous blocks; a strided shard (the rotary's halves of a
     head_dim split) or a whole-unit one reaches another dim by a gather and a cut, in the cost
     model as in the rewrite (`Rewriter.forward`)."""
-    from autoshard.planner.cost import redistribute
+    from autoshard.runtime.transitions import redistribute
     both = (("all_gather",), ("all_gather",))
     assert redistribute(Shard(3, 2), Shard(1)) == both
     assert redistribute(Shard(1), Shard(3, 2)) == both

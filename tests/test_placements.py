@@ -93,7 +93,7 @@ def test_strategies_on_group_shards_stay_exact():
 def test_group_shards_move_only_to_the_ranks_own_pieces():
     """A group's piece is cut to each rank's own (a local slice, the gradient zero-padded: still a
     summand within the group); no other redistribution reads or makes one."""
-    from autoshard.planner.cost import partial_grad_edge, redistribute
+    from autoshard.runtime.transitions import partial_grad_edge, redistribute
     from autoshard.runtime.placements import REPLICATE_PG
     g = Shard(1, replicas=2)
     assert redistribute(g, g) == ((), ()) and redistribute(g, Shard(1)) == ((), ())

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from ..errors import CheckpointError, ProcessGroupError
 from ..runtime.placements import block_sizes, global_shape, is_even, local_shape
 from ..runtime.pieces import pad_along
+from ..runtime.groups import device_of
 from ..runtime.state_dict import group_of, layouts
 
 __all__ = ["attach", "save_pretrained", "saved_keys", "parse_size", "WEIGHTS_NAME", "INDEX_NAME"]
@@ -388,7 +389,7 @@ def _agree(failure, pg) -> None:
         if failure is not None:
             raise failure
         return
-    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    dev = device_of()
     flag = torch.tensor([0 if failure is None else dist.get_rank() + 1], dtype=torch.int64, device=dev)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if failure is not None:

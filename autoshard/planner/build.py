@@ -17,7 +17,8 @@ import torch.fx as fx
 
 from . import search as _search
 from ..capture.shapes import dynamic_dims
-from .cost import CostModel, flops, ring_bytes
+from ..runtime.collectives import ring_bytes
+from .cost import CostModel, flops
 from ..errors import ShardingError
 from ..runtime.placements import Replicate, Shard, local_numel, padded, splits
 from ..plan import NodeDecision, Plan, Redistribution, check_outputs

@@ -24,7 +24,8 @@ import torch.nn as nn
 
 from . import rules
 from ..capture.shapes import DYNAMIC, fetch_attr
-from .cost import CostModel, flops, fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
+from ..runtime.transitions import fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
+from .cost import CostModel, flops
 from .decisions import decision_groups, fix_layouts
 from ..runtime.placements import (REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, held_by_groups, is_even,
                                   local_numel, shares)
@@ -225,7 +226,7 @@ class Problem:
             shares(n, req, p) == shares(n, replace(req, nest=m), p)
 
     def redistribution(self, j: int, src, req):
-        """`cost.redistribute` for tensor j: an all-to-all needs equal blocks, so between shards of
+        """`transitions.redistribute` for tensor j: an all-to-all needs equal blocks, so between shards of
         unequal sizes it is a gather and a cut (as the rewrite moves them)."""
         if src != req and any(isinstance(q, Shard) and q.groups > 1 for q in (src, req)):
             return None              # grouped blocks are only read as they are (by `regroup`)
@@ -393,7 +394,7 @@ class Problem:
                 rp = partial_grad_edge(src, req, g, param)
                 if rp is None:
                     return None
-                if rp is not NotImplemented:          # whole with a Partial gradient: see cost.partial_grad_edge
+                if rp is not NotImplemented:          # whole with a Partial gradient: see transitions.partial_grad_edge
                     out.append((req, g, rp[0] if first else (), rp[1] if grad_flows else (), consumers))
                     continue
                 fix = grad_fix(g, grad_of(req)) if grad_flows else ()

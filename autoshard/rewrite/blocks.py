@@ -22,6 +22,7 @@ back) stays inline, with a note.
 from __future__ import annotations
 
 import operator
+from fractions import Fraction
 
 import torch.fx as fx
 import torch.nn as nn
@@ -134,11 +135,16 @@ def keep_blocks(gm: fx.GraphModule, names: list[str], classes: dict | None = Non
     for n in graph.nodes:
         if label[n] is not SKELETON:
             groups.setdefault(label[n], []).append(n)
+    order = {n: Fraction(i) for i, n in enumerate(graph.nodes)}      # one order, kept as blocks are cut out
+
+    def placed(node: fx.Node) -> fx.Node:
+        """Number a node just inserted between its neighbours (both already numbered)."""
+        order[node] = (order[node.prev] + order[node.next]) / 2
+        return node
     for name in names:
         members_list = groups.get(name)
         if not members_list:
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
         members = set(members_list)
         if not _convex(order, members):
             notes.append(f"block {name}: its ops are not one piece of the graph (a path leaves and re-enters it); "
@@ -186,17 +192,18 @@ def keep_blocks(gm: fx.GraphModule, names: list[str], classes: dict | None = Non
         block.train(container.training)
         _dispatching(block)
         with graph.inserting_before(at):
-            call = graph.call_module(name, tuple(inputs), {"autoshard_variant": variant} if variant else {})
+            call = placed(graph.call_module(name, tuple(inputs), {"autoshard_variant": variant} if variant else {}))
         call.meta[STACK] = {name: (name, type(block))}
         if len(outputs) == 1:
             outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in members)
         else:
             for k, o in enumerate(outputs):
                 with graph.inserting_before(at):
-                    item = graph.call_function(operator.getitem, (call, k))
+                    item = placed(graph.call_function(operator.getitem, (call, k)))
                 o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
         for m in reversed(members_list):
             graph.erase_node(m)
+            del order[m]
         _place(gm, name, block)
     graph.lint()
     gm.recompile()

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..runtime import collectives as C
 from ..capture.shapes import dynamic_dims, placeholder_inputs
-from ..planner.cost import fused_backward, redistribute
+from ..runtime.transitions import fused_backward, redistribute
 from ..errors import ShardingError
 from ..runtime.groups import subgroup
 from .local_ops import FRESH_OUTPUT_OPS, LocalOps, shard_kw, target_of

@@ -45,6 +45,12 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+def device_of(pg=None) -> str:
+    """The device type a collective on process group `pg` (default: the world) runs its tensors
+    on: "cuda" for NCCL (the current device), "cpu" for gloo."""
+    return "cuda" if dist.get_backend(pg) == "nccl" else "cpu"
+
+
 def init_process_group(group_size: int | None = None, backend: str | None = None,
                        timeout: timedelta = timedelta(seconds=60), **kwargs):
     """Initialise torch.distributed if needed (env:// as torchrun sets it) and form the
@@ -130,7 +136,7 @@ def device_mesh(device_type: str | None = None):
         raise ProcessGroupError("device_mesh() needs the groups of autoshard.distributed.init_process_group("
                                 "tensor_parallel_size); with groups of your own, build the mesh with "
                                 "torch.distributed.device_mesh.init_device_mesh")
-    device_type = device_type or ("cuda" if dist.get_backend(_STATE["tp"]) == "nccl" else "cpu")
+    device_type = device_type or device_of(_STATE["tp"])
     cached = _STATE.get("mesh")
     if cached is None or cached.device_type != device_type:
         from torch.distributed.device_mesh import DeviceMesh

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ProcessGroupError
-from .groups import get_rank, is_initialized
+from .groups import device_of, get_rank, is_initialized
 
 SHARDED_OFFSET = 2718            # Megatron's offset of the tensor-parallel stream
 STREAMS = ("replicated", "sharded")
@@ -56,7 +56,7 @@ def _tp_rank() -> int:
 def synchronise(pg, rank: int) -> int:
     """Make the seed the same on every rank of `pg`: rank 0's `torch.initial_seed()` when no rank
     set one; an error naming the ranks when `manual_seed` was called with different seeds."""
-    dev = "cuda" if dist.get_backend(pg) == "nccl" else "cpu"
+    dev = device_of(pg)
     mine = _STATE["seed"]
     have = torch.tensor([-1 if mine is None else mine], dtype=torch.int64, device=dev)
     every = [torch.zeros_like(have) for _ in range(dist.get_world_size(pg))]
