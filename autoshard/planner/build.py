@@ -24,7 +24,8 @@ from ..runtime.placements import Replicate, Shard, local_numel, padded, splits
 from ..plan import NodeDecision, Plan, Redistribution, check_outputs
 from .decisions import module_of
 from .rules.registry import PARALLEL_LAYERS, family_of
-from .rules.shape import sliced_dim, sliced_range, view_groups
+from ..capture.ops import sliced_dim, sliced_range
+from .rules.shape import view_groups
 
 
 def chunk_candidates(gm: fx.GraphModule) -> tuple:

@@ -26,10 +26,7 @@ from ..nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from ..runtime.groups import subgroup
 from ..runtime.placements import (Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, groups_of,
                                   held_by_groups, layout_of, piece_sizes, shares)
-from ..planner.rules.conv import CONV_OPS, conv_groups
-from ..planner.rules.norm import LAYER_NORMS, norm_params, var_args
-from ..planner.rules.registry import node_arg
-from ..planner.rules.shape import sliced_range
+from ..capture.ops import CONV_OPS, LAYER_NORMS, conv_groups, node_arg, norm_params, sliced_range, var_args
 
 aten = torch.ops.aten
 

@@ -15,6 +15,7 @@ import os
 import re
 from collections import Counter
 
+from ..capture.ops import LOSS_OPS
 from ..runtime.placements import Shard, maybe_local_shape
 from .report import fmt_bytes
 
@@ -65,14 +66,15 @@ def _condense(plan, G):
     """The graph of visible items: module units, inputs, output, collective markers."""
     import networkx as nx
 
-    from ..planner.rules.registry import lookup
     owners = {name.rpartition(".")[0] for name in plan.layouts}
     modules = dict(plan.graph_module.named_modules())
     fx_nodes = {n.name: n for n in plan.graph_module.graph.nodes}
 
-    def is_loss(n):                           # a loss has a rule of rules/loss.py, sharded or not
-        rule = lookup(fx_nodes[n], modules)
-        return rule is not None and rule.__module__.endswith(".rules.loss")
+    def is_loss(n):                           # a loss op (the rules' loss family), sharded or not
+        node = fx_nodes[n]
+        if node.op == "call_module":
+            return isinstance(modules.get(node.target), tuple(op for op in LOSS_OPS if isinstance(op, type)))
+        return node.target in LOSS_OPS
     unit: dict[str, str] = {}                  # fx node -> visible key
     info: dict[str, dict] = {}
     for n, d in G.nodes(data=True):

@@ -17,21 +17,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .linear import column_row
-from .registry import PARTIAL, NodeInfo, Shard, node_arg, register_rule
+from ...capture.ops import CONV_OPS, conv_groups
+from .registry import PARTIAL, NodeInfo, Shard, register_rule
 
 aten = torch.ops.aten
 
 # op -> index of its `groups` argument; every op takes (input, weight, bias, ...) first
-CONV_OPS = {op: 6 for op in (F.conv1d, F.conv2d, F.conv3d, aten.conv1d.default, aten.conv2d.default,
-                             aten.conv3d.default, aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding)}
-CONV_OPS[aten.convolution.default] = 8        # (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-
-
-def conv_groups(node) -> int:
-    """The `groups` argument of a convolution node (1 when left at its default)."""
-    return int(node_arg(node, CONV_OPS[node.target], "groups", 1))
-
-
 def channel_dim(info: NodeInfo, x, w) -> int:
     """1 for a batched input (N, C, *spatial), 0 for an unbatched one (C, *spatial)."""
     return len(info.shape(x)) - (len(info.shape(w)) - 2) - 1

@@ -1,14 +1,9 @@
 """Cross entropy: vocabulary-parallel over logits sharded on the class dim (1)."""
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
+from ...capture.ops import LOSS_OPS
 from .registry import REPLICATE, NodeInfo, Shard, register_rule
 
-aten = torch.ops.aten
 
-
-@register_rule(F.cross_entropy, aten.cross_entropy_loss.default, nn.CrossEntropyLoss)
+@register_rule(*LOSS_OPS)
 def _cross_entropy(info: NodeInfo):
     logits, target = info.inputs[0], info.inputs[1]
     shape = info.shape(logits)

@@ -3,7 +3,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, norm_dim, register_rule
+from ...capture.ops import LAYER_NORMS, NORM_ARGS, VAR_OPS, norm_dim, norm_params, var_args
+from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, register_rule
 
 aten = torch.ops.aten
 
@@ -23,19 +24,6 @@ def keep_dims(info: NodeInfo, src, reduced: set, *, keepdim=True, partial_sum=No
         out = d if keepdim else d - sum(1 for r in reduced if r < d)
         found.append(info.req({src: Shard(d)}, f"shard({out})", Shard(out), uneven=True))
     return found
-
-
-LAYER_NORMS = (F.layer_norm, aten.layer_norm.default)         # mean and variance: two statistics
-NORM_ARGS = {F.layer_norm: ("weight", "bias"), aten.layer_norm.default: ("weight", "bias"),
-             F.rms_norm: ("weight", None), aten.rms_norm.default: ("weight", None)}
-
-
-def norm_params(node):
-    """(weight, bias) arguments of a layer/RMS norm call (None where absent)."""
-    names = NORM_ARGS[node.target]
-    args = list(node.args) + [None] * 4
-    return tuple(None if name is None else (args[2 + i] if args[2 + i] is not None else node.kwargs.get(name))
-                 for i, name in enumerate(names))
 
 
 @register_rule(*NORM_ARGS)
@@ -96,23 +84,6 @@ def _mean(info):
     keep = bool(info.arg(2, "keepdim", False))
     return keep_dims(info, x, _reduced_dims(info, nd), keepdim=keep, partial_sum="partial_mean") + \
         [info.req({x: PARTIAL}, "partial", PARTIAL)]
-
-
-VAR_OPS = (torch.var, torch.Tensor.var, aten.var.correction, aten.var.dim)
-
-
-def var_args(node):
-    """(dim, correction, keepdim) of a var call reducing one dim, or None."""
-    args, kw = list(node.args) + [None] * 4, node.kwargs
-    dim = args[1] if args[1] is not None else kw.get("dim")
-    if isinstance(dim, (tuple, list)):
-        dim = dim[0] if len(dim) == 1 else None
-    if not isinstance(dim, int):
-        return None
-    unbiased = args[2] if isinstance(args[2], bool) else kw.get("unbiased")
-    correction = kw.get("correction", (1 if unbiased is None or unbiased else 0))
-    keepdim = args[3] if isinstance(args[3], bool) else kw.get("keepdim", False)
-    return dim, (1 if correction is None else correction), bool(keepdim)
 
 
 @register_rule(*VAR_OPS)

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from ...runtime.collectives import split_kind
 from ...nn.functional import regroup
+from ...capture.ops import node_arg
 from ...capture.shapes import dynamic_dims
 from ...runtime.placements import (PARTIAL, REPLICATE, REPLICATE_PG, Partial, Placement, Replicate,
                                    ReplicatePartialGrad, Shard, ShardGathered, block_sizes, divides, splits)
@@ -71,11 +72,6 @@ def group_size(size: int, units, world_size: int) -> int | None:
         return None
     m = world_size // math.gcd(min(heads), world_size)
     return m if 1 < m < world_size else None
-
-
-def node_arg(node: fx.Node, pos: int, name: str, default=None):
-    """The argument `name` of a call node, given at position `pos` or by keyword (else `default`)."""
-    return node.args[pos] if pos < len(node.args) else node.kwargs.get(name, default)
 
 
 @dataclass
@@ -368,9 +364,5 @@ def strategies(info: NodeInfo) -> tuple[list[OpStrategy], bool]:
     return out, True
 
 
-def norm_dim(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
-
-
 __all__ = ["OpStrategy", "NodeInfo", "group_size", "register_rule", "REPLICATE_PG", "ReplicatePartialGrad", "ShardGathered", "register_shape_op", "strategies", "lookup", "family_of",
-           "norm_dim", "REPLICATE", "PARTIAL", "Shard", "Replicate", "Partial", "Placement"]
+           "REPLICATE", "PARTIAL", "Shard", "Replicate", "Partial", "Placement"]

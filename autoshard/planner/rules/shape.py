@@ -15,7 +15,8 @@ import torch
 from ...runtime.collectives import in_groups
 from ...nn.functional import regroup
 from ...runtime.placements import block_sizes, padded
-from .registry import PARTIAL, REPLICATE_PG, NodeInfo, Shard, may_differ, norm_dim, register_rule, register_shape_op
+from ...capture.ops import norm_dim, sliced_range
+from .registry import PARTIAL, REPLICATE_PG, NodeInfo, Shard, may_differ, register_rule, register_shape_op
 
 aten = torch.ops.aten
 
@@ -210,51 +211,6 @@ def block_slice(size: int, start: int, stop: int, k: int):
     if size % k or stop <= start or start % block or (stop - start) % block:
         return None
     return start // block, (stop - start) // block
-
-
-def _int_of(x):
-    """A bound as an int: itself, or the value captured for a node computing it (x.shape[-1])."""
-    if isinstance(x, torch.fx.Node):
-        v = x.meta.get("val")
-        return int(v) if isinstance(v, int) and not isinstance(v, bool) else x
-    return x
-
-
-def sliced_dim(node, nd: int):
-    """(dim, start, stop, step) of a node that slices one dim (aten.slice, or a getitem with one
-    partial slice and full ones elsewhere), else None; bounds computed by nodes read as the
-    values captured for them."""
-    if node.target is aten.slice.Tensor:
-        a = list(node.args) + [None] * 5
-        return norm_dim(int(a[1] if a[1] is not None else 0), nd), _int_of(a[2]), _int_of(a[3]), _int_of(a[4])
-    idx = node.args[1] if node.target is operator.getitem else None
-    idx = idx if isinstance(idx, tuple) else (idx,)
-    if not all(e is Ellipsis or isinstance(e, slice) for e in idx) or sum(e is Ellipsis for e in idx) > 1:
-        return None
-    partial = [i for i, e in enumerate(idx) if isinstance(e, slice) and e != slice(None)]
-    if len(partial) != 1:
-        return None
-    i = partial[0]
-    if Ellipsis in idx and idx.index(Ellipsis) < i:
-        d = nd - (len(idx) - i)
-    else:
-        d = i
-    e = idx[i]
-    return d, _int_of(e.start), _int_of(e.stop), _int_of(e.step)
-
-
-def sliced_range(node, shape):
-    """(dim, start, stop) of a node that takes one contiguous range of one dim of a tensor of
-    `shape` (`sliced_dim` with a unit step and bounds known as ints, normalised to the dim's
-    size), else None."""
-    cut = sliced_dim(node, len(shape))
-    if cut is None:
-        return None
-    d, start, stop, step = cut
-    if step not in (None, 1) or not all(isinstance(b, (int, type(None))) for b in (start, stop)):
-        return None
-    start, stop, _ = slice(start, stop).indices(int(shape[d]))
-    return d, start, stop
 
 
 def blocks_taken(info: NodeInfo, src) -> list:
