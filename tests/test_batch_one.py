@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import autoshard
 from autoshard.capture.trace import capture
-from autoshard.capture.shapes import dynamic_dims
+from autoshard.capture.dynamic import dynamic_dims
 from hf_models import llama
 from models import GPT
 from refs import close_to_scale, grads

@@ -45,7 +45,8 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from ..nn.functional import regroup
-from .shapes import DYNAMIC, dynamic_dims, fetch_attr
+from .dynamic import DYNAMIC, dynamic_dims
+from .shapes import fetch_attr
 
 aten = torch.ops.aten
 

@@ -5,13 +5,10 @@ Two tracers, one normal form: parameters are `get_attr` nodes feeding ops.
   becomes one parameter used by two ops) and keeps other torch.nn modules as leaves, so dropout
   still follows train()/eval();
 - `torch.export.export(..., strict=False).module()`: aten-level, for models FX cannot trace.
-Shapes come from FakeTensor propagation of the example inputs: no real compute. A second
-propagation (torch.export's own symbolic one, with every input dim `Dim.AUTO`; for
-symbolic_trace a FakeTensorProp of inputs with other batch / sequence sizes: `shapes`) finds the
-dims whose size follows the inputs' batch and sequence lengths: `node.meta["autoshard_dynamic"]`
-lists them, the planner never shards them, and the rewritten module accepts any size there. A dim of size 1 in the example (a batch of one)
-is captured or probed at size 2, since torch.export specialises sizes 0 and 1; it stays 1, with
-a note, where the model does not run so (a broadcast dim, a dim the model needs at 1).
+Shapes come from FakeTensor propagation of the example inputs: no real compute; the dims that
+follow the inputs' batch and sequence sizes are marked by `dynamic`. Each run of identical layers
+is traced once (`repeats`), the graph is put in autoshard's normal forms (`normalize`) and
+recompiled once, here, after its last change.
 """
 from __future__ import annotations
 
@@ -22,13 +19,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.export import Dim
 
 from . import repeats
 from .normalize import constant_list_indices, regroup_blocks, unfuse_head_views, unmerge_batch_heads
 from ..errors import CaptureError, first_line
-from .shapes import (input_dynamic_dims, mark_changed, mark_dynamic, placeholder_inputs, probe, probe_each_dim,
-                     propagate, quiet_fake_tensor, resized, shapes_of)
+from .dynamic import export_dynamic, mark_by_probes
+from .shapes import placeholder_inputs
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -128,135 +124,13 @@ def _symbolic(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.Gr
     extra = set(kwargs) - {n.target for n in gm.graph.nodes if n.op == "placeholder"}
     if extra:
         raise CaptureError(f"example inputs name {sorted(extra)} which {type(model).__name__}.forward does not take")
-    flat = placeholder_inputs(gm, "symbolic_trace", args, kwargs)
-    error = None
-    with quiet_fake_tensor():
-        try:               # the same graph at other batch / sequence sizes: what changes is dynamic
-            propagate(gm, [probe(a) for a in flat])
-            probe_shapes = shapes_of(gm)
-        except Exception as e:  # noqa: BLE001 - find the dims that may change one at a time; else say so
-            error = e
-            probe_shapes, free = probe_each_dim(gm, flat)
-    if probe_shapes is None:
-        notes.append(f"the model did not run at other input sizes ({type(error).__name__}: {first_line(error, 120)}); "
-                     "it is planned for the example's sizes")
-    elif error is not None:
-        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-        kept = [f"{name} dim {d}" for name, a, dims in zip(names, flat, free) if isinstance(a, torch.Tensor)
-                for d in input_dynamic_dims(a) if a.shape[d] == 1 and d not in dims]
-        if kept:
-            notes.append(f"the model did not run with size 2 at {', '.join(kept)} (size 1 in the example): "
-                         "the module takes only size 1 there")
-    propagate(gm, flat)
-    if probe_shapes is not None:            # else no dim is dynamic (a fresh trace carries no marks)
-        mark_changed(gm, probe_shapes)
+    mark_by_probes(gm, placeholder_inputs(gm, "symbolic_trace", args, kwargs), notes)
     return gm
 
 
-def _auto_shapes(model: nn.Module, args: tuple, kwargs: dict):
-    """export's dynamic_shapes by forward() argument name: every dim of every top-level tensor
-    input Dim.AUTO (export keeps the dims the model fixes, such as feature sizes, static itself)."""
-    def spec(a):
-        return {d: Dim.AUTO for d in range(a.dim())} if isinstance(a, torch.Tensor) and a.dim() else None
-    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
-    return {k: (tuple(spec(x) for x in v) if isinstance(v, tuple) else
-                {kk: spec(x) for kk, x in v.items()} if isinstance(v, dict) else spec(v))
-            for k, v in bound.arguments.items()}
-
-
-def _reachable(args: tuple, kwargs: dict):
-    """The input tensors `_enlarged` can replace: an argument, or an item of a plain tuple or dict argument."""
-    for v in [*args, *kwargs.values()]:
-        items = v if type(v) is tuple else v.values() if type(v) is dict else (v,)
-        yield from (x for x in items if isinstance(x, torch.Tensor))
-
-
-def _enlarged(args: tuple, kwargs: dict, grown: dict) -> tuple[tuple, dict]:
-    """`args`, `kwargs` with every tensor `_reachable` finds replaced by `grown[id(tensor)]`, where given."""
-    def swap(x):
-        return grown.get(id(x), x) if isinstance(x, torch.Tensor) else x
-
-    def arg(v):
-        if type(v) is tuple:
-            return tuple(swap(x) for x in v)
-        return {k: swap(x) for k, x in v.items()} if type(v) is dict else swap(v)
-    return tuple(arg(a) for a in args), {k: arg(v) for k, v in kwargs.items()}
-
-
-def _size_one_dims(model: nn.Module, args: tuple, kwargs: dict) -> list:
-    """(input name, tensor, dim) of every size-1 dim that `_auto_shapes` makes Dim.AUTO and
-    `_enlarged` can grow. torch.export specialises size 1, so an example with a batch (or
-    sequence) of one would fix it: `_export` captures these dims at size 2. Dims of float inputs
-    come first, and an input's last dims before its first: the likelier broadcast dims (a mask's
-    (1, 1, T, T)), which `_export` gives up first."""
-    params = inspect.signature(model.forward).parameters
-    names = {}
-    for name, v in inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments.items():
-        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, tuple) else [(None, v)]
-        for k, x in items:
-            if isinstance(x, torch.Tensor) and x.dim():
-                keyword = params[name].kind is inspect.Parameter.VAR_KEYWORD
-                names.setdefault(id(x), name if k is None else k if keyword else f"{name}[{k!r}]")
-    units, seen = [], set()
-    for t in _reachable(args, kwargs):
-        if id(t) in names and id(t) not in seen:
-            seen.add(id(t))
-            units += [(names[id(t)], t, d) for d in range(t.dim()) if t.shape[d] == 1]
-    return sorted(units, key=lambda u: (not (u[1].is_floating_point() or u[1].is_complex()), -u[2]))
-
-
 def _export(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.GraphModule:
-    """torch.export with every dim of every top-level tensor input Dim.AUTO, captured where the
-    example has size 1 at size 2 (its own values repeated: `_size_one_dims`), then propagated at
-    the example's own sizes, which the plan sees. When the model does not capture so (a size-1 dim
-    that broadcasts, or that the model needs): none grown (the example's own sizes, where export
-    fixes them at 1; a failure there is not the sizes'), then every size-1 dim but one grown, in
-    turn, the first that captures kept, else none, with a note naming the dims kept at 1; a model
-    that cannot export dynamically at all is captured at the example's static shapes, with a note."""
-    units = _size_one_dims(model, args, kwargs)
-
-    def dynamic(grow):
-        sizes = {}
-        for i in grow:
-            _, t, d = units[i]
-            sizes.setdefault(id(t), (t, {}))[1][d] = 2
-        big_args, big_kwargs = _enlarged(args, kwargs, {k: resized(t, s) for k, (t, s) in sizes.items()})
-        ep = torch.export.export(model, big_args, big_kwargs, dynamic_shapes=_auto_shapes(model, big_args, big_kwargs),
-                                 strict=False)
-        gm = ep.module()
-        mark_dynamic(gm)
-        propagate(gm, placeholder_inputs(gm, "export", args, kwargs))   # the example's sizes: what rules see
-        return gm
-
-    def attempt(grow):
-        try:
-            return dynamic(grow), None
-        except Exception as e:  # noqa: BLE001 - fewer grown dims are tried next; failures are noted below
-            return None, e
-
-    every = grow = list(range(len(units)))
-    with quiet_fake_tensor():
-        gm, error = attempt(every)
-        if gm is None and units:
-            fixed, static_error = attempt([])        # the example's sizes: its size-1 dims stay 1
-            if fixed is None:
-                error = static_error                  # not the sizes: the model does not export dynamically
-            else:
-                for left in every if len(every) > 1 else ():
-                    grow = [i for i in every if i != left]
-                    gm, _ = attempt(grow)
-                    if gm is not None:
-                        break
-                if gm is None:
-                    gm, grow = fixed, []
-    if gm is None:
-        notes.append(f"capture with dynamic batch/sequence sizes failed ({type(error).__name__}: {first_line(error, 160)}); "
-                     "the module accepts only the example's shapes")
-        gm = torch.export.export(model, args, kwargs, strict=False).module()
-    elif len(grow) < len(units):
-        kept = ", ".join(f"{name} dim {d}" for i, (name, _, d) in enumerate(units) if i not in grow)
-        notes.append(f"the model did not capture with size 2 at {kept} (size 1 in the example; "
-                     f"{type(error).__name__}: {first_line(error, 120)}): the module takes only size 1 there")
+    """torch.export with dynamic batch and sequence sizes (`dynamic.export_dynamic`), every name kept."""
+    gm = export_dynamic(model, args, kwargs, notes)
     _keep_all_names(gm, model)
     return gm
 
@@ -373,15 +247,26 @@ def apart():
             h.update(items)
 
 
+def _normalised(gm: fx.GraphModule, run_on, expanded: bool = False) -> fx.GraphModule:
+    """`gm` in autoshard's normal forms (autoshard.normalize), its code recompiled once after the
+    last change: a meta capture's devices retargeted to `run_on` (before the layer copies were
+    written, when `expanded`), then the normal forms."""
+    if run_on is not None and not expanded:
+        _retarget_meta_device(gm, run_on)
+    if unfuse_head_views(gm) + unmerge_batch_heads(gm) + regroup_blocks(gm) or expanded:
+        gm.recompile()
+    return gm
+
+
 def _once_per_layer(fn, model: nn.Module, args: tuple, kwargs: dict, notes: list, run_on=None) -> fx.GraphModule:
-    """`fn`'s capture of `model`, tracing each run of identical layers once (autoshard.repeats):
-    the model cut to the first two layers of each run, the rest written in as copies of the
-    second; the whole model traced instead, with a note, when they are not a pure repetition.
-    `run_on`: the device a meta capture's tensors are made on at run time (retargeted before the
-    copies are made, so that they inherit it)."""
+    """`fn`'s capture of `model` in normal form, tracing each run of identical layers once
+    (autoshard.repeats): the model cut to the first two layers of each run, the rest written in as
+    copies of the second; the whole model traced instead, with a note, when they are not a pure
+    repetition. `run_on`: the device a meta capture's tensors are made on at run time (retargeted
+    before the copies are made, so that they inherit it)."""
     found = repeats.tail_runs(model)
     if not found:
-        return fn(model, args, kwargs, notes)
+        return _normalised(fn(model, args, kwargs, notes), run_on)
     mine = []
     try:
         with repeats.cut(model, found):
@@ -391,15 +276,14 @@ def _once_per_layer(fn, model: nn.Module, args: tuple, kwargs: dict, notes: list
         written = repeats.expand(gm, model, found)
     except repeats.RepeatError as e:
         notes.append(f"the repeated layers were traced one by one: {first_line(e, 160)}")
-        return fn(model, args, kwargs, notes)
+        return _normalised(fn(model, args, kwargs, notes), run_on)
     _keep_all_names(gm, model)
     gm.graph.lint()
-    gm.meta["autoshard_stale_code"] = True       # recompiled once, by capture, after its last change
     notes.extend(mine)
     traced = sum(2 * k for _, _, k in found)
     notes.append(f"{written + traced} repeated layers traced as {traced} "
                  f"({', '.join(f'{n}.{keys[0]}..{keys[-1]}' + (f' every {k}' if k > 1 else '') for n, keys, k in found)})")
-    return gm
+    return _normalised(gm, run_on, expanded=True)
 
 
 def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", tokens: int = 512,
@@ -427,12 +311,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
             try:
                 fn = _symbolic if name == "symbolic_trace" else _export
                 gm = _once_per_layer(fn, model, *(on_meta or (args, kwargs)), notes, run_on) if once else \
-                    fn(model, *(on_meta or (args, kwargs)), notes)
-                stale = gm.meta.pop("autoshard_stale_code", False)     # expanded: retargeted before
-                if on_meta and not stale:
-                    _retarget_meta_device(gm, run_on)
-                if unfuse_head_views(gm) + unmerge_batch_heads(gm) + regroup_blocks(gm) or stale:
-                    gm.recompile()
+                    _normalised(fn(model, *(on_meta or (args, kwargs)), notes), run_on)
                 return Captured(gm, name, args, kwargs, notes)
             except Exception as e:  # noqa: BLE001 - every tracer failure is reported below
                 errors.append((name, e))

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from . import search as _search
-from ..capture.shapes import dynamic_dims
+from ..capture.dynamic import dynamic_dims
 from ..runtime.collectives import ring_bytes
 from .cost import CostModel, flops
 from ..errors import ShardingError

@@ -23,7 +23,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import rules
-from ..capture.shapes import DYNAMIC, fetch_attr
+from ..capture.dynamic import DYNAMIC
+from ..capture.shapes import fetch_attr
 from ..runtime.transitions import fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
 from .cost import CostModel, flops
 from .decisions import decision_groups, fix_layouts

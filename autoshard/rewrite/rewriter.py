@@ -18,7 +18,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..runtime import collectives as C
-from ..capture.shapes import dynamic_dims, placeholder_inputs
+from ..capture.dynamic import dynamic_dims
+from ..capture.shapes import placeholder_inputs
 from ..runtime.transitions import fused_backward, redistribute
 from ..errors import ShardingError
 from ..runtime.groups import subgroup

@@ -17,7 +17,7 @@ import torch.fx as fx
 from ...runtime.collectives import split_kind
 from ...nn.functional import regroup
 from ...capture.ops import node_arg
-from ...capture.shapes import dynamic_dims
+from ...capture.dynamic import dynamic_dims
 from ...runtime.placements import (PARTIAL, REPLICATE, REPLICATE_PG, Partial, Placement, Replicate,
                                    ReplicatePartialGrad, Shard, ShardGathered, block_sizes, divides, splits)
 
