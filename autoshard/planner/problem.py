@@ -5,7 +5,7 @@ strategies, consumer edges and tensors (one redistribution per required placemen
 backward dual, one all-reduce of Partial gradients), which tensors carry a gradient, and the
 decision groups (`decisions`: parameters that must take one layout together, pins applied).
 
-A tensor and its views (reshapes, `contiguous`, a `to` of the same dtype: `view_parent`) are
+A tensor and its views (reshapes, `contiguous`, a `to` of the same dtype: `aliases`) are
 one tensor for communication: made whole for several consumers, it is made whole once (the
 topmost one that needs it; the others re-apply their view ops to it), and their costs are
 counted together, on the class's root. What the graph's output needs of a tensor follows
@@ -27,6 +27,7 @@ from ..capture.dynamic import DYNAMIC
 from ..capture.shapes import fetch_attr
 from ..runtime.transitions import fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
 from .cost import CostModel, flops
+from .aliases import ViewClasses
 from .decisions import decision_groups, fix_layouts
 from ..runtime.placements import (REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, held_by_groups, is_even,
                                   local_numel, shares)
@@ -37,35 +38,6 @@ INF = math.inf
 # that a split in whole heads is priced by what it saves in communication, not by its largest rank
 IMBALANCE = 0.01
 aten = torch.ops.aten
-
-# ops whose output is their one tensor input with the same elements in the same (row-major)
-# order, dtype and device: a view of it for communication (applied to the input made whole,
-# they give the output whole)
-VIEW_LIKE = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.flatten, torch.Tensor.flatten,
-             torch.Tensor.unflatten, torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze, torch.squeeze,
-             torch.Tensor.contiguous, torch.Tensor.clone, torch.clone, torch.Tensor.to, torch.Tensor.float,
-             aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
-             aten.squeeze.dim, aten.squeeze.dims, aten.flatten.using_ints, aten.unflatten.int,
-             aten.contiguous.default, aten.clone.default, aten.alias.default, aten.to.dtype,
-             aten.to.dtype_layout, aten._to_copy.default}
-
-
-def view_parent(n: fx.Node) -> fx.Node | None:
-    """The tensor `n` is a view of (VIEW_LIKE, one tensor input, same number of elements, dtype
-    and device), or None."""
-    if n.op not in ("call_function", "call_method"):
-        return None
-    target = getattr(torch.Tensor, n.target, None) if n.op == "call_method" else n.target
-    if target not in VIEW_LIKE:
-        return None
-    tensors = [a for a in n.all_input_nodes if _tensor(a.meta.get("val"))]
-    if len(tensors) != 1 or not n.args or n.args[0] is not tensors[0]:
-        return None
-    v, src = n.meta.get("val"), tensors[0].meta.get("val")
-    if not _tensor(v) or v.numel() != src.numel() or v.dtype != src.dtype or v.device != src.device:
-        return None
-    return tensors[0]
-
 
 def _tensor(v) -> bool:
     return isinstance(v, torch.Tensor)
@@ -91,16 +63,6 @@ class Problem:
                 self.users[j].append(i)
         self.val = [n.meta.get("val") for n in self.nodes]
         self.nbytes = [_nbytes(v) for v in self.val]
-        # views: parent index, the class root (the first tensor of the chain), members per root
-        self.view_parent = [None] * len(self.nodes)
-        self.root = list(range(len(self.nodes)))
-        self.members: dict[int, list] = {}            # root -> its class in topological order (2+ only)
-        for i, n in enumerate(self.nodes):
-            parent = view_parent(n)
-            if parent is not None:
-                j = self.view_parent[i] = self.idx[parent]
-                self.root[i] = self.root[j]
-                self.members.setdefault(self.root[j], [self.root[j]]).append(i)
         self.kind, self.strats, self.unsupported = [], [], []
         self.param_key: dict[int, int] = {}          # node index -> param key
         self.param_obj: dict[int, nn.Parameter] = {}
@@ -150,22 +112,10 @@ class Problem:
         for i, key in self.param_key.items():
             self.param_nodes.setdefault(key, []).append(i)
         self.needs_grad = self._needs_grad()
-        # per node: itself and its view ancestors that the graph's output reads (their placements
-        # decide whether the output makes the tensor whole anyway: `whole_anyway`)
-        returned = {j for i, k in enumerate(self.kind) if k == "output" for j in self.ins[i]}
-        self.returned_above = []
-        for j in range(len(self.nodes)):
-            chain, a = [], j
-            while a is not None:
-                if a in returned:
-                    chain.append(a)
-                a = self.view_parent[a]
-            self.returned_above.append(tuple(chain))
-        self.reread: dict[int, set] = {}       # returned node -> readers of its views, to re-decide when it changes
-        for j, chain in enumerate(self.returned_above):
-            for a in chain:
-                if a != j:
-                    self.reread.setdefault(a, set()).update(self.users[j])
+        views = ViewClasses.of(self.nodes, self.idx, self.users,
+                               returned={j for i, k in enumerate(self.kind) if k == "output" for j in self.ins[i]})
+        self.view_parent, self.root, self.members = views.parent, views.root, views.members
+        self.returned_above, self.reread = views.returned_above, views.reread
         self.node_cost = [[self._node_cost(i, s) for s in ss] for i, ss in enumerate(self.strats)]
         self._edge_cache: dict = {}
         self.best_memo: dict = {}

@@ -83,7 +83,7 @@ def shard_kw(placement) -> dict:
 
 
 class LocalOps:
-    """Mixin of `rewrite.Rewriter`: replaces ops by their local forms (it uses the rewriter's
+    """Mixin of `rewriter.Rewriter`: replaces ops by their local forms (it uses the rewriter's
     plan, graph, `call`, `replace`, `val` and `uneven_size`)."""
 
     def rewrite_ops(self):

@@ -23,6 +23,7 @@ from ..capture.shapes import placeholder_inputs
 from ..runtime.transitions import fused_backward, redistribute
 from ..errors import ShardingError
 from ..runtime.groups import subgroup
+from .outputs import Outputs
 from .local_ops import FRESH_OUTPUT_OPS, LocalOps, shard_kw, target_of
 from ..runtime.placements import Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups, layout_of, stored
 from ..runtime.pieces import split_along
@@ -49,7 +50,7 @@ def _torchshard_attrs(placement: Shard, ndim: int, label) -> tuple[int, int]:
     return (0, 0) if label == 0 else (-1, 1)           # Linear row  vs  embedding hidden / Conv1D column
 
 
-class Rewriter(LocalOps):
+class Rewriter(LocalOps, Outputs):
     """Applies one Plan to a structural copy of the captured GraphModule for one rank."""
 
     def __init__(self, plan, rank: int, group_key, model=None, dropout_masks: str = "independent"):
@@ -194,10 +195,10 @@ class Rewriter(LocalOps):
                 elif via is None:
                     moved = self.forward(x, entries[0].src, dst)
                 elif isinstance(dst, Shard):             # a slice of the all-reduced sum of it (or of its view parent)
-                    whole = self._view_of(moved_of[(via, Replicate())], via, name, nodes)
+                    whole = self.view_of(moved_of[(via, Replicate())], via, name, nodes)
                     moved = self.call(C.scatter_to, (whole, dst.dim, dst.chunks), {"group": self.key, **shard_kw(dst)})
                 else:
-                    moved = self._view_of(moved_of[(via, dst)], via, name, nodes)
+                    moved = self.view_of(moved_of[(via, dst)], via, name, nodes)
                 moved_of[(name, dst)] = moved
                 for r in entries:
                     y = moved
@@ -209,36 +210,6 @@ class Rewriter(LocalOps):
                         nodes[c].replace_input_with(x, y)
             if moved.target is C.reduce_from and len(x.users) == 1 and target_of(x) in FRESH_OUTPUT_OPS:
                 moved.update_kwarg("inplace", True)
-
-    def _view_of(self, whole: fx.Node, top: str, name: str, nodes: dict) -> fx.Node:
-        """Tensor `name` whole, from `whole` (its view ancestor `top` whole): the view ops from
-        `top` down to it (as captured) copied onto `whole`, with their captured (global) sizes."""
-        chain, n = [], self.old[name]
-        while n.name != top:
-            chain.append(nodes[n.name])
-            n = n.args[0]
-        out = whole
-        for n in reversed(chain):
-            out_node = self.graph.node_copy(n, lambda a: a)
-            out_node.args = (out, *n.args[1:])
-            out = out_node
-        return out
-
-    def wrap_outputs(self):
-        """outputs="sharded": each tensor the output returns split (an ordinary Shard, which the
-        plan left as it is) becomes a DTensor over the group (`to_dtensor`: no collective)."""
-        if self.plan.outputs != "sharded":
-            return
-        out = next(n for n in self.graph.nodes if n.op == "output")
-        nodes = {n.name: n for n in self.graph.nodes}
-        for name, pl in self.plan.output_placements.items():
-            x = nodes.get(name)
-            if isinstance(pl, Shard) and x is not None and x in out.all_input_nodes:
-                size = self.uneven_size(name, pl)
-                with self.graph.inserting_before(out):
-                    dt = self.call(C.to_dtensor, (x, pl.dim), {"group": self.key, **({"size": size} if size else {})},
-                                   name=f"{name}_dtensor")
-                out.replace_input_with(x, dt)
 
     def run(self) -> fx.GraphModule:
         self._order = {n: i for i, n in enumerate(self.graph.nodes)}
