@@ -113,7 +113,7 @@ def _train(rank: int, opts, results) -> None:
     import torch.distributed as dist
 
     import autoshard
-    from .runtime.collectives import CommCounter, count_comm
+    from .runtime.counters import CommCounter, count_comm
 
     p = opts.world_size
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)

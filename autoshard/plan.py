@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch.fx as fx
 
-from .runtime.collectives import ring_bytes
+from .runtime.counters import ring_bytes
 from .runtime.placements import Placement
 
 OUTPUTS = ("full", "sharded")      # how a plan returns the graph's outputs (Plan.outputs)

@@ -202,3 +202,7 @@ def test_the_folder_reads_as_the_pipeline():
             assert doc and "takes" in doc.lower() and "hands on" in doc.lower(), \
                 f"autoshard/{name}/__init__.py: its docstring should say what the stage takes and hands on"
 
+
+def test_no_module_is_too_long():
+    long = {os.path.relpath(p, ROOT): n for p in MODULES.values() if (n := len(open(p).read().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by idea): {long}"

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from . import search as _search
 from ..capture.dynamic import dynamic_dims
-from ..runtime.collectives import ring_bytes
+from ..runtime.counters import ring_bytes
 from .cost import CostModel, flops
 from ..errors import ShardingError
 from ..runtime.placements import Replicate, Shard, local_numel, padded, splits

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.collectives import ring_bytes, split_kind
+from ..runtime.counters import ring_bytes, split_kind
 from .rules.conv import conv_flops
 from .rules.registry import family_of
 

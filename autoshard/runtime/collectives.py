@@ -1,4 +1,4 @@
-"""Autograd-aware collectives over a tensor-parallel group, and byte counters.
+"""Autograd-aware collectives over a tensor-parallel group (their bytes counted by `counters`).
 
 Each collective is one small autograd function whose backward is the dual of its forward
 (Megatron's mappings.py): copy/all-reduce, scatter/all-gather, reduce-scatter/all-gather,
@@ -12,120 +12,20 @@ has them, with list-based fallbacks otherwise.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.fx
 
 from ..errors import ProcessGroupError
-from .groups import get_group, is_initialized, subgroup_of, tensor_parallel_mesh
+from .counters import CommCounter, count_comm, ring_bytes, record  # noqa: F401  (count_comm, ring_bytes: public here too)
+from .groups import get_group, is_initialized, tensor_parallel_mesh
 from .placements import block_sizes, blocks_of, piece_sizes
 from .pieces import cat_along, checked_dim, pad_along, split_along
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "gather_from", "reduce_scatter", "all_gather",
            "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]
-
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-
-
-# ----------------------------------------------------------------------------- counters
-
-def ring_bytes(kind: str, nbytes: int, world_size: int) -> float:
-    """Bytes one rank sends in a ring `kind` collective on a tensor of `nbytes` bytes.
-
-    `nbytes` is the full tensor; in an all_to_all a rank holds 1/p of it and sends (p-1)/p of that.
-    `kind@m` is that collective within groups of m consecutive ranks, on the group's m/p of the
-    tensor (`in_groups`: K/V heads gathered onto the ranks whose query heads read them)."""
-    kind, m = split_kind(kind)
-    if m is not None:
-        return ring_bytes(kind, nbytes * m / world_size, m)
-    if kind not in KINDS:
-        raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
-    p = int(world_size)
-    if p <= 1:
-        return 0.0
-    factor = {"all_reduce": 2 * (p - 1) / p, "all_to_all": (p - 1) / p / p}.get(kind, (p - 1) / p)
-    return factor * nbytes
-
-
-def in_groups(kind: str, m: int) -> str:
-    """The name of collective `kind` run within groups of m consecutive ranks (`ring_bytes`)."""
-    return kind if m == 1 else f"{kind}@{m}"
-
-
-def split_kind(kind: str) -> tuple[str, int | None]:
-    """(collective, ranks a group) of a `kind@m` name; (kind, None) for the whole group's."""
-    base, _, m = kind.partition("@")
-    return (base, int(m)) if m else (base, None)
-
-
-@dataclass
-class CommEvent:
-    """One collective call: which function, ring kind, direction and per-rank ring bytes."""
-
-    op: str
-    kind: str
-    direction: str          # "forward" | "backward"
-    bytes: float
-
-
-@dataclass(eq=False)
-class CommCounter:
-    """Collectives recorded while a `count_comm()` block was active (this process only)."""
-
-    events: list = field(default_factory=list)
-
-    @property
-    def calls(self) -> int:
-        return len(self.events)
-
-    @property
-    def bytes(self) -> float:
-        return sum(e.bytes for e in self.events)
-
-    @property
-    def by_kind(self) -> dict:
-        """kind -> (calls, bytes)."""
-        return self._group_by("kind")
-
-    @property
-    def by_direction(self) -> dict:
-        """"forward" / "backward" -> (calls, bytes)."""
-        return self._group_by("direction")
-
-    def _group_by(self, attr: str) -> dict:
-        out: dict = {}
-        for e in self.events:
-            calls, nbytes = out.get(getattr(e, attr), (0, 0.0))
-            out[getattr(e, attr)] = (calls + 1, nbytes + e.bytes)
-        return out
-
-
-_ACTIVE: list[CommCounter] = []      # global, not thread-local: CUDA backward runs on other threads
-
-
-@contextlib.contextmanager
-def count_comm():
-    """Count every autoshard collective run inside the block, forward and backward (nestable)."""
-    counter = CommCounter()
-    _ACTIVE.append(counter)
-    try:
-        yield counter
-    finally:
-        _ACTIVE.remove(counter)
-
-
-def _record(op: str, kind: str, direction: str, nbytes: int, p: int, group=None) -> None:
-    if _ACTIVE:
-        m = subgroup_of(group)
-        kind = kind if m is None else in_groups(kind, m)       # named as the plan names it
-        event = CommEvent(op, kind, direction, ring_bytes(kind, nbytes, p))     # (p = m: the same bytes)
-        for counter in _ACTIVE:
-            counter.events.append(event)
-
 
 # ----------------------------------------------------------------------------- raw communication
 
@@ -163,7 +63,7 @@ def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op=dist.R
     with `inplace`, which needs `x` contiguous)."""
     out = x if inplace else x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=reduce_op, group=group)
-    _record(op, "all_reduce", direction, out.nbytes, dist.get_world_size(group), group)
+    record(op, "all_reduce", direction, out.nbytes, dist.get_world_size(group), group)
     return out
 
 
@@ -188,7 +88,7 @@ def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forwa
     if sizes is not None and sizes[0] == sizes[-1]:
         sizes = None                                 # equal pieces: nothing to pad
     stacked = _stacked_gather(x if sizes is None else pad_along(x, dim, sizes[0]), group)
-    _record(op, "all_gather", direction, stacked.nbytes, stacked.size(0), group)
+    record(op, "all_gather", direction, stacked.nbytes, stacked.size(0), group)
     pieces = stacked.unbind(0)
     if sizes is not None:
         pieces = [piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)]
@@ -217,7 +117,7 @@ def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forwa
                        lambda: _reduce_scatter_single(out.view(-1), stacked.view(-1), group=group)):
         dist.all_reduce(stacked, group=group)
         out = stacked[rank].clone()
-    _record(op, "reduce_scatter", direction, stacked.nbytes, p, group)
+    record(op, "reduce_scatter", direction, stacked.nbytes, p, group)
     return out if own == out.size(dim) else out.narrow(dim, 0, own).contiguous()
 
 
@@ -229,7 +129,7 @@ def _all_to_all(x, src_dim, dst_dim, group, op="all_to_all", direction="forward"
     out = torch.empty_like(stacked)
     if not _try_single("all_to_all", group, lambda: dist.all_to_all_single(out, stacked, group=group)):
         dist.all_to_all(list(out.unbind(0)), list(stacked.unbind(0)), group=group)
-    _record(op, "all_to_all", direction, x.nbytes * p, p, group)
+    record(op, "all_to_all", direction, x.nbytes * p, p, group)
     return torch.cat(out.unbind(0), src_dim)
 
 

@@ -17,6 +17,7 @@ from collections import Counter
 
 from ..capture.ops import LOSS_OPS
 from ..runtime.placements import Shard, maybe_local_shape
+from .layout import layers, order, skip_lanes
 from .report import fmt_bytes
 
 LAYOUT_COLORS = {             # parameter layout -> box color (colorblind-safe Tableau hues)
@@ -258,45 +259,6 @@ def picture_graph(plan, G=None, fold: bool = True):
     return F
 
 
-# ------------------------------------------------------------------------- layout
-def _layers(F):
-    """Longest-path layers, sources moved down to just above their first reader."""
-    import networkx as nx
-    layer = {}
-    for n in nx.topological_sort(F):
-        layer[n] = max((layer[u] + 1 for u in F.predecessors(n)), default=0)
-    for n in sorted(F, key=lambda n: -layer[n]):
-        if F.in_degree(n) == 0 and F.out_degree(n):
-            layer[n] = min(layer[s] for s in F.successors(n)) - 1
-    return layer
-
-
-def _order(F, layer, sweeps: int = 6):
-    rows: dict[int, list] = {}
-    for n in sorted(F, key=lambda n: F.nodes[n]["order"]):
-        rows.setdefault(layer[n], []).append(n)
-    x = {}
-
-    def place():
-        for row in rows.values():
-            for i, n in enumerate(row):
-                x[n] = i - (len(row) - 1) / 2
-    place()
-    for s in range(sweeps):
-        down = s % 2 == 0
-        for lv in sorted(rows, reverse=not down):
-            row = rows[lv]
-            nb = (lambda n: list(F.predecessors(n))) if down else (lambda n: list(F.successors(n)))
-
-            def bary(n):
-                ns = nb(n)
-                return sum(x[m] for m in ns) / len(ns) if ns else x[n]
-            row.sort(key=lambda n: (bary(n), F.nodes[n]["order"]))
-            for i, n in enumerate(row):
-                x[n] = i - (len(row) - 1) / 2
-    return rows, x
-
-
 def _unit_text(it):
     """Two lines: the module (and a weight it shares with another module), then the op, its
     strategy, the layout of its largest parameter and that parameter's full -> per-rank shape."""
@@ -319,23 +281,6 @@ def _comm_text(it, count):
     return f"{kinds}  {b}" + (f" (×{count} = {fmt_bytes(it['bytes'] * count)})" if count > 1 else "")
 
 
-def _lanes(F, layer, pos, half_w, margin):
-    """Edges that skip layers run down a vertical lane left of what they pass: {edge: lane x},
-    lanes side by side where their spans overlap."""
-    lanes, taken = {}, []                   # taken: (x, y_top, y_bottom)
-    skips = sorted((e for e in F.edges if layer[e[1]] - layer[e[0]] > 1), key=lambda e: (layer[e[1]] - layer[e[0]]))
-    for a, b in skips:
-        lo, hi = layer[a], layer[b]
-        inside = [n for n in F if lo <= layer[n] <= hi]
-        x = min(pos[n][0] - half_w(n) for n in inside) - margin
-        ya, yb = pos[a][1], pos[b][1]
-        while any(abs(tx - x) < 0.05 and not (yb > t0 or ya < t1) for tx, t0, t1 in taken):
-            x -= 0.16
-        taken.append((x, ya, yb))
-        lanes[(a, b)] = x
-    return lanes
-
-
 def draw(plan, path, *, fold: bool = True, title: str | None = None, dpi: int = 110):
     """Write a picture of `plan` to `path` (.svg, .png or .pdf, by extension); returns `path`."""
     ext = os.path.splitext(str(path))[1].lower()
@@ -353,8 +298,8 @@ def draw(plan, path, *, fold: bool = True, title: str | None = None, dpi: int = 
     G = to_networkx(plan)
     F = picture_graph(plan, G, fold=fold)
     p = plan.world_size
-    layer = _layers(F)
-    rows, xs = _order(F, layer)
+    layer = layers(F)
+    rows, xs = order(F, layer)
     folds = F.graph["folds"]
     BW, BH, XS, YS = 2.7, 0.5, 3.1, 0.78           # box width/height, column and layer spacing (inches)
     levels = sorted(rows)
@@ -368,7 +313,7 @@ def draw(plan, path, *, fold: bool = True, title: str | None = None, dpi: int = 
         return 0.09 if F.nodes[n]["kind"] == "comm" else BH / 2
     def label_w(n):                              # right end of a marker's label (7.5 pt text)
         return 0.25 + 0.062 * len(_comm_text(F.nodes[n], count_of[n]))
-    lanes = _lanes(F, layer, pos, half_w, 0.3)
+    lanes = skip_lanes(F, layer, pos, half_w, 0.3)
     count_of = {n: folds[F.nodes[n]["fold"]]["count"] if F.nodes[n]["fold"] is not None else 1 for n in F}
     boxes = []                                   # fold boxes: (run, x0, y0, x1, y1)
     for r, run in enumerate(folds):

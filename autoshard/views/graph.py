@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from ..runtime.collectives import ring_bytes
+from ..runtime.counters import ring_bytes
 from ..runtime.placements import Partial, Replicate, Shard, maybe_local_shape
 
 

@@ -5,7 +5,7 @@ import math
 
 from tabulate import tabulate
 
-from ..runtime.collectives import ring_bytes
+from ..runtime.counters import ring_bytes
 from ..runtime.placements import Replicate, is_even, local_shape
 from ..capture.shapes import fetch_attr
 

@@ -1,7 +1,8 @@
 """Sharded checkpoints through PyTorch's distributed checkpoint (DCP), resharded on load.
 
 state.py: `get_state_dict` / `set_state_dict` (the model's and optimizer's state under the
-original keys, each sharded tensor carrying its global shape and this rank's boxes).
+original keys, each sharded tensor carrying its global shape and this rank's boxes; layout.py
+wraps a local tensor as the DTensor or ShardedTensor DCP saves).
 storage.py: `save` / `load` (atomic save, checked load), `LoadPlanner`, and the converters to and
 from one `torch.save` file.
 reader.py: `FileSystemReader`, DCP's reader that reads only the requested rows of each saved

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from ...runtime.collectives import in_groups
+from ...runtime.counters import in_groups
 from .registry import PARTIAL, REPLICATE, REPLICATE_PG, NodeInfo, Shard, ShardGathered, may_differ, register_rule
 
 aten = torch.ops.aten

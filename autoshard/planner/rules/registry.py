@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ...runtime.collectives import split_kind
+from ...runtime.counters import split_kind
 from ...nn.functional import regroup
 from ...capture.ops import node_arg
 from ...capture.dynamic import dynamic_dims

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from ...runtime.collectives import in_groups
+from ...runtime.counters import in_groups
 from ...nn.functional import regroup
 from ...runtime.placements import block_sizes, padded
 from ...capture.ops import norm_dim, sliced_range
