@@ -1,19 +1,23 @@
-"""autoshard: automatic tensor parallelism for PyTorch by torch.fx graph rewriting."""
+"""autoshard: automatic tensor parallelism for PyTorch by torch.fx graph rewriting.
+
+The folders are the pipeline (capture -> planner -> rewrite, on top of runtime; io and views
+beside them); what users call and import is here: `plan`, `parallelize`, `from_pretrained`, the
+Plan and CostModel, placements, errors, and TorchShard's names (`import autoshard as ts`).
+"""
 from . import distributed, nn
 from .errors import AutoshardError, CaptureError, LoadError, ProcessGroupError, ShardingError
 from .runtime import collectives, placements
 from .runtime.placements import Partial, Replicate, Shard
+from .runtime.rng import manual_seed
 from .runtime.state_dict import (collect_state_dict, get_parallel_dim, layouts, register_ddp_parameters_to_ignore,
                                  register_parallel_attribute, register_parallel_dim, relocate_state_dict, slice)
-
 from .runtime.state_dict import ORDER_TYPE as _ORDER_TYPE, PARALLEL_DIM as _PARALLEL_DIM  # TorchShard's names
+from .api import from_pretrained, parallelize, plan
+from .plan import Plan
+from .planner.cost import CostModel
+from .rewrite.blocks import blocks_of
 
 __version__ = "0.1.0"
-from .api import from_pretrained, parallelize, plan
-from .rewrite.blocks import blocks_of
-from .runtime.rng import manual_seed
-from .planner.cost import CostModel
-from .plan import Plan
 
 
 def __getattr__(name):

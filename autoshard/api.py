@@ -11,18 +11,15 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .runtime import groups as D
-from .rewrite import blocks as B
-from .io import hf, loading
-from .runtime import rng
-from .rewrite import signatures
-from .capture.trace import capture, has_meta
-from .planner.cost import CostModel
+from .capture import capture, has_meta
 from .errors import CaptureError, LoadError, ProcessGroupError, ShardingError
+from .io import hf, loading
 from .nn.dropout import MASKS
 from .plan import Plan, check_outputs
-from .planner.build import plan_graph
-from .rewrite.rewriter import rewrite
+from .planner import plan_graph
+from .planner.cost import CostModel
+from .rewrite import blocks as B, rewrite, signatures
+from .runtime import groups as D, rng
 
 _COST_KEYS = {"bandwidth", "latency", "flops", "memory_weight", "state_factor", "memory_budget"}
 

@@ -20,10 +20,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import repeats
-from .normalize import constant_list_indices, regroup_blocks, unfuse_head_views, unmerge_batch_heads
 from ..errors import CaptureError, first_line
+from . import repeats
 from .dynamic import export_dynamic, mark_by_probes
+from .normalize import constant_list_indices, regroup_blocks, unfuse_head_views, unmerge_batch_heads
 from .shapes import placeholder_inputs
 
 

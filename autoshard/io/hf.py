@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, ProcessGroupError
-from ..runtime.placements import block_sizes, global_shape, is_even, local_shape
-from ..runtime.pieces import pad_along
 from ..runtime.groups import device_of
+from ..runtime.pieces import pad_along
+from ..runtime.placements import block_sizes, global_shape, is_even, local_shape
 from ..runtime.state_dict import group_of, layouts
 
 __all__ = ["attach", "save_pretrained", "saved_keys", "parse_size", "WEIGHTS_NAME", "INDEX_NAME"]

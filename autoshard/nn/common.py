@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..runtime.pieces import split_along
-from ..runtime.groups import get_group, register_group
 from ..errors import ProcessGroupError
+from ..runtime.groups import get_group, register_group
+from ..runtime.pieces import split_along
 from ..runtime.state_dict import (check_parallel_dim, layouts, register_ddp_parameters_to_ignore,
                                   register_parallel_attribute, torchshard_layout)
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from ..errors import ShardingError
 from ..runtime.collectives import raw_all_reduce
 from ..runtime.groups import get_group
-from ..errors import ShardingError
 from ..runtime.placements import chunk_sizes, chunk_start
 
 _OP = "vocab_parallel_cross_entropy"

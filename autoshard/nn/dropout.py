@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..runtime import rng
-from ..runtime.placements import Shard, global_shape, groups_of
 from ..runtime.pieces import split_along
+from ..runtime.placements import Shard, global_shape, groups_of
 
 MASKS = ("independent", "single_process")
 

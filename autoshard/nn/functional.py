@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn import _reduction
 
+from ..errors import ShardingError
 from ..runtime.collectives import copy_to, gather_from, reduce_from, scatter_to
 from ..runtime.groups import get_group
-from ..errors import ShardingError
 from ..runtime.placements import chunk_sizes, chunk_start
 from ..runtime.state_dict import get_parallel_dim, register_parallel_attribute
 from .common import check_dim

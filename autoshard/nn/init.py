@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..runtime.pieces import split_along
 from ..runtime.groups import get_group
+from ..runtime.pieces import split_along
 from ..runtime.state_dict import ORDER_TYPE, PARALLEL_DIM, get_parallel_dim, torchshard_layout
 from .common import group_info
 

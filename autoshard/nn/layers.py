@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..runtime.state_dict import register_parallel_dim
 from . import functional as PF
 from .common import check_dim, convert_modules, group_info, install_shards
-from ..runtime.state_dict import register_parallel_dim
 
 
 class _ParallelLayer(nn.Module):

@@ -4,8 +4,8 @@ from __future__ import annotations
 from torch import nn
 from torch.nn import _reduction
 
-from . import functional as PF
 from ..runtime.groups import register_group
+from . import functional as PF
 
 
 class ParallelCrossEntropyLoss(nn.Module):

@@ -15,16 +15,16 @@ from types import MappingProxyType
 import torch
 import torch.fx as fx
 
-from . import search as _search
 from ..capture.dynamic import dynamic_dims
-from ..runtime.counters import ring_bytes
-from .cost import CostModel, flops
+from ..capture.ops import sliced_dim, sliced_range
 from ..errors import ShardingError
-from ..runtime.placements import Replicate, Shard, local_numel, padded, splits
 from ..plan import NodeDecision, Plan, Redistribution, check_outputs
+from ..runtime.counters import ring_bytes
+from ..runtime.placements import Replicate, Shard, local_numel, padded, splits
+from . import search as _search
+from .cost import CostModel, flops
 from .decisions import module_of
 from .rules.registry import PARALLEL_LAYERS, family_of
-from ..capture.ops import sliced_dim, sliced_range
 from .rules.shape import view_groups
 
 

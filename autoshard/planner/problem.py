@@ -22,15 +22,15 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import rules
 from ..capture.dynamic import DYNAMIC
 from ..capture.shapes import fetch_attr
-from ..runtime.transitions import fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
-from .cost import CostModel, flops
-from .aliases import ViewClasses
-from .decisions import decision_groups, fix_layouts
 from ..runtime.placements import (REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, held_by_groups, is_even,
                                   local_numel, shares)
+from ..runtime.transitions import fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
+from . import rules
+from .aliases import ViewClasses
+from .cost import CostModel, flops
+from .decisions import decision_groups, fix_layouts
 from .rules.registry import NodeInfo, OpStrategy, family_of, group_size, regroup_readers
 
 INF = math.inf

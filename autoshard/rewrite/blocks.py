@@ -27,8 +27,8 @@ from fractions import Fraction
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import ShardingError
 from ..capture.repeats import STACK, find_blocks, owner
+from ..errors import ShardingError
 
 SKELETON = None
 

@@ -18,15 +18,15 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..runtime import collectives as C
+from ..capture.ops import CONV_OPS, LAYER_NORMS, conv_groups, node_arg, norm_params, sliced_range, var_args
 from ..errors import ShardingError
 from ..nn import functional as PF
 from ..nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, TrainOnly
 from ..nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
+from ..runtime import collectives as C
 from ..runtime.groups import subgroup
 from ..runtime.placements import (Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, groups_of,
                                   held_by_groups, layout_of, piece_sizes, shares)
-from ..capture.ops import CONV_OPS, LAYER_NORMS, conv_groups, node_arg, norm_params, sliced_range, var_args
 
 aten = torch.ops.aten
 

@@ -17,18 +17,17 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..runtime import collectives as C
 from ..capture.dynamic import dynamic_dims
-from ..capture.shapes import placeholder_inputs
-from ..runtime.transitions import fused_backward, redistribute
+from ..capture.shapes import fetch_attr, placeholder_inputs
 from ..errors import ShardingError
+from ..runtime import collectives as C
 from ..runtime.groups import subgroup
-from .outputs import Outputs
-from .local_ops import FRESH_OUTPUT_OPS, LocalOps, shard_kw, target_of
-from ..runtime.placements import Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups, layout_of, stored
 from ..runtime.pieces import split_along
-from ..capture.shapes import fetch_attr
+from ..runtime.placements import Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups, layout_of, stored
 from ..runtime.state_dict import register_parallel_attribute
+from ..runtime.transitions import fused_backward, redistribute
+from .local_ops import FRESH_OUTPUT_OPS, LocalOps, shard_kw, target_of
+from .outputs import Outputs
 from .verify import check_local_graph
 
 

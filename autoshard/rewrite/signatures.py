@@ -22,10 +22,10 @@ import torch.nn as nn
 from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
-from .blocks import add_variant, keep_blocks
-from ..capture.trace import apart
 from ..capture.shapes import placeholder_inputs
+from ..capture.trace import apart
 from ..errors import ShardingError, first_line
+from .blocks import add_variant, keep_blocks
 from .rewriter import InputCheck
 
 _CONSTANTS = (bool, int, float, str, torch.dtype, torch.device)

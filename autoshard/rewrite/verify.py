@@ -13,11 +13,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..runtime import collectives as C
 from ..capture.shapes import keeping_scalars, placeholder_inputs, reads_scalar, stand_in_scalar
 from ..errors import ShardingError, first_line
 from ..nn import functional as PF
 from ..nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
+from ..runtime import collectives as C
 from ..runtime.groups import subgroup_size
 from ..runtime.pieces import cat_along, split_along
 

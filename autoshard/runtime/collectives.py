@@ -21,8 +21,8 @@ import torch.fx
 from ..errors import ProcessGroupError
 from .counters import CommCounter, count_comm, ring_bytes, record  # noqa: F401  (count_comm, ring_bytes: public here too)
 from .groups import get_group, is_initialized, tensor_parallel_mesh
-from .placements import block_sizes, blocks_of, piece_sizes
 from .pieces import cat_along, checked_dim, pad_along, split_along
+from .placements import block_sizes, blocks_of, piece_sizes
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "gather_from", "reduce_scatter", "all_gather",
            "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from ..errors import ShardingError
 from .groups import get_data_parallel_group, get_group
-from .placements import Shard, global_shape, piece_sizes
 from .pieces import cat_along, pad_along, split_along
+from .placements import Shard, global_shape, piece_sizes
 
 __all__ = ["slice", "collect_state_dict", "relocate_state_dict", "get_parallel_dim",
            "register_parallel_dim", "register_parallel_attribute",

@@ -5,9 +5,9 @@ import math
 
 from tabulate import tabulate
 
+from ..capture.shapes import fetch_attr
 from ..runtime.counters import ring_bytes
 from ..runtime.placements import Replicate, is_even, local_shape
-from ..capture.shapes import fetch_attr
 
 
 def fmt_bytes(n: float) -> str:

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CheckpointError
-from ...runtime.placements import Replicate, dtensor_boundaries, global_shape
 from ...runtime.pieces import boxes
+from ...runtime.placements import Replicate, dtensor_boundaries, global_shape
 from ...runtime.state_dict import group_of, layouts
 
 # DCP reads .size()/.device of the ShardedTensors we hand it and each read warns that ShardedTensor

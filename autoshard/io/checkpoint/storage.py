@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from ...errors import CheckpointError
 from .checksums import BLOCK_BYTES, FILE_NAME
-from .reader import FileSystemReader
 from .layout import global_shape_of, quiet, quiet_single_process
+from .reader import FileSystemReader
 from .state import few
 from .verify import verify
 from .writer import FileSystemWriter

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .linear import column_row
 from ...capture.ops import CONV_OPS, conv_groups
+from .linear import column_row
 from .registry import PARTIAL, NodeInfo, Shard, register_rule
 
 aten = torch.ops.aten

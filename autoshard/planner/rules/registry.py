@@ -14,10 +14,10 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ...runtime.counters import split_kind
-from ...nn.functional import regroup
-from ...capture.ops import node_arg
 from ...capture.dynamic import dynamic_dims
+from ...capture.ops import node_arg
+from ...nn.functional import regroup
+from ...runtime.counters import split_kind
 from ...runtime.placements import (PARTIAL, REPLICATE, REPLICATE_PG, Partial, Placement, Replicate,
                                    ReplicatePartialGrad, Shard, ShardGathered, block_sizes, divides, splits)
 

@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import torch
 
-from ...runtime.counters import in_groups
-from ...nn.functional import regroup
-from ...runtime.placements import block_sizes, padded
 from ...capture.ops import norm_dim, sliced_range
+from ...nn.functional import regroup
+from ...runtime.counters import in_groups
+from ...runtime.placements import block_sizes, padded
 from .registry import PARTIAL, REPLICATE_PG, NodeInfo, Shard, may_differ, register_rule, register_shape_op
 
 aten = torch.ops.aten
