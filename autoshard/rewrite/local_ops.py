@@ -32,7 +32,6 @@ aten = torch.ops.aten
 
 LINEAR_OPS = {F.linear, aten.linear.default}
 EMBEDDING_OPS = {F.embedding: (0, 1), aten.embedding.default: (1, 0)}       # op -> (index arg, weight arg)
-CROSS_ENTROPY_OPS = {F.cross_entropy, aten.cross_entropy_loss.default}
 VIEW_OPS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, aten.view.default, aten.reshape.default,
             aten._unsafe_view.default, torch.Tensor.expand, aten.expand.default, torch.broadcast_to,
             aten.broadcast_to.default}
