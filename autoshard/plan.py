@@ -10,6 +10,7 @@ module; predicted bytes and times.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -114,9 +115,36 @@ class Plan:
         from .views.graph import to_networkx
         return to_networkx(self)
 
+    def export(self, engine: str, **options):
+        """This plan as another engine's plan dictionary ("dtensor": PyTorch's parallelize_module,
+        "hf": a transformers tp_plan), with what that engine leaves replicated and why, and the bytes
+        each moves (autoshard.views.engines)."""
+        from .views.engines import export
+        return export(self, engine, **options)
+
+    def to_dtensor_plan(self, model=None, loss_parallel: bool = False) -> dict:
+        """`{module name: ParallelStyle}` for torch.distributed.tensor.parallel.parallelize_module
+        (`export("dtensor")`; `model`: the model, to place PrepareModuleInput where column layers
+        share an input; a warning lists what the plan leaves replicated)."""
+        return _warn_dropped(self.export("dtensor", model=model, loss_parallel=loss_parallel)).plan
+
+    def to_hf_tp_plan(self, base_model_prefix: str | None = None) -> dict:
+        """`{pattern: style}` as transformers takes a tp_plan: relative to the base model with
+        `base_model_prefix` ("model"), else to the whole model (`export("hf")`; a warning lists what
+        it leaves replicated)."""
+        return _warn_dropped(self.export("hf", base_model_prefix=base_model_prefix)).plan
+
     def draw(self, path, **options):
         """Write a picture of this plan to `path` (.svg or .png; needs matplotlib, the "draw"
         extra): repeated blocks folded, parameters colored by layout, collectives marked with
         their bytes (autoshard.draw)."""
         from .views.draw import draw
         return draw(self, path, **options)
+
+
+def _warn_dropped(exported):
+    if exported.dropped:
+        warnings.warn(f"autoshard: the {exported.engine} plan leaves {len(exported.dropped)} modules replicated "
+                      f"that autoshard splits: " + "; ".join(f"{m}: {w}" for m, w in exported.dropped.items()),
+                      stacklevel=3)
+    return exported

@@ -108,3 +108,35 @@ def record(op: str, kind: str, direction: str, nbytes: int, p: int, group=None) 
         event = CommEvent(op, kind, direction, ring_bytes(kind, nbytes, p))     # (p = m: the same bytes)
         for counter in _ACTIVE:
             counter.events.append(event)
+
+
+# the functional collectives (torch.distributed._functional_collectives: DTensor's) -> ring kind
+_FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+               "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+
+
+@contextlib.contextmanager
+def count_functional():
+    """Count the functional collectives dispatched inside the block (what DTensor and other engines
+    built on `torch.distributed._functional_collectives` send), forward and backward, in the
+    same ring bytes as `count_comm`, so that another engine's plan is measured as ours is."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.utils._python_dispatch import TorchDispatchMode
+    counter = CommCounter()
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ns, _, name = func._schema.name.partition("::")
+            kind = _FUNCTIONAL.get(name) if ns == "_c10d_functional" else None
+            if kind is not None:
+                p = {"all_gather": lambda: args[1], "reduce_scatter": lambda: args[2],
+                     "all_to_all": lambda: len(args[1]),
+                     "all_reduce": lambda: dist.get_world_size(_resolve_process_group(args[2]))}[kind]()
+                nbytes = args[0].nbytes * (p if kind in ("all_gather", "all_to_all") else 1)
+                counter.events.append(CommEvent(name, kind, "", ring_bytes(kind, nbytes, int(p))))
+            return out
+
+    with _Count():
+        yield counter
