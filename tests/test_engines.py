@@ -181,3 +181,33 @@ def test_gpt2_hf_export_says_what_it_leaves():
     with pytest.warns(UserWarning, match="leaves 11 modules replicated"):
         autoshard.plan(model, 2, kw).to_hf_tp_plan()
     assert "c_attn" in str(exported)
+
+
+def _loss_parallel_case(rank, p):
+    import autoshard
+    from autoshard.runtime.counters import count_functional
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    model, kw = _build("llama", p)
+    exported = autoshard.plan(model, p, kw, outputs="sharded").export("dtensor", model=model, loss_parallel=True)
+    ref, par = copy.deepcopy(model), parallelize_module(copy.deepcopy(model), init_device_mesh("cpu", (p,)),
+                                                        exported.plan)
+    want = _loss(ref, kw)
+    want.backward()
+    with count_functional() as counted, loss_parallel():
+        out = par(**kw)
+        out.loss.backward()
+    refs.close_to_scale(out.loss.full_tensor() if isinstance(out.loss, DTensor) else out.loss, want, "loss_parallel")
+    refs.close_grads(_full_grads(par), refs.grads(ref), "loss_parallel")
+    return dict(styles=dict(exported.styles), kinds=counted.by_kind, logits=type(out.logits).__name__,
+                notes=exported.notes)
+
+
+def test_dtensor_export_with_loss_parallel(dist2):
+    """A plan that leaves the logits split (outputs="sharded") exports its head with a sharded
+    DTensor output; the model's own loss under loss_parallel() equals the single-process loss,
+    and no rank gathers the logits."""
+    r = dist2.run(_loss_parallel_case, timeout=300)[0]
+    assert r["styles"]["lm_head"] == "colwise_loss_parallel" and r["logits"] == "DTensor"
+    assert "all_gather" not in r["kinds"] and "loss_parallel()" in r["notes"][0]

@@ -272,8 +272,9 @@ LOSS_TOL = 1e-5     # relative
 GRAD_TOL = 1e-4     # relative to each gradient's largest entry (floor 1e-2: exact-zero gradients)
 
 def _stage(exc: BaseException) -> str:
-    """Which autoshard stage raised: the innermost autoshard module in the traceback chain."""
-    stages = {"capture.py": "capture", "rewrite.py": "rewrite", "verify.py": "rewrite", "api.py": None}
+    """Which autoshard stage raised: the package (capture/, rewrite/) of the innermost autoshard
+    module in the traceback chain; the entry points are no stage; everything else is the plan."""
+    stages = {"capture": "capture", "rewrite": "rewrite", "api.py": None}
     found = None
     e = exc
     while e is not None and found is None:
@@ -281,8 +282,8 @@ def _stage(exc: BaseException) -> str:
             path = fr.filename.replace(os.sep, "/")
             if "/autoshard/" not in path:
                 continue
-            base = path.rsplit("/", 1)[-1]
-            found = stages.get(base, "plan")
+            first = path.rsplit("/autoshard/", 1)[-1].split("/")[0]
+            found = stages.get(first, "plan")
             if found is not None:
                 break
         e = e.__cause__

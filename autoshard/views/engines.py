@@ -18,8 +18,9 @@ plan's own.
 """
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..capture.ops import LOSS_OPS
@@ -42,6 +43,14 @@ class Exported:
     comm_bytes: float                # what the engine sends running it, per rank per step (ring bytes)
     autoshard_bytes: float           # the plan's own
     notes: tuple = ()
+    source: Mapping[str, str] = field(default_factory=dict)     # dtensor: each style as Python
+
+    def python(self) -> str:
+        """The plan as Python to paste into a training script (dtensor) or as JSON (hf)."""
+        if self.engine == "hf":
+            return json.dumps(dict(self.plan), indent=4)
+        body = "".join(f"    {m!r}: {text},\n" for m, text in self.source.items())
+        return f"{DTENSOR_IMPORTS}\n\nplan = {{\n{body}}}"
 
     def __str__(self) -> str:
         lines = [f"{self.engine} plan: {len(self.styles)} sharded modules, {len(self.dropped)} left replicated; "
@@ -220,22 +229,38 @@ def _row_inputs(plan, module: str) -> list:
     return [a.name for n in _op_nodes(plan, module, "linear") for a in nodes[n].all_input_nodes[:1]]
 
 
-def _dtensor_style(name: str, loss_parallel: bool):
-    from torch.distributed.tensor import Replicate as R
-    from torch.distributed.tensor import Shard as S
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    if name == "colwise":
-        return ColwiseParallel()
-    if name == "colwise_gather_output":
-        return ColwiseParallel(output_layouts=S(-1), use_local_output=False) if loss_parallel else \
-            ColwiseParallel(output_layouts=R())
-    if name == "rowwise":
-        return RowwiseParallel()
-    if name == "rowwise_rep":
-        return RowwiseParallel(input_layouts=R())
-    if name == "embedding_rowwise":
-        return RowwiseParallel(input_layouts=R())
-    return ColwiseParallel(output_layouts=R())          # embedding_colwise: each rank's features, gathered
+# each style as the Python a training script writes (what `python -m autoshard plan --export dtensor`
+# prints); the styles handed to parallelize_module are made from the same text
+DTENSOR_SOURCE = {
+    "colwise": "ColwiseParallel()",
+    "colwise_gather_output": "ColwiseParallel(output_layouts=Replicate())",
+    "colwise_loss_parallel": "ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)",
+    "rowwise": "RowwiseParallel()",
+    "rowwise_rep": "RowwiseParallel(input_layouts=Replicate())",
+    "embedding_rowwise": "RowwiseParallel(input_layouts=Replicate())",
+    "embedding_colwise": "ColwiseParallel(output_layouts=Replicate())",
+}
+DTENSOR_IMPORTS = ("from torch.distributed.tensor import Replicate, Shard\n"
+                   "from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel")
+
+
+def dtensor_style(source: str):
+    """The ParallelStyle a DTENSOR_SOURCE text (or a PrepareModuleInput text) spells."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    names = dict(Replicate=Replicate, Shard=Shard, ColwiseParallel=ColwiseParallel, RowwiseParallel=RowwiseParallel,
+                 PrepareModuleInput=PrepareModuleInput)
+    return eval(source, {"__builtins__": {}}, names)  # noqa: S307 - our own texts, built above
+
+
+
+def _reads_loss(plan, module: str) -> bool:
+    """Whether a loss reads what `module` computes (through ops that keep it split)."""
+    gm = plan.graph_module
+    nodes, mods = {n.name: n for n in gm.graph.nodes}, dict(gm.named_modules())
+    chain, _ = _chain(plan, nodes, mods, _op_nodes(plan, module, "linear"))
+    return any((type(mods.get(u.target)) if u.op == "call_module" else u.target) in LOSS_OPS
+               for n in chain for u in nodes[n].users)
 
 
 def shared_inputs(styles: dict) -> dict:
@@ -276,21 +301,23 @@ def call_styles(model, example, parents: dict) -> dict:
     return found
 
 
-def _prepare_input(where):
-    from torch.distributed.tensor import Replicate as R
-    from torch.distributed.tensor.parallel import PrepareModuleInput
+def _prepare_input(where) -> str:
+    """PrepareModuleInput (as Python) making the input at `where` one replicated DTensor."""
     if where[0] == "kwarg":
-        return PrepareModuleInput(input_kwarg_layouts={where[1]: R()}, desired_input_kwarg_layouts={where[1]: R()},
-                                  use_local_output=False)
+        layouts = "{%r: Replicate()}" % where[1]
+        return f"PrepareModuleInput(input_kwarg_layouts={layouts}, desired_input_kwarg_layouts={layouts}, " \
+               "use_local_output=False)"
     _, i, n = where
-    layouts = tuple(R() if k == i else None for k in range(n))
-    return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=layouts, use_local_output=False)
+    layouts = "(" + ", ".join("Replicate()" if k == i else "None" for k in range(n)) + ("," if n == 1 else "") + ")"
+    return f"PrepareModuleInput(input_layouts={layouts}, desired_input_layouts={layouts}, use_local_output=False)"
+
 
 
 # per style: (forward collective of the output, backward collective of the input's gradient), as
 # the engines run them: a column layer's input gradient is Partial (all-reduced where it becomes a
 # local tensor again), a whole input cut for a row layer gathers its gradient back
 _MOVES = {"colwise": (None, "all_reduce"), "colwise_gather_output": ("all_gather", "all_reduce"),
+          "colwise_loss_parallel": (None, "all_reduce"),        # + loss_parallel's own reductions (3 x tokens)
           "rowwise": ("all_reduce", None), "rowwise_rep": ("all_reduce", "all_gather"),
           "embedding_rowwise": ("all_reduce", None), "embedding_colwise": ("all_gather", None)}
 
@@ -348,12 +375,15 @@ def export(plan, engine: str, *, model=None, loss_parallel: bool = False,
     styles, dropped = choose(plan)
     notes, shared = [], {}
     if engine == "dtensor":
-        out = {m: _dtensor_style(s, loss_parallel) for m, s in styles.items()}
+        if loss_parallel:                 # a head whose split logits the plan's loss reads: left split
+            styles.update({m: "colwise_loss_parallel" for m, s in styles.items()
+                           if s == "colwise_gather_output" and _reads_loss(plan, m)})
+        source = {m: DTENSOR_SOURCE[s] for m, s in styles.items()}
         parents = shared_inputs(styles)
         if parents and model is not None:
             try:
                 for parent, where in call_styles(model, plan.example, parents).items():
-                    out[parent] = _prepare_input(where)
+                    source[parent] = _prepare_input(where)
                     shared[parent] = parents[parent]
             except Exception as e:  # noqa: BLE001 - the plan is still exact without them; say so
                 notes.append(f"the model did not run on the plan's example ({type(e).__name__}); the column layers "
@@ -362,9 +392,10 @@ def export(plan, engine: str, *, model=None, loss_parallel: bool = False,
             notes.append(f"{len(parents)} modules' column layers ({', '.join(list(parents)[:2])}, ...) read one "
                          "input: pass model= to convert it once (PrepareModuleInput) and all-reduce their summed "
                          "input gradient once, as autoshard's plan does")
-        if loss_parallel and "colwise_gather_output" in styles.values():
+        if loss_parallel and DTENSOR_SOURCE["colwise_loss_parallel"] in source.values():
             notes.append("compute the loss under torch.distributed.tensor.parallel.loss_parallel(): the logits "
                          "are a DTensor sharded on the vocabulary")
+        out = {m: dtensor_style(text) for m, text in source.items()}
     else:
         out = {}
         for m, s in styles.items():
@@ -382,4 +413,5 @@ def export(plan, engine: str, *, model=None, loss_parallel: bool = False,
                     (base_model_prefix is None or m.startswith(base_model_prefix + ".")):
                 out.setdefault(pattern(m, base_model_prefix or ""), "replicate")
     kept = {m: s for m, s in styles.items() if m not in dropped}
-    return Exported(engine, out, kept, dropped, engine_bytes(plan, kept, shared), plan.comm_bytes, tuple(notes))
+    return Exported(engine, out, kept, dropped, engine_bytes(plan, kept, shared), plan.comm_bytes, tuple(notes),
+                    source if engine == "dtensor" else {})
