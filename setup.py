@@ -10,10 +10,10 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "networkx>=3.0", "tabulate>=0.9", "numpy", "isal>=1.0"],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.40", "safetensors>=0.4", "matplotlib>=3.7"],
+        "test": ["pytest>=7", "transformers>=4.40", "safetensors>=0.4", "matplotlib>=3.7", "accelerate"],
         "bench": ["matplotlib>=3.7"],
         "draw": ["matplotlib>=3.7"],
-        "hf": ["transformers>=4.40", "safetensors>=0.4", "tqdm"],
+        "hf": ["transformers>=4.40", "safetensors>=0.4", "tqdm", "accelerate"],
     },
     entry_points={"console_scripts": ["autoshard=autoshard.cli:main"]},
 )

@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--memory-weight", type=float, help="seconds per byte of training state (cost model)")
     pp.add_argument("--memory-budget", type=float, help="bytes of training state per rank (cost model)")
     pp.add_argument("--json", action="store_true", help="print a JSON summary instead of the report")
+    pp.add_argument("--export", choices=("dtensor", "hf"),
+                    help="print the plan as another engine's plan instead of the report: dtensor (Python for "
+                         "parallelize_module) or hf (JSON, a transformers tp_plan); what it leaves replicated "
+                         "and the bytes each plan moves go to stderr")
+    pp.add_argument("--base-model-prefix", metavar="NAME",
+                    help="--export hf: keys relative to this base model (config.base_model_tp_plan), e.g. model")
+    pp.add_argument("--loss-parallel", action="store_true",
+                    help="--export dtensor: leave split logits sharded for a loss under loss_parallel()")
     pp.add_argument("--draw", metavar="PATH", help="also write a picture of the plan to PATH (.svg or .png; "
                     "needs matplotlib: pip install 'autoshard[draw]')")
     cp = sub.add_parser("convert", help="sharded checkpoint (DCP directory) <-> one torch.save file",
@@ -234,7 +242,13 @@ def cmd_plan(args) -> int:
     if args.from_pretrained is not None:
         from .io.loading import memory_per_rank
         memory = memory_per_rank(model, plan)
-    if args.json:
+    if args.export:
+        exported = plan.export(args.export, **({"model": model, "loss_parallel": args.loss_parallel}
+                                               if args.export == "dtensor" else
+                                               {"base_model_prefix": args.base_model_prefix}))
+        print(exported.python())
+        print(exported, file=sys.stderr)
+    elif args.json:
         print(json.dumps(dict(summary(plan), **({"memory_per_rank": memory} if memory else {})), indent=1))
     else:
         print(plan)

@@ -211,3 +211,24 @@ def test_dtensor_export_with_loss_parallel(dist2):
     r = dist2.run(_loss_parallel_case, timeout=300)[0]
     assert r["styles"]["lm_head"] == "colwise_loss_parallel" and r["logits"] == "DTensor"
     assert "all_gather" not in r["kinds"] and "loss_parallel()" in r["notes"][0]
+
+
+def test_cli_prints_the_exported_plans(tmp_path, capsys):
+    """`python -m autoshard plan ... --export dtensor` prints Python that builds the styles it
+    lists; `--export hf` prints a transformers tp_plan as JSON (here of a checkpoint directory)."""
+    import json
+
+    from autoshard import cli
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    assert cli.main(["plan", "tests.factories:mlp", "-n", "2", "--input-shape", "2,64,128", "--export", "dtensor"]) == 0
+    out = capsys.readouterr()
+    scope = {}
+    exec(out.out, scope)                              # what a user pastes into a training script
+    assert isinstance(scope["plan"]["fc1"], ColwiseParallel) and isinstance(scope["plan"]["fc2"], RowwiseParallel)
+    assert "2 sharded modules" in out.err
+    model, _ = hf_models.llama(num_hidden_layers=2)
+    model.save_pretrained(tmp_path / "llama")
+    assert cli.main(["plan", "--from-pretrained", str(tmp_path / "llama"), "-n", "2", "--tokens", "16",
+                     "--export", "hf", "--base-model-prefix", "model"]) == 0
+    tp_plan = json.loads(capsys.readouterr().out)
+    assert tp_plan["layers.*.self_attn.o_proj"] == "rowwise" and tp_plan["embed_tokens"] == "embedding_rowwise"
