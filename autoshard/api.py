@@ -44,7 +44,7 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     an output the plan splits split (a DTensor at run time: no collective is spent on it).
     Cost knobs (bandwidth, latency, flops, memory_weight, state_factor, memory_budget) may be
     given as keywords or as a CostModel. `capture_once`: trace each run of identical layers once
-    and repeat it in the graph (autoshard.repeats; the same graph, in a time flat in depth), or
+    and repeat it in the graph (autoshard.capture.repeats; the same graph, in a time flat in depth), or
     trace every layer.
     """
     world_size = _check_world_size(world_size)
@@ -115,12 +115,12 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
 
     `model` may be built under `torch.device("meta")`: planning allocates nothing, and each rank
     then fills only its shards, from `load=` (a .safetensors file, a Hugging Face directory, a
-    torch.save file or a mapping of tensors; autoshard.loading) or, without it, by each module's
+    torch.save file or a mapping of tensors; autoshard.io.loading) or, without it, by each module's
     own initialisation. `device=` places the filled tensors; `progress` shows a bar while reading.
 
     A model in eval mode also gets the example call's evaluation graph built here, so its first
     call plans nothing. Dropout follows `gm.train()` / `gm.eval()` whatever mode `model` was captured in, and draws
-    from autoshard's streams (autoshard.rng; seeded alike over the group here, or by
+    from autoshard's streams (autoshard.runtime.rng; seeded alike over the group here, or by
     `autoshard.manual_seed`): replicated activations get one mask on every rank, sharded ones
     independent masks per rank, or with `dropout_masks="single_process"` each rank's slice of the
     mask one process would draw under the same seed.
@@ -128,7 +128,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     `blocks`: the submodules kept as modules of their own, each a GraphModule the skeleton calls
     (so fully_shard, checkpoint_wrapper and torch.compile apply per block): "auto" (the children
     of every ModuleList / Sequential of one class: a transformer's layers), a list of qualified
-    names or module classes, or None for one flat graph (autoshard.blocks).
+    names or module classes, or None for one flat graph (autoshard.rewrite.blocks).
 
     `outputs` (default "full", or the given plan's): "full" returns every output whole, as the
     model does; "sharded" returns each output the plan leaves split as a
@@ -207,7 +207,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
 
 
 def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str):
-    """How a call with another signature gets its graph (autoshard.signatures): captured on the
+    """How a call with another signature gets its graph (autoshard.rewrite.signatures): captured on the
     meta copy of the model with the call's inputs, planned with the module's layouts fixed, checked
     to be the same plan on every rank, rewritten for this rank."""
     def build(capture_on, bind_to, call, train):

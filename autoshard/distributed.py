@@ -1,7 +1,7 @@
 """`autoshard.distributed`: TorchShard's `torchshard.distributed` under autoshard.
 
 The group functions (`init_process_group(group_size)`, `get_group`, `get_world_size`, ...) are
-those of `autoshard.groups`, the registry every layer of autoshard resolves its groups through;
+those of `autoshard.runtime.groups`, the registry every layer of autoshard resolves its groups through;
 `copy / scatter / gather / reduce` are TorchShard's communication functions: autograd functions
 over the tensor-parallel group whose backward is the dual of the forward (they are the
 collectives of `autoshard.collectives`), and which label their output with TorchShard's

@@ -88,7 +88,7 @@ class Plan:
     unsupported: tuple
     notes: tuple
     fingerprint: tuple                        # (name, shape) of every parameter: "made for this model"
-    cost_model: Any                           # the autoshard.cost.CostModel it was planned with
+    cost_model: Any                           # the autoshard.planner.cost.CostModel it was planned with
     search: str
     search_seconds: float
     objective: float
@@ -111,7 +111,7 @@ class Plan:
 
     def to_networkx(self):
         """The captured graph with this plan's placements, bytes and collectives on its nodes and
-        edges, as a networkx.DiGraph (autoshard.graph)."""
+        edges, as a networkx.DiGraph (autoshard.views.graph)."""
         from .views.graph import to_networkx
         return to_networkx(self)
 
@@ -137,7 +137,7 @@ class Plan:
     def draw(self, path, **options):
         """Write a picture of this plan to `path` (.svg or .png; needs matplotlib, the "draw"
         extra): repeated blocks folded, parameters colored by layout, collectives marked with
-        their bytes (autoshard.draw)."""
+        their bytes (autoshard.views.draw)."""
         from .views.draw import draw
         return draw(self, path, **options)
 

@@ -215,7 +215,7 @@ def _in_mode(model: nn.Module, train: bool):
     `model` is in: a tracer bakes the mode into dropout's train flag, attention's dropout_p, batch
     norm's training and every `if self.training:` branch. The rewriter also makes the first three
     follow the module's train() / eval() (nn.dropout); the parallel module runs the evaluation
-    graph in eval mode (autoshard.signatures), so the branches are the model's in either mode."""
+    graph in eval mode (autoshard.rewrite.signatures), so the branches are the model's in either mode."""
     modes = {m: m.training for m in model.modules()}
     model.train(train)
     try:
@@ -248,7 +248,7 @@ def apart():
 
 
 def _normalised(gm: fx.GraphModule, run_on, expanded: bool = False) -> fx.GraphModule:
-    """`gm` in autoshard's normal forms (autoshard.normalize), its code recompiled once after the
+    """`gm` in autoshard's normal forms (autoshard.capture.normalize), its code recompiled once after the
     last change: a meta capture's devices retargeted to `run_on` (before the layer copies were
     written, when `expanded`), then the normal forms."""
     if run_on is not None and not expanded:
@@ -260,7 +260,7 @@ def _normalised(gm: fx.GraphModule, run_on, expanded: bool = False) -> fx.GraphM
 
 def _once_per_layer(fn, model: nn.Module, args: tuple, kwargs: dict, notes: list, run_on=None) -> fx.GraphModule:
     """`fn`'s capture of `model` in normal form, tracing each run of identical layers once
-    (autoshard.repeats): the model cut to the first two layers of each run, the rest written in as
+    (autoshard.capture.repeats): the model cut to the first two layers of each run, the rest written in as
     copies of the second; the whole model traced instead, with a note, when they are not a pure
     repetition. `run_on`: the device a meta capture's tensors are made on at run time (retargeted
     before the copies are made, so that they inherit it)."""
@@ -291,7 +291,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
     """Capture `model` with `tracer` ("symbolic_trace", "export" or "auto": the first that works);
     `kwargs` are keyword inputs beside positional `example_inputs`; `train`: the training graph
     (the default, what a plan is made for) or the evaluation graph; `once`: trace each run of
-    identical layers once (autoshard.repeats) rather than layer by layer."""
+    identical layers once (autoshard.capture.repeats) rather than layer by layer."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"autoshard needs an nn.Module, got {type(model).__name__}")
     if tracer not in ("auto", "symbolic_trace", "export"):

@@ -217,7 +217,7 @@ def _dispatching(block: fx.GraphModule) -> None:
 
     def forward(self, *args, autoshard_variant=0):
         return self.__dict__["_autoshard_variants"][autoshard_variant](self, *args)
-    forward.__doc__ = "this block's graph on this rank's shards (autoshard.blocks)"
+    forward.__doc__ = "this block's graph on this rank's shards (autoshard.rewrite.blocks)"
     type(block).forward = forward
 
 

@@ -226,7 +226,7 @@ class Rewriter(LocalOps, Outputs):
 
 
 class InputCheck:
-    """Run before a rewritten graph (autoshard.signatures): every tensor input has the number of dims the plan was made for and
+    """Run before a rewritten graph (autoshard.rewrite.signatures): every tensor input has the number of dims the plan was made for and
     its sizes where the plan fixed them (feature dims, split dims); batch and sequence sizes,
     which capture found free, may be anything. A wrong input gets a ShardingError naming it."""
 

@@ -248,7 +248,7 @@ def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrang
     buffers and the model's own submodules (`model_modules`: a symbolic_trace leaf such as a batch
     norm) by their names in `module` (shapes checked), everything else the graph refers to added
     to `module` under autoshard_call<k>_* names (`_bind`). Where `module` keeps blocks as modules
-    (autoshard.blocks), the holder's graph is split at the same blocks and each block's graph
+    (autoshard.rewrite.blocks), the holder's graph is split at the same blocks and each block's graph
     becomes that block's variant k, so this call, too, runs every block through its module (FSDP2's
     and checkpointing's hooks included); returns the compiled Served."""
     blocks = module.__dict__.get("_autoshard_blocks", {})
@@ -293,7 +293,7 @@ def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> 
 
     def forward(self, *args, **kwargs):
         return self.__dict__["_autoshard_signatures"](self, args, kwargs)
-    forward.__doc__ = f"{type(model).__name__}.forward on this rank's shards (autoshard.signatures)"
+    forward.__doc__ = f"{type(model).__name__}.forward on this rank's shards (autoshard.rewrite.signatures)"
     forward.__signature__ = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
                                                *signature.parameters.values()])
     type(module).forward = forward

@@ -5,7 +5,7 @@ Each collective is one small autograd function whose backward is the dual of its
 all-to-all/all-to-all.  Every public wrapper returns its input unchanged at group size 1 and is
 an FX leaf (`torch.fx.wrap`), so a traced or rewritten graph shows it as one named
 `call_function` node.  In traced code pass `group` as a registry key string
-(`autoshard.groups.register_group`), never as a ProcessGroup object.
+(`autoshard.runtime.groups.register_group`), never as a ProcessGroup object.
 
 Works on gloo (CPU) and NCCL (CUDA): the single-tensor collectives are used when the backend
 has them, with list-based fallbacks otherwise.

@@ -1,6 +1,6 @@
 """A picture of a Plan: modules colored by layout, collectives marked with their bytes.
 
-`picture_graph(plan)` condenses the plan's graph (autoshard.graph) to what a reader needs: one box
+`picture_graph(plan)` condenses the plan's graph (autoshard.views.graph) to what a reader needs: one box
 per module that owns parameters (or runs a sharded loss), the model's inputs and output, and
 one marker per collective (a redistribution, or the all-reduce a row-parallel matmul runs
 itself) on the data flow between them. Runs of consecutive blocks of a ModuleList
