@@ -88,7 +88,7 @@ def test_dtensor_export_at_2(dist2, name):
     _check_dtensor(dist2.run(_dtensor_case, name, timeout=300), name, 2)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mlp", "llama_kv2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "mlp", "llama_kv2"])
 def test_dtensor_export_at_4(dist4, name):
     _check_dtensor(dist4.run(_dtensor_case, name, timeout=300), name, 4)
 
@@ -164,7 +164,7 @@ def test_hf_export_at_2(dist2, tmp_path, name, base):
     assert r["counted"] == r["predicted"] > r["autoshard"], r
 
 
-@pytest.mark.parametrize("name", ["qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
 def test_hf_export_at_4(dist4, tmp_path, name):
     r = dist4.run(_hf_case, name, str(tmp_path / "ckpt"), False, timeout=300)[0]
     assert r["tp_plan"]["model.layers.*.mlp.down_proj"] == "rowwise" and r["sharded"] >= 14

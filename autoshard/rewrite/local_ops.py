@@ -6,7 +6,7 @@ statistics; grouped convolutions take their local groups; K/V of fewer heads tha
 gathered whole; dropout and batch norm become modules that follow train() / eval(); size
 arguments of views, expands and splits become this rank's, and size queries on split tensors
 report global sizes so that Python shape arithmetic stays in global terms. `LocalOps` is the
-half of `rewrite.Rewriter` that does this, after the collectives are in place.
+half of `rewriter.Rewriter` that does this, after the collectives are in place.
 """
 from __future__ import annotations
 
