@@ -62,9 +62,22 @@ def _full_grads(model):
             for n, q in model.named_parameters() if q.grad is not None}
 
 
+def _steps_match(ref, par, kw, what):
+    """One forward and backward of the model and of the engine's module on the same inputs: the
+    loss and every gradient equal; returns the engine's collectives counted (count_functional)."""
+    from autoshard.runtime.counters import count_functional
+    want = _loss(ref, kw)
+    want.backward()
+    with count_functional() as counted:
+        got = _loss(par, kw)
+        got.backward()
+    refs.close_to_scale(got, want, f"{what}: loss")
+    refs.close_grads(_full_grads(par), refs.grads(ref), what)
+    return counted
+
+
 def _dtensor_case(rank, p, name):
     import autoshard
-    from autoshard.runtime.counters import count_functional
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     model, kw = _build(name, p)
@@ -72,13 +85,7 @@ def _dtensor_case(rank, p, name):
     exported = plan.export("dtensor", model=model)
     ref, par = copy.deepcopy(model), parallelize_module(copy.deepcopy(model), init_device_mesh("cpu", (p,)),
                                                         exported.plan)
-    want = _loss(ref, kw)
-    want.backward()
-    with count_functional() as counted:
-        got = _loss(par, kw)
-        got.backward()
-    refs.close_to_scale(got, want, f"{name} at {p}: loss")
-    refs.close_grads(_full_grads(par), refs.grads(ref), f"{name} at {p}")
+    counted = _steps_match(ref, par, kw, f"{name} at {p}")
     return dict(styles=dict(exported.styles), dropped=dict(exported.dropped), counted=counted.bytes,
                 predicted=exported.comm_bytes, autoshard=plan.comm_bytes, notes=exported.notes)
 
@@ -123,7 +130,6 @@ def _hf_case(rank, p, name, path, base):
     import autoshard
     import torch.distributed as dist
     import transformers
-    from autoshard.runtime.counters import count_functional
     from torch.distributed.tensor import DTensor
     model, kw = _build(name, p)
     plan = autoshard.plan(model, p, kw)
@@ -144,13 +150,7 @@ def _hf_case(rank, p, name, path, base):
             par = transformers.AutoModelForCausalLM.from_pretrained(
                 path, distributed_config=DistributedConfig(tp_plan=tp_plan, tp_size=p), attn_implementation="sdpa")
     ref = copy.deepcopy(model)
-    want = _loss(ref, kw)
-    want.backward()
-    with count_functional() as counted:
-        got = _loss(par, kw)
-        got.backward()
-    refs.close_to_scale(got, want, f"{name} at {p} (hf, base={base}): loss")
-    refs.close_grads(_full_grads(par), refs.grads(ref), f"{name} at {p} (hf, base={base})")
+    counted = _steps_match(ref, par, kw, f"{name} at {p} (hf, base={base})")
     return dict(tp_plan=tp_plan, sharded=sum(isinstance(q, DTensor) for q in par.parameters()),
                 counted=counted.bytes, autoshard=plan.comm_bytes, predicted=plan.export("hf").comm_bytes)
 
