@@ -48,6 +48,14 @@ def _build(name, p):
         return MLP(), {"idx": idx, "targets": idx.roll(1, 1)}
     if name == "llama_kv2":                   # 2 K/V heads on 4 ranks: held by pairs (not expressible)
         return hf_models.llama(num_hidden_layers=2)
+    if name == "neox_uneven":                 # 6 heads and a vocabulary of 301 on 4 ranks
+        import transformers
+        torch.manual_seed(0)
+        cfg = transformers.GPTNeoXConfig(vocab_size=301, hidden_size=96, num_hidden_layers=2, num_attention_heads=6,
+                                         intermediate_size=200, use_cache=False, hidden_dropout=0.0,
+                                         attention_dropout=0.0)
+        ids = torch.randint(0, 301, (2, 12), generator=torch.Generator().manual_seed(1))
+        return transformers.GPTNeoXForCausalLM(cfg), {"input_ids": ids, "labels": ids}
     return hf_models.BUILDERS[name](num_hidden_layers=2, world_size=p) if name != "gpt2" else hf_models.gpt2()
 
 
@@ -95,7 +103,7 @@ def test_dtensor_export_at_2(dist2, name):
     _check_dtensor(dist2.run(_dtensor_case, name, timeout=300), name, 2)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "mlp", "llama_kv2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "mlp", "llama_kv2", "neox_uneven"])
 def test_dtensor_export_at_4(dist4, name):
     _check_dtensor(dist4.run(_dtensor_case, name, timeout=300), name, 4)
 
@@ -113,6 +121,10 @@ def _check_dtensor(results, name, p):
         assert "groups of ranks" in r["dropped"]["model.layers.0.self_attn.k_proj"]
         assert "model.layers.0.self_attn.q_proj" in r["dropped"] and "model.layers.0.mlp.up_proj" in r["styles"]
         assert r["counted"] == r["predicted"] < r["autoshard"]
+        return
+    if name == "neox_uneven":     # heads split 2, 2, 1, 1: not the engine's even split; the padded head gather
+        assert "whole heads" in r["dropped"]["gpt_neox.layers.0.attention.query_key_value"]
+        assert r["counted"] == r["predicted"], r
         return
     assert not r["dropped"], r["dropped"]
     assert r["counted"] == r["predicted"], r          # the engine sends what the export predicts

@@ -322,6 +322,15 @@ _MOVES = {"colwise": (None, "all_reduce"), "colwise_gather_output": ("all_gather
           "embedding_rowwise": ("all_reduce", None), "embedding_colwise": ("all_gather", None)}
 
 
+def _sent(kind: str, t, p: int) -> int:
+    """Bytes of tensor `t` a collective of `kind` over its last dim moves: an all-gather of a dim
+    that does not divide pads every shard to the largest (torch.chunk's ceil(n / p))."""
+    if kind != "all_gather" or not t.dim():
+        return t.nbytes
+    n = t.shape[-1]
+    return t.nbytes // n * engine_sizes(n, p)[0] * p if n else t.nbytes
+
+
 def engine_bytes(plan, styles: dict, shared: dict) -> float:
     """Ring bytes per rank per step that an engine running `styles` sends (`shared`: parent ->
     column layers whose input is made a DTensor once there: one all-reduce of their summed input
@@ -342,12 +351,12 @@ def engine_bytes(plan, styles: dict, shared: dict) -> float:
             x = n.all_input_nodes[0].meta.get("val")
             out = n.meta.get("val")
             if fwd is not None:
-                total += ring_bytes(fwd, out.nbytes, p)
+                total += ring_bytes(fwd, _sent(fwd, out, p), p)
             if bwd is not None and n.all_input_nodes[0].name in grad:
                 key = (grouped.get(module), n.all_input_nodes[0].name)
                 if key[0] is None or key not in done:
                     done.add(key)
-                    total += ring_bytes(bwd, x.nbytes, p)
+                    total += ring_bytes(bwd, _sent(bwd, x, p), p)
     return total
 
 
