@@ -89,19 +89,6 @@ def _all_to_all(rank, p, src, dst):
     return close(x.grad, ref_piece(grad, src, p, rank))
 
 
-def _fallbacks(rank, p):
-    """The list-based paths used when a backend lacks the single-tensor collectives."""
-    saved = set(C._UNSUPPORTED)
-    C._UNSUPPORTED.update({("gloo", "all_gather"), ("gloo", "reduce_scatter"), ("gloo", "all_to_all")})
-    try:
-        _reduce_scatter_all_gather(rank, p, 1, 2)
-        _scatter_gather(rank, p, -1, 1)
-        return _all_to_all(rank, p, 1, 2)
-    finally:
-        C._UNSUPPORTED.clear()
-        C._UNSUPPORTED.update(saved)
-
-
 def _group_of_one(rank, p):
     singles = [dist.new_group([r]) for r in range(p)]
     x = seeded(0).requires_grad_()
@@ -197,10 +184,6 @@ def test_reduce_scatter_and_all_gather_world4(dist4):
 @pytest.mark.parametrize("src,dst", [(1, 2), (2, 1), (-1, 1)])
 def test_all_to_all(dist2, src, dst):
     assert all(dist2.run(_all_to_all, src, dst))
-
-
-def test_list_based_fallbacks(dist2):
-    assert all(dist2.run(_fallbacks))
 
 
 def test_group_of_one_is_identity_and_silent(dist2):

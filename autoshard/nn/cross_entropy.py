@@ -57,7 +57,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         zmax = z.max(dim=1).values
         if p > 1:
-            zmax = raw_all_reduce(zmax, pg, _OP, reduce_op=dist.ReduceOp.MAX)
+            zmax = raw_all_reduce(zmax, pg, _OP, reduce_op="max")
         shifted = z - zmax.unsqueeze(1)
         stats = [shifted.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~hit, 0)]
         if smoothing > 0:

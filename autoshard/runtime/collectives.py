@@ -7,8 +7,10 @@ an FX leaf (`torch.fx.wrap`), so a traced or rewritten graph shows it as one nam
 `call_function` node.  In traced code pass `group` as a registry key string
 (`autoshard.runtime.groups.register_group`), never as a ProcessGroup object.
 
-Works on gloo (CPU) and NCCL (CUDA): the single-tensor collectives are used when the backend
-has them, with list-based fallbacks otherwise.
+Every collective is one of PyTorch's functional collectives (`torch.ops._c10d_functional`, what
+DTensor dispatches), waited for at once: eager runs them on gloo (CPU) or NCCL (CUDA) as
+`torch.distributed` would, and `torch.compile` traces them into its graph (fullgraph, no break
+at a collective), where inductor may reorder them. The byte counters record eager runs only.
 """
 from __future__ import annotations
 
@@ -29,53 +31,29 @@ __all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "gather_from
 
 # ----------------------------------------------------------------------------- raw communication
 
-_UNSUPPORTED: set = set()            # (backend, op) pairs that raised, so we fall back at once
+_F = torch.ops._c10d_functional         # PyTorch's functional collectives: traced by torch.compile
 
 
-def _backend(group) -> str:
-    try:
-        return str(dist.get_backend(group))
-    except Exception:  # noqa: BLE001 - fake or custom groups
-        return "unknown"
+def _group_name(group) -> str:
+    return group.group_name
 
 
-def _try_single(op: str, group, fn) -> bool:
-    """Run a single-tensor collective `fn`; False (and remember) when the backend lacks it."""
-    key = (_backend(group), op)
-    if key in _UNSUPPORTED:
-        return False
-    try:
-        fn()
-        return True
-    except (RuntimeError, NotImplementedError) as e:     # raised before any data moved
-        if "support" not in str(e) and "implement" not in str(e):
-            raise
-        _UNSUPPORTED.add(key)
-        return False
-
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op=dist.ReduceOp.SUM, inplace=False):
-    """Sum (or `reduce_op`) of `x` over the group, in a fresh contiguous tensor (in `x` itself
-    with `inplace`, which needs `x` contiguous)."""
-    out = x if inplace else x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=reduce_op, group=group)
+def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum", inplace=False):
+    """Sum (or `reduce_op`: "max", "min", ...) of `x` over the group, in a fresh contiguous tensor
+    (in `x` itself with `inplace`, eager only, which needs `x` contiguous)."""
+    if inplace and not torch.compiler.is_compiling():
+        out = _F.wait_tensor(_F.all_reduce_(x, reduce_op, _group_name(group)))
+    else:
+        out = _F.wait_tensor(_F.all_reduce(x.contiguous(), reduce_op, _group_name(group)))
     record(op, "all_reduce", direction, out.nbytes, dist.get_world_size(group), group)
     return out
 
 
 def _stacked_gather(x, group):
     """[p, *x.shape] tensor of every rank's `x`."""
-    x = x.contiguous()
     p = dist.get_world_size(group)
-    out = x.new_empty((p,) + tuple(x.shape))
-    flat_in, flat_out = x.reshape(-1), out.view(-1)
-    if not _try_single("all_gather", group, lambda: _all_gather_single(flat_out, flat_in, group=group)):
-        dist.all_gather(list(out.unbind(0)), x, group=group)
-    return out
+    flat = _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous().view(-1), p, _group_name(group)))
+    return flat.view((p,) + tuple(x.shape))
 
 
 def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forward", **cut):
@@ -112,11 +90,7 @@ def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forwa
     if any(piece.size(dim) != largest for piece in pieces):        # uneven: padded to the largest
         pieces = [pad_along(piece, dim, largest) for piece in pieces]
     stacked = torch.stack(pieces)
-    out = pieces[0].new_empty(pieces[0].shape)
-    if not _try_single("reduce_scatter", group,
-                       lambda: _reduce_scatter_single(out.view(-1), stacked.view(-1), group=group)):
-        dist.all_reduce(stacked, group=group)
-        out = stacked[rank].clone()
+    out = _F.wait_tensor(_F.reduce_scatter_tensor(stacked.view(-1), "sum", p, _group_name(group))).view(pieces[0].shape)
     record(op, "reduce_scatter", direction, stacked.nbytes, p, group)
     return out if own == out.size(dim) else out.narrow(dim, 0, own).contiguous()
 
@@ -126,9 +100,7 @@ def _all_to_all(x, src_dim, dst_dim, group, op="all_to_all", direction="forward"
     p = dist.get_world_size(group)
     src_dim, dst_dim = checked_dim(src_dim, x.dim()), checked_dim(dst_dim, x.dim())
     stacked = torch.stack(split_along(x, dst_dim, p))
-    out = torch.empty_like(stacked)
-    if not _try_single("all_to_all", group, lambda: dist.all_to_all_single(out, stacked, group=group)):
-        dist.all_to_all(list(out.unbind(0)), list(stacked.unbind(0)), group=group)
+    out = _F.wait_tensor(_F.all_to_all_single(stacked, [1] * p, [1] * p, _group_name(group)))
     record(op, "all_to_all", direction, x.nbytes * p, p, group)
     return torch.cat(out.unbind(0), src_dim)
 
@@ -149,7 +121,7 @@ class _CopyTo(torch.autograd.Function):
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, inplace=False):
-        inplace = inplace and x.is_contiguous()
+        inplace = inplace and x.is_contiguous() and not torch.compiler.is_compiling()
         if inplace:
             ctx.mark_dirty(x)               # autograd sees the in-place write (version counter)
         return raw_all_reduce(x, group, "reduce_from", "forward", inplace=inplace)
@@ -244,17 +216,13 @@ class _AllToAll(torch.autograd.Function):
 
 def _fx_leaf(fn):
     """Record `fn` as one call_function node when called on FX proxies, however it was imported;
-    under torch.compile it runs eagerly between compiled graphs (a graph break: the process
-    group calls and counters are not traced)."""
-    eager = torch.compiler.disable(fn)
-
+    anywhere else (eager, or traced by torch.compile: its collectives are PyTorch's functional
+    ones, so they land in the compiled graph) it runs `fn`."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         for a in (*args, *kwargs.values()):
             if isinstance(a, torch.fx.Proxy):
                 return a.tracer.create_proxy("call_function", wrapper, args, kwargs)
-        if torch.compiler.is_compiling():
-            return eager(*args, **kwargs)
         return fn(*args, **kwargs)
     return wrapper
 
