@@ -136,6 +136,7 @@ def keep_blocks(gm: fx.GraphModule, names: list[str], classes: dict | None = Non
         if label[n] is not SKELETON:
             groups.setdefault(label[n], []).append(n)
     order = {n: Fraction(i) for i, n in enumerate(graph.nodes)}      # one order, kept as blocks are cut out
+    by_code: dict = {}                                               # block structure -> its class
 
     def placed(node: fx.Node) -> fx.Node:
         """Number a node just inserted between its neighbours (both already numbered)."""
@@ -190,7 +191,7 @@ def keep_blocks(gm: fx.GraphModule, names: list[str], classes: dict | None = Non
             block.add_module(k, mod)
             delattr(gm, k)
         block.train(container.training)
-        _dispatching(block)
+        _dispatching(block, by_code)
         with graph.inserting_before(at):
             call = placed(graph.call_module(name, tuple(inputs), {"autoshard_variant": variant} if variant else {}))
         call.meta[STACK] = {name: (name, type(block))}
@@ -210,15 +211,41 @@ def keep_blocks(gm: fx.GraphModule, names: list[str], classes: dict | None = Non
     return notes
 
 
-def _dispatching(block: fx.GraphModule) -> None:
-    """Give `block` a forward that runs one of its graphs: its own (variant 0), or the block's
-    graph in another call signature's plan (`add_variant`), chosen by the skeleton that calls."""
-    block.__dict__["_autoshard_variants"] = {0: type(block).forward}
+def structure(graph: fx.Graph) -> str:
+    """What a graph computes, whatever its nodes are named: each node's op, target and arguments
+    (other nodes, and inputs, by position). Graphs with the same structure run the same code
+    when called with positional inputs."""
+    index: dict = {}
+    rows = []
+    for i, n in enumerate(graph.nodes):
+        def ref(a):
+            return f"%{index[a]}" if isinstance(a, fx.Node) else a
+        index[n] = i
+        rows.append(repr((n.op, i if n.op == "placeholder" else n.target, fx.node.map_aggregate(n.args, ref), fx.node.map_aggregate(n.kwargs, ref))))
+    return "\n".join(rows)
 
-    def forward(self, *args, autoshard_variant=0):
-        return self.__dict__["_autoshard_variants"][autoshard_variant](self, *args)
-    forward.__doc__ = "this block's graph on this rank's shards (autoshard.rewrite.blocks)"
-    type(block).forward = forward
+
+def _dispatching(block: fx.GraphModule, by_code: dict) -> None:
+    """Give `block` a forward that runs one of its graphs: its own (variant 0), or the block's
+    graph in another call signature's plan (`add_variant`), chosen by the skeleton that calls.
+    Blocks whose graphs have the same `structure` share one class (`by_code`), and each
+    class its own dispatcher code: `torch.compile` of every block then compiles once for all
+    the layers alike (as for a model's own layer class), not once a layer up to its recompile
+    limit."""
+    key = structure(block.graph)
+    cls = by_code.get(key)
+    if cls is None:
+        cls = by_code[key] = type(block)
+        cls._autoshard_graph_forward = cls.forward
+
+        def forward(self, *args, autoshard_variant=0):
+            return self.__dict__["_autoshard_variants"][autoshard_variant](self, *args)
+        forward.__code__ = forward.__code__.replace(co_filename=f"<autoshard block {cls.__name__} {len(by_code)}>")
+        forward.__doc__ = "this block's graph on this rank's shards (autoshard.rewrite.blocks)"
+        cls.forward = forward
+    else:
+        block.__class__ = cls
+    block.__dict__["_autoshard_variants"] = {0: cls._autoshard_graph_forward}
 
 
 def add_variant(block: fx.GraphModule, variant: int, fn) -> None:

@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from ..capture.shapes import placeholder_inputs
 from ..capture.trace import apart
 from ..errors import ShardingError, first_line
-from .blocks import add_variant, keep_blocks
+from .blocks import add_variant, keep_blocks, structure
 from .rewriter import InputCheck
 
 _CONSTANTS = (bool, int, float, str, torch.dtype, torch.device)
@@ -227,11 +227,21 @@ def _bind(owner: nn.Module, source: nn.Module, graph: fx.Graph, k: int, names: s
         n.target = renamed[n.target]
 
 
-def _compiled(graph: fx.Graph, what: str):
+_COMPILED: dict = {}        # (structure, globals) -> forward: one function for graphs alike
+
+
+def _compiled(graph: fx.Graph, what: str, positional: bool = False):
+    """`graph`'s forward as a function of (self, *inputs); with `positional` (a block's: called
+    with its inputs by position) graphs of the same structure (the layers of a model) share one
+    function, so torch.compile of their blocks compiles it once."""
     code = graph.python_code(root_module="self")
-    scope = dict(code.globals)
-    exec(compile(code.src, f"<autoshard {what}>", "exec"), scope)  # noqa: S102 - fx's own codegen
-    return scope["forward"]
+    names = () if positional else tuple(n.target for n in graph.nodes if n.op == "placeholder")
+    key = (structure(graph), names, tuple(sorted((k, id(v)) for k, v in code.globals.items())))
+    if key not in _COMPILED:
+        scope = dict(code.globals)
+        exec(compile(code.src, f"<autoshard {what}>", "exec"), scope)  # noqa: S102 - fx's own codegen
+        _COMPILED[key] = scope["forward"]
+    return _COMPILED[key]
 
 
 def _own_names(module: nn.Module, model_modules=frozenset(), prefix: str = "") -> set:
@@ -258,7 +268,7 @@ def adopt(module: nn.Module, holder: fx.GraphModule, k: int, arrangement: Arrang
             theirs = _resolves(holder, name)
             if isinstance(theirs, fx.GraphModule) and theirs is not holder:
                 _bind(mine, theirs, theirs.graph, k, _own_names(mine, model_modules, name + "."))
-                add_variant(mine, k, _compiled(theirs.graph, f"call signature {k}, block {name}"))
+                add_variant(mine, k, _compiled(theirs.graph, f"call signature {k}, block {name}", positional=True))
     graph = holder.graph
     _bind(module, holder, graph, k, _own_names(module, model_modules))
     out_spec = getattr(holder, "_out_spec", None) if plan.tracer == "export" else None

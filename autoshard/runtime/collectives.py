@@ -38,6 +38,12 @@ def _group_name(group) -> str:
     return group.group_name
 
 
+def _count(op, kind, direction, t, p, group) -> None:
+    """Record a collective on the full tensor `t` (eager only: a compiled graph has no counters)."""
+    if not torch.compiler.is_compiling():
+        record(op, kind, direction, t.nbytes, p, group)
+
+
 def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum", inplace=False):
     """Sum (or `reduce_op`: "max", "min", ...) of `x` over the group, in a fresh contiguous tensor
     (in `x` itself with `inplace`, eager only, which needs `x` contiguous)."""
@@ -45,7 +51,7 @@ def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum",
         out = _F.wait_tensor(_F.all_reduce_(x, reduce_op, _group_name(group)))
     else:
         out = _F.wait_tensor(_F.all_reduce(x.contiguous(), reduce_op, _group_name(group)))
-    record(op, "all_reduce", direction, out.nbytes, dist.get_world_size(group), group)
+    _count(op, "all_reduce", direction, out, dist.get_world_size(group), group)
     return out
 
 
@@ -66,7 +72,7 @@ def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forwa
     if sizes is not None and sizes[0] == sizes[-1]:
         sizes = None                                 # equal pieces: nothing to pad
     stacked = _stacked_gather(x if sizes is None else pad_along(x, dim, sizes[0]), group)
-    record(op, "all_gather", direction, stacked.nbytes, stacked.size(0), group)
+    _count(op, "all_gather", direction, stacked, stacked.size(0), group)
     pieces = stacked.unbind(0)
     if sizes is not None:
         pieces = [piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)]
@@ -91,7 +97,7 @@ def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forwa
         pieces = [pad_along(piece, dim, largest) for piece in pieces]
     stacked = torch.stack(pieces)
     out = _F.wait_tensor(_F.reduce_scatter_tensor(stacked.view(-1), "sum", p, _group_name(group))).view(pieces[0].shape)
-    record(op, "reduce_scatter", direction, stacked.nbytes, p, group)
+    _count(op, "reduce_scatter", direction, stacked, p, group)
     return out if own == out.size(dim) else out.narrow(dim, 0, own).contiguous()
 
 
@@ -101,7 +107,7 @@ def _all_to_all(x, src_dim, dst_dim, group, op="all_to_all", direction="forward"
     src_dim, dst_dim = checked_dim(src_dim, x.dim()), checked_dim(dst_dim, x.dim())
     stacked = torch.stack(split_along(x, dst_dim, p))
     out = _F.wait_tensor(_F.all_to_all_single(stacked, [1] * p, [1] * p, _group_name(group)))
-    record(op, "all_to_all", direction, x.nbytes * p, p, group)
+    _count(op, "all_to_all", direction, stacked, p, group)
     return torch.cat(out.unbind(0), src_dim)
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-import torch
-
 from .groups import subgroup_of
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -104,8 +102,7 @@ def count_comm():
 
 
 def record(op: str, kind: str, direction: str, nbytes: int, p: int, group=None) -> None:
-    """Count one collective in every active counter (eager runs: torch.compile traces past it)."""
-    if _ACTIVE and not torch.compiler.is_compiling():
+    if _ACTIVE:
         m = subgroup_of(group)
         kind = kind if m is None else in_groups(kind, m)       # named as the plan names it
         event = CommEvent(op, kind, direction, ring_bytes(kind, nbytes, p))     # (p = m: the same bytes)

@@ -58,6 +58,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import torch
+
 
 @dataclass(frozen=True)
 class Replicate:
@@ -214,9 +216,11 @@ def block_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=N
     piece over its ranks: 28 query heads on 8 ranks in 4 groups of 2 (Qwen2-7B's 4 kv groups)
     hold 4, 3, 4, 3, 4, 3, 4, 3 heads, each pair the 7 that read one kv head (`Shard(d, nest=2)`).
     With `groups` = G the `chunks` equal blocks lie in G consecutive groups (`grouped_sizes`)."""
+    compiling = torch.compiler.is_compiling()              # traced uncached: dynamo warns at a cache
     if groups > 1:
-        return _grouped_sizes(int(n), world_size, chunks, groups)
-    return _block_sizes(int(n), world_size, chunks, unit, None if parts is None else tuple(parts), nest)
+        return (_grouped_sizes.__wrapped__ if compiling else _grouped_sizes)(int(n), world_size, chunks, groups)
+    return (_block_sizes.__wrapped__ if compiling else _block_sizes)(
+        int(n), world_size, chunks, unit, None if parts is None else tuple(parts), nest)
 
 
 @lru_cache(maxsize=1024)
