@@ -4,7 +4,7 @@ The folders are the pipeline (capture -> planner -> rewrite, on top of runtime; 
 beside them); what users call and import is here: `plan`, `parallelize`, `from_pretrained`, the
 Plan and CostModel, placements, errors, and TorchShard's names (`import autoshard as ts`).
 """
-from . import distributed, nn
+from . import amp, distributed, nn
 from .errors import AutoshardError, CaptureError, LoadError, ProcessGroupError, ShardingError
 from .runtime import collectives, placements
 from .runtime.placements import Partial, Replicate, Shard

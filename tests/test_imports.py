@@ -25,7 +25,7 @@ LAYERS = [
     ("errors", ["errors"]),
     ("runtime: placements, groups, collectives, random streams, state dicts", ["runtime"]),
     ("the Plan (frozen data)", ["plan"]),
-    ("TorchShard's layers and names", ["nn", "distributed"]),
+    ("TorchShard's layers and names, mixed precision", ["nn", "distributed", "amp"]),
     ("capture", ["capture"]),
     ("planner and its rules", ["planner"]),
     ("rewrite", ["rewrite"]),

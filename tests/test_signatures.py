@@ -96,7 +96,8 @@ def _llama_case(rank, p):
     ref = copy.deepcopy(model)
     in_eval = not model.training                   # parallelize then builds the example's eval graph too
     gm = autoshard.parallelize(model, p, kw, tracer="export")
-    assert (False, gm._autoshard_signatures.first.key) in gm._autoshard_signatures.served or not in_eval
+    sigs = gm._autoshard_signatures
+    assert (False, sigs.first.key, sigs.recipe) in sigs.served or not in_eval
     del model                                      # new signatures are then captured on the meta copy
     gc.collect()
     ids, labels = kw["input_ids"], kw["labels"]

@@ -135,10 +135,49 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, notes: list) -> fx.Grap
     return gm
 
 
+def fake_mode_of(module: nn.Module):
+    """The FakeTensorMode of a model whose tensors are fake (`recipe_copy`), else None."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    t = next(iter(module.parameters()), None)
+    return t.fake_mode if isinstance(t, FakeTensor) else None
+
+
+def recipe_copy(on_meta: nn.Module, like: dict, fake: bool = True) -> nn.Module:
+    """A copy of `on_meta` (a model on the meta device) whose tensors have the dtype that `like`
+    (name -> tensor: the parallel module's) gives them: with `fake`, fake tensors (no memory) on
+    `like`'s devices, what a capture under the caller's precision recipe runs on (autocast
+    applies to tensors of a real device only, so a meta capture would miss its casts); else on
+    meta, what its graph is rewritten and checked on."""
+    import copy
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = copy.deepcopy(on_meta)
+    made = {}
+    with mode if fake else contextlib.nullcontext():
+        for prefix, m in model.named_modules(remove_duplicate=False):
+            for table in (m._parameters, m._buffers):
+                for k, t in list(table.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in made:
+                        ref = like.get(f"{prefix}.{k}" if prefix else k, t)
+                        dtype = ref.dtype if t.is_floating_point() else t.dtype
+                        device = "meta" if not fake else "cpu" if ref.is_meta else ref.device
+                        new = torch.empty(t.shape, dtype=dtype, device=device)
+                        made[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+                    table[k] = made[id(t)]
+    return model
+
+
 def _meta_inputs(model: nn.Module, args: tuple, kwargs: dict):
     """For a model built on the meta device: its example inputs moved to meta (so that capture
     allocates nothing and devices agree) and the device the inputs will really live on (their
-    own when not meta, else CPU); (None, None) for a model with real tensors."""
+    own when not meta, else CPU); for a `recipe_copy`, the inputs as its fake tensors and None;
+    (None, None) for a model with real tensors."""
+    mode = fake_mode_of(model)
+    if mode is not None:
+        fake = lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a      # noqa: E731
+        return (tuple(fake(a) for a in args), {k: fake(v) for k, v in kwargs.items()}), None
     if not has_meta(model):
         return None, None
     devices = {a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_meta}

@@ -23,12 +23,21 @@ from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
 from ..capture.shapes import placeholder_inputs
-from ..capture.trace import apart
+from ..capture.trace import apart, recipe_copy
 from ..errors import ShardingError, first_line
 from .blocks import add_variant, keep_blocks, structure
 from .rewriter import InputCheck
 
 _CONSTANTS = (bool, int, float, str, torch.dtype, torch.device)
+_AUTOCAST = ("cpu", "cuda")
+
+
+def precision(module: nn.Module) -> tuple:
+    """The caller's precision recipe, part of every call's key: the autocast dtype of each device
+    where autocast is on, and the dtypes of the module's parameters (`.to(torch.bfloat16)`). A
+    graph is captured under its recipe, since torch.export bakes dtypes into the graph."""
+    on = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST if torch.is_autocast_enabled(d))
+    return on, tuple(t.dtype for t in module.parameters())
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -144,15 +153,15 @@ class Signatures:
     """The call dispatcher kept by a parallel module (`module._autoshard_signatures`)."""
 
     def __init__(self, signature: inspect.Signature, first: Call, served: Served, build, modules=frozenset(),
-                 copy_error=None):
+                 copy_error=None, recipe=((), ())):
         self.signature, self.build, self.modules = signature, build, modules   # modules: the model's own names
-        self.served = {(True, first.key): served}    # (training, call key): the graph that serves it
-        self.plans = {(True, first.key): None}       # the module's own plan is module._autoshard_plan
-        self.copy_error, self.first = copy_error, first
+        self.served = {(True, first.key, recipe): served}    # (training, call key, precision): its graph
+        self.plans = {(True, first.key, recipe): None}       # the module's own plan is module._autoshard_plan
+        self.copy_error, self.first, self.recipe = copy_error, first, recipe
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         call = bind(self.signature, args, kwargs)
-        key = (module.training, call.key)
+        key = (module.training, call.key, precision(module))
         served = self.served.get(key)
         if served is None:
             served = self._add(module, call, key)
@@ -161,7 +170,7 @@ class Signatures:
     def prepare(self, module: nn.Module) -> None:
         """Build the example call's graph for the module's current mode now (a model parallelized in
         eval mode runs its evaluation graph from the first call, planned inside parallelize)."""
-        key = (module.training, self.first.key)
+        key = (module.training, self.first.key, precision(module))
         if key not in self.served:
             self._add(module, self.first, key)
 
@@ -172,7 +181,7 @@ class Signatures:
                                 f"was not planned with: the model could not be copied for capture "
                                 f"({self.copy_error}); plan with an example of this call")
         with apart():                                # planned apart from the caller's modes and hooks
-            holder, plan = self.build(call, module.training)
+            holder, plan = self.build(call, module.training, module if key[2] != self.recipe else None)
         served = adopt(module, holder, len(self.served), call.arrangement(), plan, self.modules)
         self.served[key] = served
         self.plans[key] = plan
@@ -294,11 +303,17 @@ def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> 
         on_meta, error = None, f"{type(e).__name__}: {first_line(e, 160)}"
     alive = weakref.ref(model)
 
-    def build_for(call, train):
+    def build_for(call, train, recipe_of=None):
+        """Captured on the model, else its meta copy; under another precision recipe than the
+        example's (`recipe_of`: the module, whose dtypes and devices it takes), on a fake copy."""
         model = alive()
+        if recipe_of is not None:
+            like = dict(recipe_of.named_parameters(remove_duplicate=False))
+            like.update(recipe_of.named_buffers(remove_duplicate=False))
+            return build(recipe_copy(on_meta, like), recipe_copy(on_meta, like, fake=False), call, train)
         return build(model if model is not None else on_meta, on_meta, call, train)
     modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False) if n)
-    module._autoshard_signatures = Signatures(signature, first, served, build_for, modules, error)
+    module._autoshard_signatures = Signatures(signature, first, served, build_for, modules, error, precision(module))
     module._autoshard_signatures.prepare(module)
 
     def forward(self, *args, **kwargs):
