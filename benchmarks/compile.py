@@ -49,7 +49,10 @@ single-process model under the same autocast. Then:
   runs; a compiled graph runs the same collectives but is not counted).
 
 ``--overlap`` sets ``torch._inductor.config.reorder_for_compute_comm_overlap = True`` before
-either compiled variant is built. Results: a table on stdout and
+either compiled variant is built, and, since in torch 2.13 that flag runs only the passes listed in
+``reorder_for_compute_comm_overlap_passes`` (empty by default: the flag alone only stops an
+all-reduce's input copy from being fused), also the passes inductor's config recommends
+(``OVERLAP_PASSES``); both are printed and stored. Results: a table on stdout and
 ``benchmarks/results/compile[_quick][_overlap].json``.
 
     python benchmarks/compile.py --quick            # ~2-3 min on 2 cores (compiles dominate)
@@ -81,9 +84,14 @@ VARIANTS = ("autoshard eager", "autoshard compiled", "dtensor eager", "dtensor c
             "autoshard bf16 autocast")
 COMPILED = ("autoshard compiled", "dtensor compiled")
 BF16 = "autoshard bf16 autocast"
+DT_BF16 = "dtensor eager, bf16 autocast"     # bytes only
 LOSS_TOL = 1e-4                 # fp32 variants: absolute
 BF16_REL_TOL = 5e-2             # bf16 variant: relative, against the single process under autocast
 BATCH, SEQ = 4, 128
+# inductor's recommended passes (torch/_inductor/config.py); the default list is empty, and with it
+# reorder_for_compute_comm_overlap = True only keeps an all-reduce's input clone unfused
+OVERLAP_PASSES = ("reorder_communication_preserving_peak_memory", "sink_waits_iterative",
+                  "reorder_communication_preserving_peak_memory")
 
 
 def _first_line(e: BaseException) -> str:
@@ -180,6 +188,8 @@ def run(layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool) -
     tmp = Path(tempfile.mkdtemp(prefix=f"autoshard_compile_bench_r{rank}_"))
     if overlap:
         inductor_config.reorder_for_compute_comm_overlap = True
+        if not inductor_config.reorder_for_compute_comm_overlap_passes:    # empty: the flag reorders nothing
+            inductor_config.reorder_for_compute_comm_overlap_passes = list(OVERLAP_PASSES)
     warm_s = _max_over_ranks(_warm_compiler(tmp))
     torch._dynamo.utils.counters.clear()
 
@@ -265,11 +275,15 @@ def run(layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool) -
 
     # bytes each rank sends per step (eager runs: a compiled graph's collectives are not counted)
     comm: dict[str, dict] = {}
-    for name, counter in (("autoshard eager", count_comm), (BF16, count_comm),
-                          ("dtensor eager", count_functional)):
-        if name in ok:
+    for name, counter, step in (("autoshard eager", count_comm, steps.get("autoshard eager")),
+                                (BF16, count_comm, steps.get(BF16)),
+                                ("dtensor eager", count_functional, steps.get("dtensor eager")),
+                                (DT_BF16, count_functional,     # for comparison: bytes only, not timed
+                                 _step_fn(models["dtensor eager"], kw, bf16=True)
+                                 if "dtensor eager" in ok else None)):
+        if name in ok or (name == DT_BF16 and step is not None):
             with counter() as c:
-                steps[name]()
+                step()
             comm[name] = {"bytes": c.bytes, "calls": c.calls,
                           "by_kind": {k: list(v) for k, v in c.by_kind.items()}}
 
@@ -317,6 +331,9 @@ def run(layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool) -
     if BF16 in comm and "autoshard eager" in comm and comm["autoshard eager"]["bytes"]:
         ratios["autoshard bf16 / autoshard fp32 (bytes)"] = {
             "of_medians": comm[BF16]["bytes"] / comm["autoshard eager"]["bytes"], "paired": None}
+    if DT_BF16 in comm and "dtensor eager" in comm and comm["dtensor eager"]["bytes"]:
+        ratios["dtensor bf16 / dtensor fp32 (bytes)"] = {
+            "of_medians": comm[DT_BF16]["bytes"] / comm["dtensor eager"]["bytes"], "paired": None}
     if "dtensor eager" in comm and "autoshard eager" in comm and comm["dtensor eager"]["bytes"]:
         ratios["autoshard fp32 / dtensor (bytes)"] = {
             "of_medians": comm["autoshard eager"]["bytes"] / comm["dtensor eager"]["bytes"], "paired": None}
@@ -327,10 +344,13 @@ def run(layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool) -
                        "rounds": rounds, "budget_s": budget_s},
             "overlap": overlap,
             "inductor": {"reorder_for_compute_comm_overlap": bool(inductor_config.reorder_for_compute_comm_overlap),
+                         "reorder_for_compute_comm_overlap_passes":
+                             [str(p) for p in inductor_config.reorder_for_compute_comm_overlap_passes],
                          "compile_threads": inductor_config.compile_threads,
                          "cpp_threads": torch.get_num_threads()},
             "compiler_warmup_s": warm_s, "reference_loss": ref_loss, "reference_loss_bf16": ref_bf16,
-            "variants": variants, "ratios": ratios, "recompiles_during_timing": later}
+            "variants": variants, "dtensor_bf16_comm": comm.get(DT_BF16), "ratios": ratios,
+            "recompiles_during_timing": later}
 
 
 def _compile_blocks(gm):
@@ -365,9 +385,8 @@ def report(r: dict) -> None:
         dyn = v.get("dynamo_first_step")
         comm = v.get("comm")
         diff = abs(v["loss"] - v["reference_loss"])
-        rows.append([name, "ok", f"{diff:.1e}", _f(v["first_step_ms"], 0), _f(v["median_ms"]),
-                     f"{v['p25_ms']:.2f}-{v['p75_ms']:.2f}",
-                     _f(v["first_minus_median_s"], 1),
+        rows.append([name, "ok", diff, v["first_step_ms"], v["median_ms"],
+                     f"{v['p25_ms']:.1f}-{v['p75_ms']:.1f}", v["first_minus_median_s"],
                      "-" if dyn is None else f"{dyn['graph_breaks']} / {dyn['graphs']}",
                      "-" if comm is None else f"{fmt_bytes(comm['bytes'])} ({comm['calls']} calls)"])
     n = max((v.get("n", 0) for v in r["variants"].values()), default=0)
@@ -376,14 +395,20 @@ def report(r: dict) -> None:
                 title=f"\n== LLaMA L{c['layers']} h{c['hidden']} i{c['intermediate']} heads "
                       f"{c['heads']}/{c['kv_heads']} vocab {c['vocab']}, batch {c['batch']} x "
                       f"{c['seq']}, world {c['world']} (gloo, CPU, 1 thread/rank); {n} rounds; "
-                      f"reorder_for_compute_comm_overlap={r['inductor']['reorder_for_compute_comm_overlap']}; "
+                      f"reorder_for_compute_comm_overlap={r['inductor']['reorder_for_compute_comm_overlap']}"
+                      f"{' with passes ' + ', '.join(r['inductor']['reorder_for_compute_comm_overlap_passes']) if r['overlap'] else ''}; "
                       f"reference loss {r['reference_loss']:.6f} (bf16 autocast "
-                      f"{r['reference_loss_bf16']:.6f}); compiler warm-up {r['compiler_warmup_s']:.1f} s ==")
-    rows = [[k, "-" if v is None else _f(v["of_medians"], 3),
-             "-" if v is None or v["paired"] is None else _f(v["paired"], 3)]
+                      f"{r['reference_loss_bf16']:.6f}); compiler warm-up {r['compiler_warmup_s']:.1f} s ==",
+                floatfmt=["", "", ".1e", ".0f", ".1f", "", ".1f", "", ""])
+    d = r.get("dtensor_bf16_comm")
+    if d is not None:
+        print(f"(bytes only, not timed) dtensor eager under bf16 autocast sends {fmt_bytes(d['bytes'])} "
+              f"({d['calls']} calls) / rank / step")
+    rows = [[k, "-" if v is None else f"{v['of_medians']:.3f}",
+             "-" if v is None or v["paired"] is None else f"{v['paired']:.3f}"]
             for k, v in r["ratios"].items()]
     print_table(rows, ["ratio", "of medians", "paired (median of per-round ratios)"],
-                title="\n== ratios ==")
+                title="\n== ratios ==", floatfmt=".3f")
     later = r["recompiles_during_timing"]
     print(f"graphs compiled during the timed rounds (recompiles): {later['graphs']}; "
           f"graph breaks then: {later['graph_breaks']}")
@@ -398,7 +423,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     ap.add_argument("--overlap", action="store_true",
-                    help="torch._inductor.config.reorder_for_compute_comm_overlap = True before compiling")
+                    help="torch._inductor.config.reorder_for_compute_comm_overlap = True (and inductor's "
+                         "recommended reorder passes) before compiling")
     ap.add_argument("--name", help="results file stem (default compile[_quick][_overlap])")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()

@@ -10,7 +10,8 @@ their dtypes included) and eval mode (outputs). Under bf16 autocast the collecti
 where the model computes in bf16 (with bf16 weights, half the fp32 step's bytes): the bytes
 counted equal that call's plan's prediction. `autoshard.amp.GradScaler`: an inf in one rank's shard skips the step on every
 rank. Tolerances are the low precision's own: a row-parallel sum of two bf16 partial products
-rounds differently from one bf16 matmul.
+rounds differently from one bf16 matmul. Four recipe x model cases run by default, all twelve
+with `-m slow`.
 """
 import contextlib
 import copy
@@ -100,8 +101,12 @@ def _case(rank, p, name, recipe, train):
     return counted.bytes, plan.comm_bytes, gm._autoshard_plan.comm_bytes
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "plain", "plain_export"])
-@pytest.mark.parametrize("recipe", ["autocast_bf16", "autocast_fp16", "bf16_weights"])
+FAST = {("llama", "autocast_bf16"), ("gpt2", "bf16_weights"), ("plain", "autocast_fp16"), ("plain_export", "autocast_bf16")}
+CASES = [pytest.param(n, r, marks=() if (n, r) in FAST else pytest.mark.slow)
+         for n in ("llama", "gpt2", "plain", "plain_export") for r in ("autocast_bf16", "autocast_fp16", "bf16_weights")]
+
+
+@pytest.mark.parametrize("name,recipe", CASES)
 def test_recipe_equals_the_model(dist2, name, recipe):
     dist2.run(_case, name, recipe, True)
     dist2.run(_case, name, recipe, False)
@@ -118,6 +123,7 @@ def test_bytes_follow_the_dtype(dist2):
     assert counted == pytest.approx(predicted) and counted < fp32, (counted, predicted, fp32)
 
 
+@pytest.mark.slow
 def test_recipe_at_world_4(dist4):
     dist4.run(_case, "llama", "autocast_bf16", True)
 
