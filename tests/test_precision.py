@@ -158,3 +158,43 @@ def _overflow(rank, p):
 
 def test_grad_scaler_skips_on_every_rank(dist2):
     assert dist2.run(_overflow) == [(True, 2.0 ** 7, True)] * 2
+
+
+def _fsdp_mixed(rank, world):
+    """(dp 2, tp 2): fully_shard per block and at the root with MixedPrecisionPolicy(param_dtype=
+    bf16, reduce_dtype=fp32), as torchtitan trains: each data-parallel rank's half batch gives, over
+    the dp group, the loss and every gradient of the model computing in bf16 on the whole batch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import autoshard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, kw = _build("llama")
+    model.train()
+    ref = copy.deepcopy(model).to(torch.bfloat16)
+    ids = torch.cat([kw["input_ids"], kw["input_ids"].roll(3, 1)])          # 4 sequences, 2 per dp rank
+    d = mesh["dp"].get_local_rank()
+    mine = {"input_ids": ids[2 * d:2 * d + 2], "labels": ids[2 * d:2 * d + 2]}
+    gm = autoshard.parallelize(model, 2, mine, group=mesh["tp"], tracer="export")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in autoshard.blocks_of(gm).values():
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(gm, mesh=mesh["dp"], mp_policy=policy)
+    loss = gm(**mine).loss
+    loss.backward()
+    both = loss.detach().float().clone()
+    dist.all_reduce(both, group=mesh["dp"].get_group())
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    _close(both / 2, want.float(), torch.bfloat16, "loss")
+    full = {n: (t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad) for n, t in gm.named_parameters()}
+    full = autoshard.collect_state_dict(gm, full)
+    for name, t in ref.named_parameters():
+        _close(full[name].to(torch.bfloat16), t.grad, torch.bfloat16, f"grad of {name}")
+    return True
+
+
+def test_fsdp2_mixed_precision_2x2(dist4):
+    assert all(dist4.run(_fsdp_mixed, timeout=600))

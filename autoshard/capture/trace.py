@@ -144,8 +144,8 @@ def fake_mode_of(module: nn.Module):
 
 def recipe_copy(on_meta: nn.Module, like: dict, fake: bool = True) -> nn.Module:
     """A copy of `on_meta` (a model on the meta device) whose tensors have the dtype that `like`
-    (name -> tensor: the parallel module's) gives them: with `fake`, fake tensors (no memory) on
-    `like`'s devices, what a capture under the caller's precision recipe runs on (autocast
+    (name -> (dtype, device): the parallel module's) gives them: with `fake`, fake tensors (no
+    memory) on those devices, what a capture under the caller's precision recipe runs on (autocast
     applies to tensors of a real device only, so a meta capture would miss its casts); else on
     meta, what its graph is rewritten and checked on."""
     import copy
@@ -160,9 +160,9 @@ def recipe_copy(on_meta: nn.Module, like: dict, fake: bool = True) -> nn.Module:
                     if t is None:
                         continue
                     if id(t) not in made:
-                        ref = like.get(f"{prefix}.{k}" if prefix else k, t)
-                        dtype = ref.dtype if t.is_floating_point() else t.dtype
-                        device = "meta" if not fake else "cpu" if ref.is_meta else ref.device
+                        dtype, device = like.get(f"{prefix}.{k}" if prefix else k, (t.dtype, t.device))
+                        dtype = dtype if t.is_floating_point() else t.dtype
+                        device = "meta" if not fake else "cpu" if device.type == "meta" else device
                         new = torch.empty(t.shape, dtype=dtype, device=device)
                         made[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
                     table[k] = made[id(t)]

@@ -32,12 +32,40 @@ _CONSTANTS = (bool, int, float, str, torch.dtype, torch.device)
 _AUTOCAST = ("cpu", "cuda")
 
 
+def _fsdp_param_dtype(module: nn.Module):
+    """FSDP2's `MixedPrecisionPolicy.param_dtype` of a `fully_shard`ed module (the dtype its
+    parameters compute in), else None."""
+    get = getattr(module, "_get_fsdp_state", None)
+    return getattr(getattr(get(), "_mp_policy", None), "param_dtype", None) if get is not None else None
+
+
+def compute_dtypes(module: nn.Module) -> dict:
+    """{name: (dtype, device)} of every parameter and buffer of `module` as forward computes with
+    it: its own dtype, or the param_dtype of the nearest FSDP2 module with a mixed-precision policy."""
+    out = {}
+
+    def walk(m, prefix, cast):
+        cast = _fsdp_param_dtype(m) or cast
+        for k, t in m._parameters.items():
+            if t is not None:
+                out[prefix + k] = (cast if cast is not None and t.is_floating_point() else t.dtype, t.device)
+        for k, t in m._buffers.items():
+            if t is not None:
+                out[prefix + k] = (t.dtype, t.device)
+        for k, c in m._modules.items():
+            if c is not None:
+                walk(c, f"{prefix}{k}.", cast)
+    walk(module, "", None)
+    return out
+
+
 def precision(module: nn.Module) -> tuple:
     """The caller's precision recipe, part of every call's key: the autocast dtype of each device
-    where autocast is on, and the dtypes of the module's parameters (`.to(torch.bfloat16)`). A
-    graph is captured under its recipe, since torch.export bakes dtypes into the graph."""
+    where autocast is on, and the dtypes the module's parameters compute in (`.to(torch.bfloat16)`,
+    FSDP2's MixedPrecisionPolicy). A graph is captured under its recipe, since torch.export bakes
+    dtypes into the graph."""
     on = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST if torch.is_autocast_enabled(d))
-    return on, tuple(t.dtype for t in module.parameters())
+    return on, tuple(dtype for dtype, _ in compute_dtypes(module).values())
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -308,8 +336,7 @@ def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> 
         example's (`recipe_of`: the module, whose dtypes and devices it takes), on a fake copy."""
         model = alive()
         if recipe_of is not None:
-            like = dict(recipe_of.named_parameters(remove_duplicate=False))
-            like.update(recipe_of.named_buffers(remove_duplicate=False))
+            like = compute_dtypes(recipe_of)
             return build(recipe_copy(on_meta, like), recipe_copy(on_meta, like, fake=False), call, train)
         return build(model if model is not None else on_meta, on_meta, call, train)
     modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False) if n)
