@@ -105,7 +105,7 @@ def _fingerprint(model: nn.Module) -> tuple:
 def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan: Plan | None = None,
                 group=None, rank: int | None = None, load=None, device=None, progress=None,
                 dropout_masks: str = "independent", blocks="auto", outputs: str | None = None,
-                **plan_options) -> fx.GraphModule:
+                overlap: bool = False, **plan_options) -> fx.GraphModule:
     """This rank's tensor-parallel GraphModule of `model` (plans first unless `plan` is given).
 
     With a process group (the current tensor-parallel group of autoshard.distributed, or
@@ -136,6 +136,10 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     `.full_tensor()` gathers it), whole ones (the loss) as plain tensors. Every call signature
     of the module follows it. A module built with `rank=` and no process group can be
     inspected but not run: its DTensors need the group.
+
+    `overlap=True`: each column-parallel layer (the linear layers reading one copy of their input)
+    runs as one autograd function whose backward all-reduces the input gradient while it computes
+    the weight gradients, as Megatron does (autoshard.runtime.overlap); the same values.
     """
     world_size = _check_world_size(world_size)
     _check_plain(model)
@@ -191,7 +195,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
         rng.synchronise(pg, rank)
     else:
         rng.ensure_seeded(rank)
-    gm = rewrite(plan, rank, key, model, dropout_masks)
+    gm = rewrite(plan, rank, key, model, dropout_masks, overlap)
     if load is not None or device is not None or has_meta(model):
         loading.materialize(gm, model, rank, world_size, source=source, chosen=chosen, device=device,
                             progress=progress)
@@ -202,11 +206,11 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     gm.train(model.training)             # captured in train mode; the module starts in the model's mode
     hf.attach(gm, model)             # a Hugging Face model's config, generation_config, save_pretrained
     signatures.install(gm, model, plan.example,
-                       _signature_builder(plan, rank, key, pg if D.is_initialized() else None, dropout_masks))
+                       _signature_builder(plan, rank, key, pg if D.is_initialized() else None, dropout_masks, overlap))
     return gm
 
 
-def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str):
+def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str, overlap: bool):
     """How a call with another signature gets its graph (autoshard.rewrite.signatures): captured on the
     meta copy of the model with the call's inputs, planned with the module's layouts fixed, checked
     to be the same plan on every rank, rewritten for this rank."""
@@ -227,7 +231,7 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str):
             raise ShardingError(f"a call with ({call.describe()}) cannot run on this module: {e}") from e
         if pg is not None:
             _check_same_plan(variant, pg)
-        return rewrite(variant, rank, key, bind_to, dropout_masks), variant
+        return rewrite(variant, rank, key, bind_to, dropout_masks, overlap), variant
     return build
 
 

@@ -28,6 +28,7 @@ from ..runtime.state_dict import register_parallel_attribute
 from ..runtime.transitions import fused_backward, redistribute
 from .local_ops import FRESH_OUTPUT_OPS, LocalOps, shard_kw, target_of
 from .outputs import Outputs
+from .overlap import fuse_column_linears
 from .verify import check_local_graph
 
 
@@ -52,8 +53,9 @@ def _torchshard_attrs(placement: Shard, ndim: int, label) -> tuple[int, int]:
 class Rewriter(LocalOps, Outputs):
     """Applies one Plan to a structural copy of the captured GraphModule for one rank."""
 
-    def __init__(self, plan, rank: int, group_key, model=None, dropout_masks: str = "independent"):
-        self.plan, self.rank, self.key, self.dropout_masks = plan, rank, group_key, dropout_masks
+    def __init__(self, plan, rank: int, group_key, model=None, dropout_masks: str = "independent",
+                 overlap: bool = False):
+        self.plan, self.rank, self.key, self.dropout_masks, self.overlap = plan, rank, group_key, dropout_masks, overlap
         self.p = plan.world_size
         src = plan.graph_module
         memo = {id(t): t for t in list(src.parameters()) + list(src.buffers())}
@@ -217,6 +219,8 @@ class Rewriter(LocalOps, Outputs):
         self.wrap_outputs()
         self.rewrite_ops()
         self.mode_ops()
+        if self.overlap:
+            fuse_column_linears(self.gm)
         self.graph.lint()
         self.gm.recompile()
         self.gm._autoshard_layouts = table
@@ -293,9 +297,11 @@ def _bind_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
                 mine.update(items)
 
 
-def rewrite(plan, rank: int, group_key=None, model=None, dropout_masks: str = "independent") -> fx.GraphModule:
+def rewrite(plan, rank: int, group_key=None, model=None, dropout_masks: str = "independent",
+            overlap: bool = False) -> fx.GraphModule:
     """This rank's GraphModule for `plan`, holding `model`'s tensors (default: the planned ones);
-    `dropout_masks` is ParallelDropout's `masks`."""
-    gm = Rewriter(plan, rank, group_key, model, dropout_masks).run()
+    `dropout_masks` is ParallelDropout's `masks`; `overlap`: column-parallel layers' input-gradient
+    all-reduce overlapped with their weight gradients (autoshard.rewrite.overlap)."""
+    gm = Rewriter(plan, rank, group_key, model, dropout_masks, overlap).run()
     check_local_graph(gm, plan, rank)
     return gm

@@ -31,14 +31,14 @@ __all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "gather_from
 
 # ----------------------------------------------------------------------------- raw communication
 
-_F = torch.ops._c10d_functional         # PyTorch's functional collectives: traced by torch.compile
+functional = torch.ops._c10d_functional     # PyTorch's functional collectives: traced by torch.compile
 
 
 def _group_name(group) -> str:
     return group.group_name
 
 
-def _count(op, kind, direction, t, p, group) -> None:
+def count_eager(op, kind, direction, t, p, group) -> None:
     """Record a collective on the full tensor `t` (eager only: a compiled graph has no counters)."""
     if not torch.compiler.is_compiling():
         record(op, kind, direction, t.nbytes, p, group)
@@ -48,17 +48,17 @@ def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum",
     """Sum (or `reduce_op`: "max", "min", ...) of `x` over the group, in a fresh contiguous tensor
     (in `x` itself with `inplace`, eager only, which needs `x` contiguous)."""
     if inplace and not torch.compiler.is_compiling():
-        out = _F.wait_tensor(_F.all_reduce_(x, reduce_op, _group_name(group)))
+        out = functional.wait_tensor(functional.all_reduce_(x, reduce_op, _group_name(group)))
     else:
-        out = _F.wait_tensor(_F.all_reduce(x.contiguous(), reduce_op, _group_name(group)))
-    _count(op, "all_reduce", direction, out, dist.get_world_size(group), group)
+        out = functional.wait_tensor(functional.all_reduce(x.contiguous(), reduce_op, _group_name(group)))
+    count_eager(op, "all_reduce", direction, out, dist.get_world_size(group), group)
     return out
 
 
 def _stacked_gather(x, group):
     """[p, *x.shape] tensor of every rank's `x`."""
     p = dist.get_world_size(group)
-    flat = _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous().view(-1), p, _group_name(group)))
+    flat = functional.wait_tensor(functional.all_gather_into_tensor(x.contiguous().view(-1), p, _group_name(group)))
     return flat.view((p,) + tuple(x.shape))
 
 
@@ -72,7 +72,7 @@ def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forwa
     if sizes is not None and sizes[0] == sizes[-1]:
         sizes = None                                 # equal pieces: nothing to pad
     stacked = _stacked_gather(x if sizes is None else pad_along(x, dim, sizes[0]), group)
-    _count(op, "all_gather", direction, stacked, stacked.size(0), group)
+    count_eager(op, "all_gather", direction, stacked, stacked.size(0), group)
     pieces = stacked.unbind(0)
     if sizes is not None:
         pieces = [piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)]
@@ -96,8 +96,8 @@ def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forwa
     if any(piece.size(dim) != largest for piece in pieces):        # uneven: padded to the largest
         pieces = [pad_along(piece, dim, largest) for piece in pieces]
     stacked = torch.stack(pieces)
-    out = _F.wait_tensor(_F.reduce_scatter_tensor(stacked.view(-1), "sum", p, _group_name(group))).view(pieces[0].shape)
-    _count(op, "reduce_scatter", direction, stacked, p, group)
+    out = functional.wait_tensor(functional.reduce_scatter_tensor(stacked.view(-1), "sum", p, _group_name(group))).view(pieces[0].shape)
+    count_eager(op, "reduce_scatter", direction, stacked, p, group)
     return out if own == out.size(dim) else out.narrow(dim, 0, own).contiguous()
 
 
@@ -106,8 +106,8 @@ def _all_to_all(x, src_dim, dst_dim, group, op="all_to_all", direction="forward"
     p = dist.get_world_size(group)
     src_dim, dst_dim = checked_dim(src_dim, x.dim()), checked_dim(dst_dim, x.dim())
     stacked = torch.stack(split_along(x, dst_dim, p))
-    out = _F.wait_tensor(_F.all_to_all_single(stacked, [1] * p, [1] * p, _group_name(group)))
-    _count(op, "all_to_all", direction, stacked, p, group)
+    out = functional.wait_tensor(functional.all_to_all_single(stacked, [1] * p, [1] * p, _group_name(group)))
+    count_eager(op, "all_to_all", direction, stacked, p, group)
     return torch.cat(out.unbind(0), src_dim)
 
 
@@ -233,7 +233,7 @@ def _fx_leaf(fn):
     return wrapper
 
 
-def _resolve(group):
+def resolve(group):
     """(ProcessGroup, size) of `group`; raises ProcessGroupError when there is none."""
     pg = get_group(group)
     return pg, dist.get_world_size(pg)
@@ -242,7 +242,7 @@ def _resolve(group):
 @_fx_leaf
 def copy_to(x, group=None):
     """fwd: identity; bwd: all-reduce (sum) of the gradient."""
-    pg, p = _resolve(group)
+    pg, p = resolve(group)
     return x if p == 1 else _CopyTo.apply(x, pg)
 
 
@@ -251,7 +251,7 @@ def reduce_from(x, group=None, inplace=False):
     """fwd: all-reduce (sum); bwd: identity. `inplace=True` sums into `x` itself (saves a copy,
     as Megatron does): only for an intermediate that nothing else reads, such as the output of a
     row-parallel matmul; the rewriter sets it where the graph proves that."""
-    pg, p = _resolve(group)
+    pg, p = resolve(group)
     return x if p == 1 else _ReduceFrom.apply(x, pg, inplace)
 
 
@@ -266,7 +266,7 @@ def scatter_to(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
     """fwd: keep this rank's Shard(dim, chunks) piece (torch.chunk's boundaries, in `unit`s of
     that many elements, where the size does not divide; `parts`: blocks of those sizes); bwd:
     all-gather the gradient."""
-    pg, p = _resolve(group)
+    pg, p = resolve(group)
     return x if p == 1 else _ScatterTo.apply(x, dim, chunks, pg, _cut(unit, parts, nest))
 
 
@@ -276,7 +276,7 @@ def slice_partial(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
     in place in zeros of the full shape, no communication. The ranks' gradients are then
     summands of the whole one (Partial): the slice of a tensor whose gradient stays Partial
     (`ReplicatePartialGrad`: replicated K/V heads sliced to the heads this rank's queries read)."""
-    pg, p = _resolve(group)
+    pg, p = resolve(group)
     return x if p == 1 else _SlicePartial.apply(x, dim, chunks, pg, _cut(unit, parts, nest))
 
 
@@ -285,14 +285,14 @@ def gather_from(x, dim, chunks=1, group=None, size=None, unit=1, parts=None, nes
     """fwd: all-gather Shard(dim, chunks) pieces; bwd: keep this rank's piece of the gradient.
     `size`: the full size of `dim` when the pieces differ in size (torch.chunk's boundaries, in
     `unit`s of that many elements)."""
-    pg, p = _resolve(group)
+    pg, p = resolve(group)
     return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg, size, _cut(unit, parts, nest))
 
 
 @_fx_leaf
 def reduce_scatter(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
     """fwd: reduce-scatter (sum, keep Shard(dim, chunks) piece); bwd: all-gather the gradient."""
-    pg, p = _resolve(group)
+    pg, p = resolve(group)
     return x if p == 1 else _ReduceScatter.apply(x, dim, chunks, pg, _cut(unit, parts, nest))
 
 
@@ -300,14 +300,14 @@ def reduce_scatter(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
 def all_gather(x, dim, chunks=1, group=None, size=None, unit=1, parts=None, nest=1):
     """fwd: all-gather Shard(dim, chunks) pieces (`size`, `unit` as in gather_from); bwd:
     reduce-scatter the (Partial) gradient."""
-    pg, p = _resolve(group)
+    pg, p = resolve(group)
     return x if p == 1 else _AllGather.apply(x, dim, chunks, pg, size, _cut(unit, parts, nest))
 
 
 @_fx_leaf
 def all_to_all(x, src_dim, dst_dim, group=None):
     """fwd: shard moves from src_dim to dst_dim; bwd: the gradient's shard moves back."""
-    pg, p = _resolve(group)
+    pg, p = resolve(group)
     return x if p == 1 else _AllToAll.apply(x, src_dim, dst_dim, pg)
 
 
