@@ -35,37 +35,41 @@ _AUTOCAST = ("cpu", "cuda")
 def _fsdp_param_dtype(module: nn.Module):
     """FSDP2's `MixedPrecisionPolicy.param_dtype` of a `fully_shard`ed module (the dtype its
     parameters compute in), else None."""
-    get = getattr(module, "_get_fsdp_state", None)
-    return getattr(getattr(get(), "_mp_policy", None), "param_dtype", None) if get is not None else None
+    get = getattr(type(module), "_get_fsdp_state", None)
+    return getattr(getattr(get(module), "_mp_policy", None), "param_dtype", None) if get is not None else None
+
+
+def _walk(module: nn.Module, visit, prefix: str = "", cast=None) -> None:
+    """visit(name, tensor, compute dtype) for every parameter, and (cast None) every buffer: its
+    dtype, or the param_dtype of the nearest FSDP2 module with a mixed-precision policy."""
+    cast = _fsdp_param_dtype(module) or cast
+    for k, t in module._parameters.items():
+        if t is not None:
+            visit(prefix + k, t, cast if cast is not None and t.is_floating_point() else t.dtype)
+    for k, t in module._buffers.items():
+        if t is not None:
+            visit(prefix + k, t, t.dtype)
+    for k, c in module._modules.items():
+        if c is not None:
+            _walk(c, visit, f"{prefix}{k}.", cast)
 
 
 def compute_dtypes(module: nn.Module) -> dict:
-    """{name: (dtype, device)} of every parameter and buffer of `module` as forward computes with
-    it: its own dtype, or the param_dtype of the nearest FSDP2 module with a mixed-precision policy."""
+    """{name: (dtype, device)} of every parameter and buffer of `module` as forward computes with it."""
     out = {}
-
-    def walk(m, prefix, cast):
-        cast = _fsdp_param_dtype(m) or cast
-        for k, t in m._parameters.items():
-            if t is not None:
-                out[prefix + k] = (cast if cast is not None and t.is_floating_point() else t.dtype, t.device)
-        for k, t in m._buffers.items():
-            if t is not None:
-                out[prefix + k] = (t.dtype, t.device)
-        for k, c in m._modules.items():
-            if c is not None:
-                walk(c, f"{prefix}{k}.", cast)
-    walk(module, "", None)
+    _walk(module, lambda name, t, dtype: out.__setitem__(name, (dtype, t.device)))
     return out
 
 
 def precision(module: nn.Module) -> tuple:
     """The caller's precision recipe, part of every call's key: the autocast dtype of each device
-    where autocast is on, and the dtypes the module's parameters compute in (`.to(torch.bfloat16)`,
+    where autocast is on, and the dtypes the module's tensors compute in (`.to(torch.bfloat16)`,
     FSDP2's MixedPrecisionPolicy). A graph is captured under its recipe, since torch.export bakes
-    dtypes into the graph."""
+    dtypes into the graph. (About a microsecond a module, each call.)"""
     on = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST if torch.is_autocast_enabled(d))
-    return on, tuple(dtype for dtype, _ in compute_dtypes(module).values())
+    dtypes = []
+    _walk(module, lambda name, t, dtype: dtypes.append(dtype))
+    return on, tuple(dtypes)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
