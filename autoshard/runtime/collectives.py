@@ -38,10 +38,11 @@ def _group_name(group) -> str:
     return group.group_name
 
 
-def count_eager(op, kind, direction, t, p, group) -> None:
-    """Record a collective on the full tensor `t` (eager only: a compiled graph has no counters)."""
+def count_eager(op, kind, direction, t, p, group, times: int = 1) -> None:
+    """Record a collective on the full tensor, `times` the bytes of `t` (eager only: a compiled
+    graph has no counters)."""
     if not torch.compiler.is_compiling():
-        record(op, kind, direction, t.nbytes, p, group)
+        record(op, kind, direction, t.nbytes * times, p, group)
 
 
 def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum", inplace=False):
@@ -107,7 +108,7 @@ def _all_to_all(x, src_dim, dst_dim, group, op="all_to_all", direction="forward"
     src_dim, dst_dim = checked_dim(src_dim, x.dim()), checked_dim(dst_dim, x.dim())
     stacked = torch.stack(split_along(x, dst_dim, p))
     out = functional.wait_tensor(functional.all_to_all_single(stacked, [1] * p, [1] * p, _group_name(group)))
-    count_eager(op, "all_to_all", direction, stacked, p, group)
+    count_eager(op, "all_to_all", direction, x, p, group, times=p)       # a rank holds 1/p of the tensor
     return torch.cat(out.unbind(0), src_dim)
 
 
