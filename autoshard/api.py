@@ -12,6 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import capture, has_meta
+from .capture.trace import fake_mode_of
 from .errors import CaptureError, LoadError, ProcessGroupError, ShardingError
 from .io import hf, loading
 from .nn.dropout import MASKS
@@ -216,6 +217,8 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str, overl
     to be the same plan on every rank, rewritten for this rank."""
     def build(capture_on, bind_to, call, train):
         args, kwargs = call.arrangement().split(call)
+        if plan.tracer != "export" and fake_mode_of(capture_on) is not None:
+            capture_on = bind_to          # symbolic_trace keeps dtypes symbolic: the meta copy in the recipe's dtypes
         if pg is not None:
             capture_on = _same_source(capture_on, bind_to, pg)
         try:

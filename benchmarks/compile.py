@@ -42,7 +42,9 @@ single-process model under the same autocast. Then:
   ``compiler warm-up``;
 - graph breaks (``torch._dynamo.utils.counters["graph_break"]``, summed) and dynamo graphs
   compiled (``counters["stats"]["unique_graphs"]``) during each compiled variant's first step,
-  and any graphs compiled later (recompiles during the timed rounds);
+  and any graphs compiled later (recompiles during the timed rounds); also the seconds spent in
+  each of dynamo's and inductor's timed phases during that step
+  (``torch._dynamo.utils.compilation_time_metrics``, nested: a phase includes those it calls);
 - bytes each rank sends per step (ring bytes, ``autoshard.runtime.counters.ring_bytes``):
   autoshard's eager fp32 and bf16 steps with ``autoshard.runtime.collectives.count_comm``,
   DTensor's eager step with ``autoshard.runtime.counters.count_functional`` (both count eager
@@ -55,9 +57,9 @@ all-reduce's input copy from being fused), also the passes inductor's config rec
 (``OVERLAP_PASSES``); both are printed and stored. Results: a table on stdout and
 ``benchmarks/results/compile[_quick][_overlap].json``.
 
-    python benchmarks/compile.py --quick            # ~2-3 min on 2 cores (compiles dominate)
-    python benchmarks/compile.py                    # more rounds
-    python benchmarks/compile.py --quick --overlap  # inductor's compute/communication reordering
+    python benchmarks/compile.py --quick            # 15 rounds: ~3 min on 2 cores (compiles dominate)
+    python benchmarks/compile.py                    # 60 rounds: ~4 min on 2 quiet cores
+    python benchmarks/compile.py --overlap          # + inductor's compute/communication reordering
 """
 from __future__ import annotations
 
@@ -88,6 +90,11 @@ DT_BF16 = "dtensor eager, bf16 autocast"     # bytes only
 LOSS_TOL = 1e-4                 # fp32 variants: absolute
 BF16_REL_TOL = 5e-2             # bf16 variant: relative, against the single process under autocast
 BATCH, SEQ = 4, 128
+# compile phases printed per compiled variant (every phase is in the JSON)
+PHASES = (("bytecode_tracing", "dynamo tracing"), ("create_aot_dispatcher_function", "AOT + inductor fwd"),
+          ("compile_fx.<locals>.fw_compiler_base", "inductor fwd"),
+          ("compile_fx.<locals>.bw_compiler", "inductor bwd (at the first backward)"),
+          ("async_compile.wait", "of which waiting for C++ kernel builds"))
 # inductor's recommended passes (torch/_inductor/config.py); the default list is empty, and with it
 # reorder_for_compute_comm_overlap = True only keeps an all-reduce's input clone unfused
 OVERLAP_PASSES = ("reorder_communication_preserving_peak_memory", "sink_waits_iterative",
@@ -150,6 +157,12 @@ def _dynamo_counts() -> dict:
             "break_reasons": sorted(str(k) for k in counters["graph_break"])}
 
 
+def _compile_seconds() -> dict:
+    """Seconds spent so far in each of dynamo's / inductor's timed compile phases (nested)."""
+    from torch._dynamo.utils import compilation_time_metrics
+    return {k: float(sum(v)) for k, v in compilation_time_metrics.items()}
+
+
 def _delta(after: dict, before: dict) -> dict:
     return {"graph_breaks": after["graph_breaks"] - before["graph_breaks"],
             "graphs": after["unique_graphs"] - before["unique_graphs"],
@@ -174,8 +187,16 @@ def _warm_compiler(tmp: Path) -> float:
 
 def run(layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool) -> dict:
     """On every rank: build, check, count and time all variants; rank 0's dict is returned."""
+    import shutil
     import tempfile
+    tmp = Path(tempfile.mkdtemp(prefix=f"autoshard_compile_bench_r{dist.get_rank()}_"))
+    try:
+        return _run(tmp, layers, warmup, rounds, budget_s, overlap)
+    finally:                            # the inductor caches: loaded already, not needed again
+        shutil.rmtree(tmp, ignore_errors=True)
 
+
+def _run(tmp: Path, layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool) -> dict:
     import torch._dynamo
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
@@ -184,8 +205,7 @@ def run(layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool) -
     from autoshard.runtime.collectives import count_comm
     from autoshard.runtime.counters import count_functional
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tmp = Path(tempfile.mkdtemp(prefix=f"autoshard_compile_bench_r{rank}_"))
+    world = dist.get_world_size()
     if overlap:
         inductor_config.reorder_for_compute_comm_overlap = True
         if not inductor_config.reorder_for_compute_comm_overlap_passes:    # empty: the flag reorders nothing
@@ -236,7 +256,7 @@ def run(layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool) -
             continue
         cache = (temporary_cache_dir(str(tmp / name.replace(" ", "_"))) if name in COMPILED
                  else contextlib.nullcontext())
-        before = _dynamo_counts()
+        before, phases = _dynamo_counts(), _compile_seconds()
         dist.barrier()
         t0 = time.perf_counter()
         try:
@@ -249,6 +269,9 @@ def run(layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool) -
         first_ms[name] = elapsed
         if name in COMPILED:
             dynamo[name] = _delta(_dynamo_counts(), before)
+            now = _compile_seconds()
+            dynamo[name]["phase_s"] = {k: round(now[k] - phases.get(k, 0.0), 3) for k in now
+                                       if now[k] - phases.get(k, 0.0) >= 0.05}
         if name in status:
             continue
         ref, got = (ref_bf16, losses[name]) if name == BF16 else (ref_loss, losses[name])
@@ -382,10 +405,6 @@ def _compile_layers(model):
 
 # ----------------------------------------------------------------------------- driver
 
-def _f(x, d=2) -> str:
-    return "-" if x is None else f"{x:.{d}f}"
-
-
 def report(r: dict) -> None:
     c = r["config"]
     rows = []
@@ -420,6 +439,11 @@ def report(r: dict) -> None:
             for k, v in r["ratios"].items()]
     print_table(rows, ["ratio", "of medians", "paired (median of per-round ratios)"],
                 title="\n== ratios ==", floatfmt=".3f")
+    for name in COMPILED:
+        phases = (r["variants"][name].get("dynamo_first_step") or {}).get("phase_s")
+        if phases:
+            print(f"{name}, compile phases on rank 0 (s): "
+                  + ", ".join(f"{label} {phases.get(key, 0.0):.1f}" for key, label in PHASES))
     later = r["recompiles_during_timing"]
     print(f"graphs compiled during the timed rounds (recompiles): {later['graphs']}; "
           f"graph breaks then: {later['graph_breaks']}")
@@ -467,7 +491,9 @@ def main(argv=None) -> int:
     for name_, v in r["variants"].items():
         if v.get("error"):
             print(f"\n--- {name_} failed (rank 0's traceback):\n{v['error']}", file=sys.stderr)
-        if name_ == BF16:
+        if name_ == BF16:                       # reported, but not a failure of the run
+            if v["status"].startswith("incorrect"):
+                print(f"!!! {name_}: WRONG LOSS: {v['status']}", file=sys.stderr)
             continue
         if v["status"].startswith("incorrect"):
             print(f"!!! {name_}: WRONG LOSS: {v['status']}", file=sys.stderr)

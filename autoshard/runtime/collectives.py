@@ -48,8 +48,9 @@ def count_eager(op, kind, direction, t, p, group, times: int = 1) -> None:
 def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum", inplace=False):
     """Sum (or `reduce_op`: "max", "min", ...) of `x` over the group, in a fresh contiguous tensor
     (in `x` itself with `inplace`, eager only, which needs `x` contiguous)."""
-    if inplace and not torch.compiler.is_compiling():
-        out = functional.wait_tensor(functional.all_reduce_(x, reduce_op, _group_name(group)))
+    if inplace and not torch.compiler.is_compiling():         # c10d's own in-place op (CommDebugMode counts it)
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
+        out = x
     else:
         out = functional.wait_tensor(functional.all_reduce(x.contiguous(), reduce_op, _group_name(group)))
     count_eager(op, "all_reduce", direction, out, dist.get_world_size(group), group)
