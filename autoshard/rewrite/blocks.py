@@ -221,7 +221,8 @@ def structure(graph: fx.Graph) -> str:
         def ref(a):
             return f"%{index[a]}" if isinstance(a, fx.Node) else a
         index[n] = i
-        rows.append(repr((n.op, i if n.op == "placeholder" else n.target, fx.node.map_aggregate(n.args, ref), fx.node.map_aggregate(n.kwargs, ref))))
+        target = i if n.op == "placeholder" else n.target
+        rows.append(repr((n.op, target, fx.node.map_aggregate(n.args, ref), fx.node.map_aggregate(n.kwargs, ref))))
     return "\n".join(rows)
 
 

@@ -21,7 +21,8 @@ def _linear_parts(n: fx.Node, x: fx.Node):
         return None
     weight = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
     bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-    if weight is None or not all(isinstance(t, fx.Node) and t.op == "get_attr" for t in (weight, bias) if t is not None):
+    tensors = [t for t in (weight, bias) if t is not None]
+    if weight is None or not all(isinstance(t, fx.Node) and t.op == "get_attr" for t in tensors):
         return None
     return weight, bias
 

@@ -64,8 +64,9 @@ def compute_dtypes(module: nn.Module) -> dict:
 def precision(module: nn.Module) -> tuple:
     """The caller's precision recipe, part of every call's key: the autocast dtype of each device
     where autocast is on, and the dtypes the module's parameters compute in (`.to(torch.bfloat16)`,
-    FSDP2's MixedPrecisionPolicy; not its buffers, which other signatures' graphs add to). A graph is captured under its recipe, since torch.export bakes
-    dtypes into the graph. (About a microsecond a module, each call.)"""
+    FSDP2's MixedPrecisionPolicy; not its buffers, which other signatures' graphs add to). A graph
+    is captured under its recipe, since torch.export bakes dtypes into the graph. (About a
+    microsecond a module, each call.)"""
     on = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST if torch.is_autocast_enabled(d))
     dtypes = []
     _walk(module, lambda name, t, dtype: dtypes.append(dtype) if isinstance(t, nn.Parameter) else None)

@@ -98,7 +98,8 @@ def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forwa
     if any(piece.size(dim) != largest for piece in pieces):        # uneven: padded to the largest
         pieces = [pad_along(piece, dim, largest) for piece in pieces]
     stacked = torch.stack(pieces)
-    out = functional.wait_tensor(functional.reduce_scatter_tensor(stacked.view(-1), "sum", p, _group_name(group))).view(pieces[0].shape)
+    out = functional.reduce_scatter_tensor(stacked.view(-1), "sum", p, _group_name(group))
+    out = functional.wait_tensor(out).view(pieces[0].shape)
     count_eager(op, "reduce_scatter", direction, stacked, p, group)
     return out if own == out.size(dim) else out.narrow(dim, 0, own).contiguous()
 
