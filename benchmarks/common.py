@@ -243,6 +243,15 @@ def time_interleaved(steps: dict[str, Callable[[], Any]], *, warmup: int = 3, ro
     return times
 
 
+def note_load() -> float:
+    """The 1-minute load average before a run, with a note on stderr when other work is running."""
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"note: 1-minute load average is {load:.2f} on {os.cpu_count()} cores before the "
+              "run; other processes will perturb the timings", file=sys.stderr)
+    return load
+
+
 def summarize(ms: Sequence[float]) -> dict[str, float]:
     """Median, quartiles, min and count of a list of step times."""
     xs = sorted(ms)

@@ -79,7 +79,7 @@ if __package__ in (None, ""):                                    # run as a scri
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import (env_info, fmt_bytes, launch, print_table, summarize, time_interleaved,
+from benchmarks.common import (note_load, env_info, fmt_bytes, launch, print_table, summarize, time_interleaved,
                                write_json)
 
 VARIANTS = ("autoshard eager", "autoshard compiled", "dtensor eager", "dtensor compiled",
@@ -463,10 +463,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", help="results file stem (default compile[_quick][_overlap])")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    load0 = os.getloadavg()[0]
-    if load0 > 0.5:
-        print(f"note: 1-minute load average is {load0:.2f} on {os.cpu_count()} cores before the "
-              "run; other processes will perturb the timings", file=sys.stderr)
+    load0 = note_load()
     rounds = args.rounds if args.rounds is not None else (15 if args.quick else 60)
     budget = args.budget if args.budget is not None else (30.0 if args.quick else 150.0)
     warmup = 2 if args.quick else 3

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.common import (TrainStep, env_info, fmt_bytes, fmt_counts, launch, maxrss_bytes,
+from benchmarks.common import (note_load, TrainStep, env_info, fmt_bytes, fmt_counts, launch, maxrss_bytes,
                                measure_step, param_bytes, print_table, save_figure, summarize,
                                time_interleaved, use_agg_backend, write_json)
 from benchmarks.models import MLPStack
@@ -532,10 +532,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", help="results file stem (default vs_pytorch_tp[_quick])")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    load0 = os.getloadavg()[0]
-    if load0 > 0.5:
-        print(f"note: 1-minute load average is {load0:.2f} on {os.cpu_count()} cores before the "
-              "run; other processes will perturb the timings", file=sys.stderr)
+    load0 = note_load()
     cases = _cases(args.quick, args.rounds, args.budget)
     limit = args.time_limit if args.time_limit is not None else (100.0 if args.quick else 420.0)
     deadline = time.time() + limit
