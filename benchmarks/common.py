@@ -84,14 +84,14 @@ def proc_status() -> dict:
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs: dict,
-               queue, threads: int, timeout_s: float) -> None:
+               queue, threads: int, timeout_s: float, backend: str = "gloo") -> None:
     try:
         torch.set_num_threads(threads)
         try:
             torch.set_num_interop_threads(1)
         except RuntimeError:
             pass
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
         try:
             result = fn(*args, **kwargs)
@@ -107,11 +107,11 @@ _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "timed ou
 
 
 def launch(fn: Callable, world_size: int, *args, timeout_s: float = 900.0,
-           collective_timeout_s: float = 120.0, threads: int = 1, **kwargs) -> Any:
+           collective_timeout_s: float = 120.0, threads: int = 1, backend: str = "gloo", **kwargs) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks and return rank 0's result.
 
     ``fn`` must be a picklable top-level function; inside it ``torch.distributed`` is
-    initialised (gloo) and ``torch.get_num_threads() == threads``. If any rank raises, the
+    initialised (``backend``: gloo unless told) and ``torch.get_num_threads() == threads``. If any rank raises, the
     parent waits a moment for the others' reports, terminates the rest, and raises a
     ``RuntimeError`` with the tracebacks, the likely root cause first (a rank that failed
     on its own rather than because a peer went away); it raises too when a rank dies
@@ -124,7 +124,7 @@ def launch(fn: Callable, world_size: int, *args, timeout_s: float = 900.0,
     port = free_port()
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, world_size, port, fn, args, kwargs, queue, threads,
-                               collective_timeout_s))
+                               collective_timeout_s, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()
