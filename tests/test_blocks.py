@@ -192,3 +192,24 @@ def _compile_case(rank, world):
 
 def test_compiled_block_equals_eager(dist2):
     assert all(dist2.run(_compile_case, timeout=300))
+
+
+def _alike_layers_case(rank, p, name):
+    """The parallel module of a Hugging Face model with 3 alike layers: one block class for all of
+    them (one compile), the plan's layer 0 reading the stream as every later layer does, and the
+    step still the model's (dropout modules the rewriter adds are named within their block)."""
+    import hf_models
+    from refs import hf_step_matches
+    model, kw = {"llama": lambda: hf_models.llama(num_hidden_layers=3),
+                 "gpt2": lambda: hf_models.gpt2(n_layer=3)}[name]()
+    gm = autoshard.parallelize(copy.deepcopy(model), p, kw, tracer="export")
+    blocks = autoshard.blocks_of(gm)
+    assert len(blocks) == 3 and len({type(b) for b in blocks.values()}) == 1, \
+        {n: type(b).__name__ for n, b in blocks.items()}
+    hf_step_matches(gm, model, kw, name)
+    return True
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_alike_layers_share_one_block_class(dist2, name):
+    assert all(dist2.run(_alike_layers_case, name, timeout=180))

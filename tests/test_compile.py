@@ -3,7 +3,7 @@ dynamo traces them into the graph, and `fullgraph=True` (which raises at any gra
 each block, or the whole module, in one graph. Compiled equals eager (loss and every gradient) at
 batch and sequence sizes that change from step to step, and after the first change (PyTorch's
 automatic dynamic shapes) new sizes compile nothing new. The blocks of a model's N alike layers
-share one compiled function: 10 LLaMA layers compile as 2 graphs (the first holds the embedding),
+share one compiled function: 10 LLaMA layers compile as 2 graphs (the skeleton and the layer),
 where one graph a layer would pass dynamo's recompile limit (8) and fail under fullgraph.
 Compiling takes minutes on 2 cores: one case runs by default, the rest with `-m slow`."""
 import copy

@@ -19,6 +19,7 @@ import re
 
 import torch
 
+from ..capture.repeats import owner
 from .assignment import State  # noqa: F401  (search.State: the state greedy and exact return)
 from .decisions import transposed
 from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers build)
@@ -179,6 +180,7 @@ def greedy(prob: Problem, max_sweeps: int = 4) -> State:
     improve_single(state)
     if improve_by_layers(state):
         improve_single(state)
+    uniform_layers(state)
     return state
 
 
@@ -221,6 +223,78 @@ def improve_by_layers(state: State) -> bool:
             if d < -1e-12 * max(1.0, abs(state.total)):
                 state.commit(d, ov)
                 changed = True
+    return changed
+
+
+def _layer_name(name: str) -> str | None:
+    """"model.layers.3" of "model.layers.3.mlp.up_proj.weight"; None outside numbered layers."""
+    m = re.search(r"\.(\d+)(\.|$)", name)
+    return None if m is None else name[:m.end(1)]
+
+
+def _layer_signature(state: State, members: list[int]) -> tuple:
+    """What a layer runs under `state`, whatever its nodes are named: each op's strategy and output
+    placement, and the placements of the tensors it reads from outside the layer."""
+    inside = set(members)
+    return tuple((state.sidx[i], state.place[i], tuple(state.place[j] for j in state.prob.ins[i] if j not in inside))
+                 for i in members)
+
+
+def uniform_layers(state: State) -> bool:
+    """Give the first of a run of alike layers what every later one runs, where that costs at most
+    one all-reduce of the largest tensor entering it: the first layer reads the embedding's side
+    and can settle on other placements (LLaMA's layer 0 reads the embedding's output split on
+    features and gathers it twice, where the others read the stream Partial and all-reduce it).
+    Alike layers are then one graph, one class and one compile (autoshard.rewrite.blocks), as in
+    Megatron, whose vocabulary-parallel embedding hands layer 0 what every layer hands the next.
+    Tried: layer 0 taking layer 1's choices, with each choice of the group just before it (the
+    embedding). Returns whether anything changed."""
+    prob = state.prob
+    layer_groups: dict[str, dict] = {}
+    for g, grp in enumerate(prob.groups):
+        layer = _layer_name(grp.names[0])
+        if layer is not None:
+            layer_groups.setdefault(layer, {})[grp.names[0][len(layer):]] = g
+    runs: dict[str, list[str]] = {}
+    for layer in layer_groups:
+        runs.setdefault(layer.rpartition(".")[0], []).append(layer)
+    changed = False
+    for layers in runs.values():
+        layers.sort(key=lambda n: int(n.rpartition(".")[2]))
+        if len(layers) < 3 or any(set(layer_groups[x]) != set(layer_groups[layers[0]]) for x in layers):
+            continue
+        members = {x: [] for x in layers[:3]}
+        for i, n in enumerate(prob.nodes):
+            if prob.kind[i] == "op":
+                at = owner(n, layers[:3])
+                if at is not None:
+                    members[at].append(i)
+        sig = {x: _layer_signature(state, m) for x, m in members.items()}
+        first, second, third = layers[:3]
+        if sig[second] != sig[third] or sig[first] == sig[second] or len(members[first]) != len(members[second]):
+            continue
+        inside = set(members[first])
+        entering = max((j for i in inside for j in prob.ins[i] if j not in inside and prob.kind[j] != "param"),
+                       key=lambda j: prob.nbytes[j], default=None)
+        if entering is None:
+            continue
+        slack = prob.cost.comm_time("all_reduce", prob.nbytes[entering], prob.p)
+        move = {g: state.choice[layer_groups[second][k]] for k, g in layer_groups[first].items()}
+        edge = min(layer_groups[first].values()) - 1
+        tries = [move] + ([{**move, edge: c} for c in range(len(prob.groups[edge].choices))] if edge >= 0 else [])
+        before = {g: state.choice[g] for t in tries for g in t}
+        best = None
+        for t in tries:
+            d, ov = state.trial({g: c for g, c in t.items() if c != state.choice[g]})
+            if d > slack or (best is not None and d >= best[0]):
+                continue
+            state.commit(d, ov)
+            if _layer_signature(state, members[first]) == sig[second]:
+                best = (d, t)
+            state.set_choices(before)
+        if best is not None:
+            state.set_choices(best[1])
+            changed = True
     return changed
 
 

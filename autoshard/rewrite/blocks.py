@@ -22,6 +22,7 @@ back) stays inline, with a note.
 from __future__ import annotations
 
 import operator
+import re
 from fractions import Fraction
 
 import torch.fx as fx
@@ -171,13 +172,16 @@ def keep_blocks(gm: fx.GraphModule, names: list[str], classes: dict | None = Non
         for i in inputs:
             env[i] = sub.placeholder(i.name)
             env[i].meta = dict(i.meta)
-        moved = {}
+        moved, local = {}, {}
         for m in members_list:
             env[m] = sub.node_copy(m, lambda a: env[a])
             if m.op in ("get_attr", "call_module"):
                 rel = _relative(m.target, name)
-                if rel == m.target:                       # a module the rewriter added at the root
-                    moved[rel] = _module_at(gm, m.target)
+                if rel == m.target:       # a module the rewriter added at the root: named by its place in the block
+                    if rel not in local:
+                        local[rel] = f"{re.sub(r'_[0-9]+$', '', rel)}_{len(local) + 1}"
+                        moved[local[rel]] = _module_at(gm, rel)
+                    rel = local[rel]
                 env[m].target = rel
         sub.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
         container = gm.get_submodule(name)
@@ -189,6 +193,7 @@ def keep_blocks(gm: fx.GraphModule, names: list[str], classes: dict | None = Non
         block._non_persistent_buffers_set = set(container._non_persistent_buffers_set)
         for k, mod in moved.items():
             block.add_module(k, mod)
+        for k in local:
             delattr(gm, k)
         block.train(container.training)
         _dispatching(block, by_code)

@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..capture.dynamic import dynamic_dims
+from ..capture.repeats import STACK
 from ..capture.shapes import fetch_attr, placeholder_inputs
 from ..errors import ShardingError
 from ..runtime import collectives as C
@@ -90,6 +91,8 @@ class Rewriter(LocalOps, Outputs):
         """Put a call of `fn` where `n` is: its users read the call, and `n` is gone."""
         with self.graph.inserting_before(n):
             out = self.call(fn, args, kwargs)
+        if STACK in n.meta:                     # the module that ran `n` runs its local form (blocks)
+            out.meta[STACK] = n.meta[STACK]
         n.replace_all_uses_with(out)
         self.graph.erase_node(n)
         return out
