@@ -31,3 +31,33 @@ def dist3():
 def dist4():
     """RankPool of 4 ranks: `dist4.run(fn, *args)` -> [fn(rank, 4, *args) for each rank]."""
     yield from _pool(4)
+
+
+# The default suite's slowest cases (pytest --durations, one full run: 15 to 85 s each on 2
+# cores) that repeat, at a larger degree or another seed, a case the default suite runs; they run
+# with `-m slow`, which keeps the default suite near 20 minutes on 2 cores.
+SLOW_REPEATS = {
+    "test_random_models.py::test_random_models_match_single_process[3]",
+    "test_random_models.py::test_random_models_match_single_process[4]",
+    "test_signatures.py::test_llama_with_and_without_labels[4]",
+    "test_hf_face.py::test_save_pretrained_loads_in_one_process[4]",
+    "test_sharded_outputs.py::test_llama_sharded_logits[dist4-4]",
+    "test_uneven.py::test_heads_that_do_not_divide[4-qwen2-7-1-56]",
+    "test_uneven.py::test_heads_that_do_not_divide[4-qwen2-6-2-48]",
+    "test_uneven.py::test_hugging_face_odd_vocabulary[3-gpt2]",
+    "test_kv_heads.py::test_gemma2_kv_heads_gathered_in_groups[eval]",
+    "test_loading.py::test_from_pretrained_equals_hf[4]",
+    "test_fused_parts.py::test_kv_heads_that_do_not_split_are_gathered_where_cut[10-kv-gathered-in-pairs]",
+    "test_fused_parts.py::test_phi3_8_4_at_4_is_exact_and_checkpoints_across_degrees",
+    "test_fused_parts.py::test_multi_query_kv_part_is_gathered_where_it_is_cut[4]",
+    "test_any_model.py::test_models_equal_at_every_shape[4]",
+    "test_fused.py::test_hugging_face_phi3_fused_projections[4]",
+    "test_parallel_blocks.py::test_falcon_grouped_qkv_is_split_by_groups[4]",
+    "test_engines.py::test_hf_export_at_4[llama]",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if f"{item.path.name}::{item.name}" in SLOW_REPEATS:
+            item.add_marker(pytest.mark.slow)
