@@ -22,7 +22,7 @@ from .planner.cost import CostModel
 from .rewrite import blocks as B, rewrite, signatures
 from .runtime import groups as D, rng
 
-_COST_KEYS = {"bandwidth", "latency", "flops", "memory_weight", "state_factor", "memory_budget"}
+_COST_KEYS = {"bandwidth", "latency", "flops", "memory_weight", "state_factor", "memory_budget", "optimizer"}
 
 
 def _check_world_size(world_size) -> int:

@@ -96,6 +96,8 @@ class Plan:
     example: tuple = field(compare=False, repr=False)
     outputs: str = "full"                     # "full": outputs returned whole; "sharded": split ones as DTensors
     output_placements: Mapping[str, Placement] = field(default_factory=dict)   # node the output reads -> as returned
+    memory: Any = None                        # bytes per rank of a training step (autoshard.planner.memory.Memory)
+    checkpointed: tuple = ()                  # blocks whose activations are recomputed in backward
 
     @property
     def step_time(self) -> float:

@@ -24,6 +24,7 @@ from ..runtime.placements import Replicate, Shard, local_numel, padded, splits
 from . import search as _search
 from .cost import CostModel, flops
 from .decisions import module_of
+from .memory import saved_tensors, step_memory
 from .rules.registry import PARALLEL_LAYERS, family_of
 from .rules.shape import view_groups
 
@@ -183,7 +184,21 @@ def _parallel_layer(n: fx.Node) -> bool:
     return family_of(n) in PARALLEL_LAYERS
 
 
-def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {})) -> Plan:
+def device_of_graph(prob) -> str:
+    """"cuda" where the graph's inputs live on a GPU, else "cpu" (torch.optim's update differs)."""
+    return next((v.device.type for i, v in enumerate(prob.val) if prob.kind[i] == "input"
+                 and isinstance(v, torch.Tensor)), "cpu")
+
+
+def plan_memory(prob, state, checkpointed=()):
+    """The step's memory per rank under `state` (the saved tensors read once per Problem)."""
+    if not hasattr(prob, "saved"):
+        prob.saved = saved_tensors(prob)
+    return step_memory(prob, state, prob.saved, prob.cost.optimizer, checkpointed, device_of_graph(prob))
+
+
+def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {}),
+               checkpointed=()) -> Plan:
     """Freeze a search State into a Plan."""
     p = prob.p
     nodes, redists = {}, []
@@ -265,4 +280,5 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         comm_time=comm_time, compute_time=compute, params_total=total, params_per_rank=per_rank,
         unsupported=unsupported, notes=tuple(notes), fingerprint=fingerprint, cost_model=prob.cost,
         search=search, search_seconds=seconds, objective=state.total, graph_module=prob.gm, example=example,
-        outputs=prob.outputs, output_placements=MappingProxyType(returned))
+        outputs=prob.outputs, output_placements=MappingProxyType(returned),
+        memory=plan_memory(prob, state, checkpointed), checkpointed=tuple(checkpointed))
