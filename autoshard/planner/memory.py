@@ -28,7 +28,6 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..capture.shapes import fetch_attr, reads_scalar, stand_in_scalar
-from ..errors import ShardingError
 from ..runtime.placements import local_numel
 
 # optimizer -> moments held per trainable element, in the parameter's dtype (torch.optim's)
@@ -364,7 +363,7 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
             continue
         f = max([_fraction(prob.val[i], state.place[i], p)] +
                 [_fraction(prob.val[i], strat(u).inputs[q], p) for u in prob.users[i] if strat(u) is not None
-                 for q, k in enumerate(prob.ins[u]) if k == i])
+                 for q, k in enumerate(prob.ins[u]) if k == i and strat(u).inputs[q] is not None])
         items.append([int(prob.nbytes[i] * f), bwd(reader[i]), bwd(i), f"grad of {module_of(prob, i)}", "gradients"])
 
     held = params + buffers + opt
@@ -387,3 +386,12 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
     largest = tuple(sorted(at_peak.items(), key=lambda kv: -kv[1])[:6])
     return Memory(parameters=params, gradients=grads, optimizer=opt, activations=activations, peak=held + best,
                   buffers=buffers, peak_at=where, largest=largest, exact=saved.exact)
+
+
+def memory_of(prob, state, checkpointed=()) -> Memory:
+    """`step_memory` of `state`, the saved tensors read once per graph (kept on the Problem)."""
+    if getattr(prob, "saved", None) is None:
+        prob.saved = saved_tensors(prob)
+    device = next((v.device.type for i, v in enumerate(prob.val) if prob.kind[i] == "input"
+                   and isinstance(v, torch.Tensor)), "cpu")
+    return step_memory(prob, state, prob.saved, prob.cost.optimizer, checkpointed, device)
