@@ -17,7 +17,7 @@ import torch.fx as fx
 from ..capture.dynamic import dynamic_dims
 from ..capture.ops import sliced_dim, sliced_range
 from ..errors import ShardingError
-from ..plan import NodeDecision, Plan, Redistribution, check_outputs
+from ..plan import Lazy, NodeDecision, Plan, Redistribution, check_outputs
 from ..runtime.counters import ring_bytes
 from ..runtime.placements import Replicate, Shard, local_numel, padded, splits
 from . import search as _search
@@ -128,7 +128,7 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     seconds = time.perf_counter() - t0
     notes = list(notes) + _divisibility_notes(prob, world_size)
     return build_plan(prob, state, tracer=tracer, search=search, seconds=seconds, notes=notes, example=example,
-                      checkpointed=checkpointed)
+                      checkpointed=checkpointed, memory_now=layouts is None)
 
 
 def _run(prob, search):
@@ -170,8 +170,10 @@ def _parallel_layer(n: fx.Node) -> bool:
 
 
 def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {}),
-               checkpointed=()) -> Plan:
-    """Freeze a search State into a Plan."""
+               checkpointed=(), memory_now=True) -> Plan:
+    """Freeze a search State into a Plan. Its memory is worked out now (`memory_now`: the Problem
+    holds the model's own weights, which a plan must not keep alive) or on first use (the plans of
+    other call signatures, captured on a meta copy: most are never asked)."""
     p = prob.p
     nodes, redists = {}, []
     comm_kind: dict[str, list] = {}
@@ -240,6 +242,9 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         if prob.strats[i] and prob.kind[i] == "op":
             s = prob.strats[i][state.sidx[i]]
             compute += prob.cost.compute_time(flops(n, s) * s.compute)
+    memory = Lazy(lambda: memory_of(prob, state, checkpointed))
+    if memory_now:
+        memory()
     fingerprint = tuple(sorted((name, tuple(prob.param_obj[k].shape)) for k in prob.param_obj
                                for name in prob.param_names[k]))
     bad = set(prob.unsupported)
@@ -253,4 +258,4 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         unsupported=unsupported, notes=tuple(notes), fingerprint=fingerprint, cost_model=prob.cost,
         search=search, search_seconds=seconds, objective=state.total, graph_module=prob.gm, example=example,
         outputs=prob.outputs, output_placements=MappingProxyType(returned),
-        memory=memory_of(prob, state, checkpointed), checkpointed=tuple(checkpointed))
+        checkpointed=tuple(checkpointed), memory_model=memory)
