@@ -22,6 +22,8 @@ WEIGHTS = (0.0, 1e-12, 1e-10, 1e-8, 1e-6, 1e-3)
 
 
 def _fmt(n: float) -> str:
+    if n < 2 ** 20:
+        return f"{n / 2 ** 10:.1f} KiB"
     return f"{n / 2 ** 20:.1f} MiB" if n < 2 ** 30 else f"{n / 2 ** 30:.2f} GiB"
 
 

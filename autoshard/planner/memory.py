@@ -350,11 +350,13 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
 
     # gradients of activations: from the backward of their first reader to their producer's
     reader: dict = {}
+    members: dict = {}                  # a tensor and its views: one gradient, read at each view's placement
     for i in range(n):
         st = saved.storage[i]
         if st is not None:
             root = saved.producer.get(st, i)
             reader[root] = max(reader.get(root, -1), max(prob.users[i], default=-1))
+            members.setdefault(root, []).append(i)
     for i in range(n):
         if not prob.needs_grad[i] or prob.kind[i] not in ("op", "select"):
             continue
@@ -362,8 +364,8 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
         if st is None or saved.producer.get(st) != i or reader.get(i, -1) <= i:
             continue
         f = max([_fraction(prob.val[i], state.place[i], p)] +
-                [_fraction(prob.val[i], strat(u).inputs[q], p) for u in prob.users[i] if strat(u) is not None
-                 for q, k in enumerate(prob.ins[u]) if k == i and strat(u).inputs[q] is not None])
+                [_fraction(prob.val[m], strat(u).inputs[q], p) for m in members.get(i, ()) for u in prob.users[m]
+                 if strat(u) is not None for q, k in enumerate(prob.ins[u]) if k == m and strat(u).inputs[q] is not None])
         items.append([int(prob.nbytes[i] * f), bwd(reader[i]), bwd(i), f"grad of {module_of(prob, i)}", "gradients"])
 
     held = params + buffers + opt
