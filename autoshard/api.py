@@ -44,12 +44,12 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     TorchShard dim of named modules, e.g. {"head": None}. `search` is "greedy" or "exact".
     `outputs="full"` returns every output whole, as the model does; `outputs="sharded"` leaves
     an output the plan splits split (a DTensor at run time: no collective is spent on it).
-    Cost knobs (bandwidth, latency, flops, memory_weight, state_factor, memory_budget, optimizer) may be
-    given as keywords or as a CostModel. `memory_budget` (bytes, or a string such as "30GB"): the
-    fastest plan whose predicted peak per rank of a training step (`plan.memory`, for `optimizer`,
-    AdamW by default) fits, recomputing blocks in backward where nothing else does
-    (`plan.checkpointed`, applied by `parallelize`); a MemoryBudgetError where no plan fits. `capture_once`: trace each run of identical layers once
-    and repeat it in the graph (autoshard.capture.repeats; the same graph, in a time flat in depth), or
+    Cost knobs (bandwidth, latency, flops, memory_weight, state_factor, memory_budget, optimizer)
+    may be given as keywords or as a CostModel. `memory_budget` (bytes, or a string such as
+    "30GB"): the fastest plan whose predicted peak per rank of a training step (`plan.memory`, for
+    `optimizer`, AdamW by default) fits, recomputing blocks in backward where nothing else does
+    (`plan.checkpointed`, applied by `parallelize`); a MemoryBudgetError where no plan fits.
+    `capture_once`: trace each run of identical layers once and repeat it in the graph (autoshard.capture.repeats; the same graph, in a time flat in depth), or
     trace every layer.
     """
     world_size = _check_world_size(world_size)
