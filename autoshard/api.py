@@ -20,9 +20,10 @@ from .plan import Plan, check_outputs
 from .planner import plan_graph
 from .planner.cost import CostModel
 from .rewrite import blocks as B, rewrite, signatures
+from .rewrite.recompute import recompute_blocks
 from .runtime import groups as D, rng
 
-_COST_KEYS = {"bandwidth", "latency", "flops", "memory_weight", "state_factor", "memory_budget"}
+_COST_KEYS = {"bandwidth", "latency", "flops", "memory_weight", "state_factor", "memory_budget", "optimizer"}
 
 
 def _check_world_size(world_size) -> int:
@@ -43,9 +44,12 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     TorchShard dim of named modules, e.g. {"head": None}. `search` is "greedy" or "exact".
     `outputs="full"` returns every output whole, as the model does; `outputs="sharded"` leaves
     an output the plan splits split (a DTensor at run time: no collective is spent on it).
-    Cost knobs (bandwidth, latency, flops, memory_weight, state_factor, memory_budget) may be
-    given as keywords or as a CostModel. `capture_once`: trace each run of identical layers once
-    and repeat it in the graph (autoshard.capture.repeats; the same graph, in a time flat in depth), or
+    Cost knobs (bandwidth, latency, flops, memory_weight, state_factor, memory_budget, optimizer)
+    may be given as keywords or as a CostModel. `memory_budget` (bytes, or a string such as
+    "30GB"): the fastest plan whose predicted peak per rank of a training step (`plan.memory`, for
+    `optimizer`, AdamW by default) fits, recomputing blocks in backward where nothing else does
+    (`plan.checkpointed`, applied by `parallelize`); a MemoryBudgetError where no plan fits.
+    `capture_once`: trace each run of identical layers once and repeat it in the graph (autoshard.capture.repeats; the same graph, in a time flat in depth), or
     trace every layer.
     """
     world_size = _check_world_size(world_size)
@@ -59,7 +63,8 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     _check_plain(model)
     cap = capture(model, example_inputs, tracer=tracer, tokens=tokens, once=capture_once)
     result = plan_graph(cap.gm, world_size, cost, pin=pin, search=search, tracer=cap.tracer,
-                        notes=cap.notes, example=(cap.args, cap.kwargs), outputs=outputs)
+                        notes=cap.notes, example=(cap.args, cap.kwargs), outputs=outputs,
+                        blocks=B.resolve_blocks(model, "auto") if cost.memory_budget is not None else ())
     _without_weights(cap.gm, model)
     return result
 
@@ -196,6 +201,8 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
         rng.synchronise(pg, rank)
     else:
         rng.ensure_seeded(rank)
+    if plan.checkpointed and not set(plan.checkpointed) <= set(block_names):     # recomputed blocks are kept as modules
+        block_names = B.resolve_blocks(model, [*block_names, *plan.checkpointed])
     gm = rewrite(plan, rank, key, model, dropout_masks, overlap)
     if load is not None or device is not None or has_meta(model):
         loading.materialize(gm, model, rank, world_size, source=source, chosen=chosen, device=device,
@@ -204,6 +211,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
         warnings.warn(f"autoshard: {note}", stacklevel=2)
     gm.__dict__["_autoshard_blocks"] = {n: gm.get_submodule(n) for n in block_names
                                         if isinstance(gm.get_submodule(n), fx.GraphModule)}
+    recompute_blocks(gm, plan.checkpointed)
     gm.train(model.training)             # captured in train mode; the module starts in the model's mode
     hf.attach(gm, model)             # a Hugging Face model's config, generation_config, save_pretrained
     signatures.install(gm, model, plan.example,

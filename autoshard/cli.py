@@ -14,7 +14,8 @@ checksums, .metadata against the files) and prints what is wrong.
     python -m autoshard verify ckpt/step100                 # before resuming, or after a copy
 
 --from-pretrained DIR builds the Hugging Face model of DIR/config.json on the meta device (no
-weight is read) and also prints the per-rank memory of parameters, gradients and Adam state.
+weight is read). The report ends with the memory of a training step per rank (parameters,
+gradients, optimizer state, activations and the peak: `plan.memory`).
 
 FACTORY is called with no arguments and returns an nn.Module, or (module, example_inputs) where
 example_inputs is a tuple of positional arguments or a dict of keyword arguments (the builders
@@ -101,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--bandwidth", type=float, help="bytes/s a rank sends (cost model)")
     pp.add_argument("--latency", type=float, help="seconds per ring step (cost model)")
     pp.add_argument("--memory-weight", type=float, help="seconds per byte of training state (cost model)")
-    pp.add_argument("--memory-budget", type=float, help="bytes of training state per rank (cost model)")
+    pp.add_argument("--memory-budget", help="peak bytes of a training step per rank, e.g. 30GB (the fastest plan "
+                    "that fits; an error names the smallest reachable peak)")
+    pp.add_argument("--optimizer", help="optimizer whose state the memory counts: adamw (default), adam, sgd, "
+                    "sgd_momentum, adagrad, rmsprop, or a number of moments per parameter")
     pp.add_argument("--json", action="store_true", help="print a JSON summary instead of the report")
     pp.add_argument("--export", choices=("dtensor", "hf"),
                     help="print the plan as another engine's plan instead of the report: dtensor (Python for "
@@ -205,6 +209,7 @@ def summary(plan) -> dict:
         "params_total": plan.params_total, "params_per_rank": plan.params_per_rank,
         "unsupported": list(plan.unsupported), "notes": list(plan.notes), "search_seconds": plan.search_seconds,
         "outputs": plan.outputs, "output_placements": {k: str(v) for k, v in plan.output_placements.items()},
+        "memory": dict(plan.memory, peak_at=plan.memory.peak_at), "checkpointed": list(plan.checkpointed),
     }
 
 
@@ -233,15 +238,13 @@ def cmd_plan(args) -> int:
         from .views.draw import FORMATS
         if os.path.splitext(args.draw)[1].lower() not in FORMATS:
             raise CliError(f"--draw {args.draw}: the extension picks the format, one of {', '.join(FORMATS)}")
-    knobs = {k: getattr(args, k) for k in ("bandwidth", "latency", "memory_weight", "memory_budget")
+    knobs = {k: getattr(args, k) for k in ("bandwidth", "latency", "memory_weight", "memory_budget", "optimizer")
              if getattr(args, k) is not None}
+    if knobs.get("optimizer", "").isdigit():
+        knobs["optimizer"] = int(knobs["optimizer"])
     pins = dict(args.pin)
     plan = autoshard.plan(model, args.world_size, example, pin=pins or None, search=args.search,
                           tracer=args.tracer, tokens=args.tokens, outputs=args.outputs, **knobs)
-    memory = None
-    if args.from_pretrained is not None:
-        from .io.loading import memory_per_rank
-        memory = memory_per_rank(model, plan)
     if args.export:
         exported = plan.export(args.export, **({"model": model, "loss_parallel": args.loss_parallel}
                                                if args.export == "dtensor" else
@@ -249,13 +252,13 @@ def cmd_plan(args) -> int:
         print(exported.python())
         print(exported, file=sys.stderr)
     elif args.json:
-        print(json.dumps(dict(summary(plan), **({"memory_per_rank": memory} if memory else {})), indent=1))
+        print(json.dumps(summary(plan), indent=1))
     else:
         print(plan)
-        if memory:
-            print(f"\nper-rank memory at world size {plan.world_size} (bytes; Adam moments in fp32):")
-            for k, v in memory.items():
-                print(f"  {k:<11} {v:>16,d}  ({v / 2 ** 30:.2f} GiB)")
+        print(f"\nmemory per rank of a training step at world size {plan.world_size} (bytes, "
+              f"optimizer {plan.cost_model.optimizer}):")
+        for k, v in plan.memory.items():
+            print(f"  {k:<11} {v:>16,d}  ({v / 2 ** 30:.2f} GiB)")
     if args.draw:
         try:
             plan.draw(args.draw)

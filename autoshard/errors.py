@@ -16,6 +16,11 @@ class ShardingError(AutoshardError, ValueError):
     """A requested split cannot be done (does not divide, unknown dim, unknown name)."""
 
 
+class MemoryBudgetError(ShardingError):
+    """No plan at this degree fits `memory_budget`: the message gives the smallest peak per rank
+    reachable (with every trade the search has: splits, recomputed blocks) and what holds it."""
+
+
 class CaptureError(AutoshardError, RuntimeError):
     """The model could not be captured by any tracer; the message says which failed and why."""
 

@@ -10,6 +10,7 @@ module; predicted bytes and times.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -96,6 +97,14 @@ class Plan:
     example: tuple = field(compare=False, repr=False)
     outputs: str = "full"                     # "full": outputs returned whole; "sharded": split ones as DTensors
     output_placements: Mapping[str, Placement] = field(default_factory=dict)   # node the output reads -> as returned
+    checkpointed: tuple = ()                  # blocks whose activations are recomputed in backward
+    memory_model: Any = field(default=None, compare=False, repr=False)   # Lazy of the step's Memory
+
+    @functools.cached_property
+    def memory(self):
+        """Bytes per rank of a training step (autoshard.planner.memory.Memory: parameters, gradients,
+        optimizer, activations, peak), worked out on first use."""
+        return None if self.memory_model is None else self.memory_model()
 
     @property
     def step_time(self) -> float:
@@ -140,6 +149,18 @@ class Plan:
         their bytes (autoshard.views.draw)."""
         from .views.draw import draw
         return draw(self, path, **options)
+
+
+class Lazy:
+    """A value made by `make()` on the first call, which then drops `make` (and what it holds)."""
+
+    def __init__(self, make):
+        self.make, self.value = make, None
+
+    def __call__(self):
+        if self.make is not None:
+            self.value, self.make = self.make(), None
+        return self.value
 
 
 def _warn_dropped(exported):

@@ -125,3 +125,30 @@ def block_steps_match(gm, ref, x_of, what, seeds=(1, 2)):
         close_to_scale(loss, want, f"{what}, batch {seed}: loss")
         grads_match(gm, ref, f"{what}, batch {seed}")
     return measured[0]
+
+
+def measured_step_peak(module, loss_of, optimizer=None):
+    """Bytes of one training step's peak as torch's MemTracker sees it (parameters, buffers,
+    gradients, optimizer state, activations, temporaries), in the steady state: a first step
+    (outside the tracker) makes the optimizer's state, gradients are set to None before each.
+    `loss_of(module)` runs forward and returns the loss. -> (peak, {category: bytes at the peak})."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    opt = optimizer or torch.optim.AdamW(module.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_of(module).backward()
+        opt.step()
+    step()
+    tracker = MemTracker()
+    tracker.track_external(module, opt)
+    with tracker:
+        step()
+    opt.zero_grad(set_to_none=True)
+    snap = tracker.get_tracker_snapshot("peak")
+    parts = {}
+    for per_device in snap.values():
+        for k, v in per_device.items():
+            name = str(k).rpartition(".")[2].lower()
+            parts[name] = parts.get(name, 0) + v
+    return parts.pop("total"), parts

@@ -238,12 +238,12 @@ def test_cli_from_pretrained_reads_no_weights(tmp_path, capsys):
                              num_key_value_heads=4, vocab_size=256).save_pretrained(tmp_path)
     assert main(["plan", "--from-pretrained", str(tmp_path), "-n", "2", "--tokens", "16"]) == 0
     text = capsys.readouterr().out
-    assert "lm_head" in text and "per-rank memory at world size 2" in text
+    assert "lm_head" in text and "memory per rank of a training step at world size 2" in text
     model = autoshard.io.loading.meta_model(str(tmp_path))
     plan = autoshard.plan(model, 2, {"input_ids": torch.zeros(1, 16, dtype=torch.long)}, tracer="export")
-    mem = autoshard.io.loading.memory_per_rank(model, plan)
-    assert f"{mem['parameters']:,d}" in text
-    assert mem["parameters"] == 4 * plan.params_per_rank
+    mem = plan.memory
+    assert f"{mem['peak']:,d}" in text and f"{mem['activations']:,d}" in text
+    assert mem["parameters"] == 4 * plan.params_per_rank and mem["optimizer"] == 2 * mem["gradients"]
     with pytest.raises(SystemExit):
         main(["plan", "-n", "2"])                                              # neither target nor DIR
 

@@ -30,7 +30,7 @@ from ..runtime.pieces import fill_boxes
 from ..runtime.placements import Replicate, Shard, local_shape
 
 __all__ = ["open_source", "check_source", "check_initialisable", "materialize", "meta_model", "example_ids",
-           "memory_per_rank", "Source"]
+           "Source"]
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -362,24 +362,6 @@ def _install(gm, groups, filled, device) -> None:
     if stale:
         raise LoadError(f"{type(gm).__name__} still holds meta tensors {stale[:6]} that are not the model's "
                         "parameters or buffers (constants made while capturing on meta)")
-
-
-# ----------------------------------------------------------------------------- memory report
-
-def memory_per_rank(model: nn.Module, plan, optimizer_states: int = 2) -> dict:
-    """Bytes one rank holds under `plan`: parameters, gradients (trainable ones) and optimizer
-    state (`optimizer_states` fp32 moments per trainable element, Adam's 2), from shapes only."""
-    params = grads = states = 0
-    for names, t in _groups(model):
-        if not isinstance(t, nn.Parameter):
-            continue
-        pl = _placement(plan.layouts, names)
-        n = t.numel() // (plan.world_size if isinstance(pl, Shard) else 1)
-        params += n * t.element_size()
-        if t.requires_grad:
-            grads += n * t.element_size()
-            states += n * 4 * optimizer_states
-    return dict(parameters=params, gradients=grads, optimizer=states, total=params + grads + states)
 
 
 # ----------------------------------------------------------------------------- Hugging Face

@@ -1,15 +1,14 @@
 """Planning a captured graph: Problem -> search -> Plan (beside the search, below the entry points).
 
 `plan_graph(gm, p, cost)` builds the Problem of a graph whose nodes carry shapes, runs the
-search (greedy, or exact for tests and benchmarks; with a memory budget, the cheapest memory
-weight that fits), and `build_plan` freezes the chosen State into a Plan.
+search (greedy, or exact for tests and benchmarks; with a memory budget, the fastest plan whose
+predicted peak fits: `budget`), and `build_plan` freezes the chosen State into a Plan.
 """
 from __future__ import annotations
 
 import math
 import operator
 import time
-from dataclasses import replace
 from types import MappingProxyType
 
 import torch
@@ -18,12 +17,14 @@ import torch.fx as fx
 from ..capture.dynamic import dynamic_dims
 from ..capture.ops import sliced_dim, sliced_range
 from ..errors import ShardingError
-from ..plan import NodeDecision, Plan, Redistribution, check_outputs
+from ..plan import Lazy, NodeDecision, Plan, Redistribution, check_outputs
 from ..runtime.counters import ring_bytes
 from ..runtime.placements import Replicate, Shard, local_numel, padded, splits
 from . import search as _search
 from .cost import CostModel, flops
 from .decisions import module_of
+from .budget import fit_budget
+from .memory import memory_of
 from .rules.registry import PARALLEL_LAYERS, family_of
 from .rules.shape import view_groups
 
@@ -105,9 +106,10 @@ def unit_candidates(gm: fx.GraphModule) -> tuple:
 
 
 def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
-               tracer="fx", notes=(), example=((), {}), layouts=None, outputs="full") -> Plan:
+               tracer="fx", notes=(), example=((), {}), layouts=None, outputs="full", blocks=()) -> Plan:
     """Plan an already captured graph (shapes in node.meta['val']); `layouts` (parameter name ->
-    placement) fixes the parameters' layouts, leaving the search only the activations;
+    placement) fixes the parameters' layouts, leaving the search only the activations; with
+    `cost.memory_budget`, the fastest plan that fits (`budget`; `blocks`: the modules it may recompute);
     `outputs` ("full" or "sharded") is what the graph's output needs of the tensors it returns."""
     check_outputs(outputs)
     t0 = time.perf_counter()
@@ -115,40 +117,24 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
                            layouts=layouts, outputs=outputs, part_candidates=part_candidates(gm))
     if not prob.param_obj:
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
+    checkpointed = ()
     if cost.memory_budget is None or layouts is not None:
         state = _run(prob, search)
     else:
-        state, prob = _fit_budget(gm, world_size, cost, pin, search, outputs)
-        if _state_bytes(prob, state) > cost.memory_budget:
-            notes = list(notes) + [f"no plan fits memory_budget={cost.memory_budget:.0f} bytes; the most "
-                                   f"sharded one needs {_state_bytes(prob, state):.0f}"]
+        def make(c):
+            return _search.Problem(gm, world_size, c, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
+                                   outputs=outputs, part_candidates=part_candidates(gm))
+        state, prob, checkpointed = fit_budget(make, lambda pr: _run(pr, search), cost, blocks)
     seconds = time.perf_counter() - t0
     notes = list(notes) + _divisibility_notes(prob, world_size)
-    return build_plan(prob, state, tracer=tracer, search=search, seconds=seconds, notes=notes, example=example)
+    return build_plan(prob, state, tracer=tracer, search=search, seconds=seconds, notes=notes, example=example,
+                      checkpointed=checkpointed, memory_now=layouts is None)
 
 
 def _run(prob, search):
     state = _search.exact(prob) if search == "exact" else _search.greedy(prob)
     state.reduce_early()
     return state
-
-
-def _state_bytes(prob, state) -> float:
-    """Training-state bytes a rank holds under `state` (parameters, gradients, optimizer moments)."""
-    return sum(local_numel(t.shape, state.placement_of_param(k), prob.p) * t.element_size() * prob.cost.state_factor
-               for k, t in prob.param_obj.items())
-
-
-def _fit_budget(gm, p, cost, pin, search, outputs):
-    """With a memory budget: the plan of the smallest memory weight (x4 steps from ~0) that fits."""
-    weight = 1e-15
-    while True:
-        prob = _search.Problem(gm, p, replace(cost, memory_weight=weight), chunk_candidates(gm), unit_candidates(gm),
-                               pins=pin or {}, outputs=outputs, part_candidates=part_candidates(gm))
-        state = _run(prob, search)
-        if _state_bytes(prob, state) <= cost.memory_budget or weight > 1e-3:
-            return state, prob
-        weight *= 4
 
 
 def _divisibility_notes(prob, p) -> list:
@@ -183,8 +169,11 @@ def _parallel_layer(n: fx.Node) -> bool:
     return family_of(n) in PARALLEL_LAYERS
 
 
-def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {})) -> Plan:
-    """Freeze a search State into a Plan."""
+def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {}),
+               checkpointed=(), memory_now=True) -> Plan:
+    """Freeze a search State into a Plan. Its memory is worked out now (`memory_now`: the Problem
+    holds the model's own weights, which a plan must not keep alive) or on first use (the plans of
+    other call signatures, captured on a meta copy: most are never asked)."""
     p = prob.p
     nodes, redists = {}, []
     comm_kind: dict[str, list] = {}
@@ -253,6 +242,9 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         if prob.strats[i] and prob.kind[i] == "op":
             s = prob.strats[i][state.sidx[i]]
             compute += prob.cost.compute_time(flops(n, s) * s.compute)
+    memory = Lazy(lambda: memory_of(prob, state, checkpointed))
+    if memory_now:
+        memory()
     fingerprint = tuple(sorted((name, tuple(prob.param_obj[k].shape)) for k in prob.param_obj
                                for name in prob.param_names[k]))
     bad = set(prob.unsupported)
@@ -265,4 +257,5 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         comm_time=comm_time, compute_time=compute, params_total=total, params_per_rank=per_rank,
         unsupported=unsupported, notes=tuple(notes), fingerprint=fingerprint, cost_model=prob.cost,
         search=search, search_seconds=seconds, objective=state.total, graph_module=prob.gm, example=example,
-        outputs=prob.outputs, output_placements=MappingProxyType(returned))
+        outputs=prob.outputs, output_placements=MappingProxyType(returned),
+        checkpointed=tuple(checkpointed), memory_model=memory)

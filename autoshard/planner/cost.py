@@ -4,7 +4,8 @@ Everything is in seconds so one number can be minimised: communication and compu
 training step, plus `memory_weight` seconds per byte of training state (parameter, gradient
 and optimizer moments) a rank holds. The default (a GB of state ~ one second) makes sharding
 worth its communication at every realistic size, which is why tensor parallelism is used; set
-`memory_budget` instead to shard only as much as needed to fit.
+`memory_budget` (the peak bytes of a step per rank, `planner.memory`) instead to take the fastest
+plan that fits.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.counters import ring_bytes, split_kind
+from .memory import optimizer_states, parse_bytes
 from .rules.conv import conv_flops
 from .rules.registry import family_of
 
@@ -26,7 +28,8 @@ class CostModel:
     flops: float = 50e12             # flop/s of one rank
     memory_weight: float = 1e-9      # seconds per byte of training state per rank
     state_factor: float = 4.0        # parameter + gradient + two Adam moments
-    memory_budget: float | None = None   # bytes of training state per rank, or None
+    memory_budget: float | str | None = None   # peak bytes per rank of a training step ("30GB"), or None
+    optimizer: str | int = "adamw"   # what holds state per parameter (planner.memory.OPTIMIZER_STATES)
 
     def __post_init__(self):
         for name in ("bandwidth", "flops", "state_factor"):
@@ -35,8 +38,11 @@ class CostModel:
         for name in ("latency", "memory_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
-        if self.memory_budget is not None and self.memory_budget <= 0:
-            raise ValueError(f"CostModel.memory_budget must be > 0 bytes, got {self.memory_budget}")
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
+            if self.memory_budget <= 0:
+                raise ValueError(f"CostModel.memory_budget must be > 0 bytes, got {self.memory_budget}")
+        optimizer_states(self.optimizer)
 
     def comm_time(self, kind: str, nbytes: float, p: int) -> float:
         if p <= 1:

@@ -123,3 +123,22 @@ def set_rng_state(state: dict) -> None:
     for key, st in state["states"].items():
         s, _, d = key.partition("@")
         generator(s, d).set_state(st)
+
+
+def stream_states(device) -> dict:
+    """The states of both streams on `device` now (made if new): what a recomputation replays."""
+    return {s: generator(s, device).get_state() for s in STREAMS}
+
+
+@contextlib.contextmanager
+def replaying(states: dict, device):
+    """Run the block with the streams of `device` at `states` (a forward's, from `stream_states`),
+    then put them back where they were: a recomputed forward draws the same dropout masks."""
+    now = stream_states(device)
+    for s, st in states.items():
+        generator(s, device).set_state(st)
+    try:
+        yield
+    finally:
+        for s, st in now.items():
+            generator(s, device).set_state(st)

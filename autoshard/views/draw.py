@@ -405,8 +405,8 @@ def _summary_text(plan, G, folds) -> str:
              f"  params  {plan.params_per_rank:,} of {plan.params_total:,}",
              f"          {fmt_bytes(G.graph['param_bytes_per_rank'])} "
              f"({plan.params_per_rank / max(plan.params_total, 1):.2f} of full)",
-             f"  training state x{plan.cost_model.state_factor:g}  "
-             f"{fmt_bytes(G.graph['param_bytes_per_rank'] * plan.cost_model.state_factor)}",
+             f"  training state  {fmt_bytes(plan.memory['parameters'] + plan.memory['gradients'] + plan.memory['optimizer'])}",
+             f"  step peak  {fmt_bytes(plan.memory['peak'])}",
              "",
              "communication per step (fwd+bwd)",
              f"  {fmt_bytes(plan.comm_bytes)} per rank"]

@@ -54,11 +54,10 @@ def to_networkx(plan):
     """The captured graph of `plan` as a networkx.DiGraph (see the module docstring)."""
     import networkx as nx
 
-    from ..io.loading import memory_per_rank
     p, gm = plan.world_size, plan.graph_module
     G = nx.DiGraph(world_size=p, comm_bytes=plan.comm_bytes, comm_by_kind=dict(plan.comm_by_kind),
                    params_total=plan.params_total, params_per_rank=plan.params_per_rank,
-                   param_bytes_per_rank=memory_per_rank(gm, plan)["parameters"], step_time=plan.step_time,
+                   param_bytes_per_rank=plan.memory["parameters"], step_time=plan.step_time,
                    tracer=plan.tracer, search=plan.search)
     place: dict[str, object] = {}
     for n in gm.graph.nodes:

@@ -18,6 +18,16 @@ def fmt_bytes(n: float) -> str:
         n /= 1024
 
 
+def memory_line(plan) -> str:
+    """The step's memory per rank: the peak, when it occurs, and its parts."""
+    m = plan.memory
+    text = (f"peak {fmt_bytes(m.peak)} at the {m.peak_at} (parameters {fmt_bytes(m.parameters)}, gradients "
+            f"{fmt_bytes(m.gradients)}, optimizer {fmt_bytes(m.optimizer)}, activations {fmt_bytes(m.activations)})")
+    if plan.checkpointed:
+        text += f"; recomputed in backward: {', '.join(plan.checkpointed)}"
+    return text
+
+
 def _fmt_dim(d) -> str:
     return "None" if d is None else str(d)
 
@@ -74,6 +84,8 @@ def format_plan(plan) -> str:
         ["estimated step time", f"{plan.step_time * 1e3:.3f} ms (comm {plan.comm_time * 1e3:.3f} ms, "
                                 f"compute {plan.compute_time * 1e3:.3f} ms)"],
     ]
+    if plan.memory is not None:
+        totals.append(["memory per rank (training step)", memory_line(plan)])
     if plan.outputs == "sharded":
         split = [f"{k} {v}" for k, v in plan.output_placements.items() if not isinstance(v, Replicate)]
         totals.append(["outputs", "sharded: " + (", ".join(split) + " returned as DTensors" if split else

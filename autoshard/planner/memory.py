@@ -1,0 +1,399 @@
+"""The memory of one training step per rank under a plan: what is held, what autograd saves, the peak.
+
+Which tensors autograd saves is read, not tabulated: the captured graph is run once on fake
+tensors (no memory, no compute) under `torch.autograd.graph.saved_tensors_hooks`, and every saved
+tensor is traced to the node whose output owns its storage (`Saved`): a matmul's inputs, a
+softmax's output, a dropout's mask (a new tensor of the op's own), a norm's statistics. Under a
+plan each saved tensor takes the bytes of its local piece: an input at the placement its reader
+requires (a gathered copy is whole: Replicate), an own output at its placement, an op's new
+tensors at the share of its largest activation input. Dtypes are the stored ones (bf16 halves).
+
+`step_memory` lays the step out as a timeline (node i's forward at t = i, its backward at
+t = 2N - 1 - i, the optimizer step at t = 2N) and sums what is live at each t: parameters,
+buffers and optimizer state throughout (the steady state: state made by an earlier step,
+gradients set to None before forward); saved tensors from their forward to the last backward that
+reads them; other outputs and gathered copies until their last forward reader; gradients from the
+backward of their first reader to their producer's (a parameter's until the step's end). The peak
+is the largest such sum and where it occurs, not a sum of the parts. Checkpointed blocks keep only
+their inputs through the forward and recompute their saved tensors at the start of their backward.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..capture.shapes import fetch_attr, reads_scalar, stand_in_scalar
+from ..runtime.placements import local_numel
+
+# optimizer -> moments held per trainable element, in the parameter's dtype (torch.optim's)
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "adamax": 2, "nadam": 2, "radam": 2, "sgd": 0, "sgd_momentum": 1,
+                    "adagrad": 1, "rmsprop": 1, "none": 0}
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
+          "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def optimizer_states(optimizer) -> int:
+    """Moments per trainable element of `optimizer`: a name of OPTIMIZER_STATES, a torch.optim
+    class, or a number."""
+    if isinstance(optimizer, type):
+        optimizer = optimizer.__name__
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer >= 0:
+        return optimizer
+    key = str(optimizer).lower().replace("-", "_")
+    if key not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, a torch.optim class or a number of "
+                         f"moments per parameter, got {optimizer!r}")
+    return OPTIMIZER_STATES[key]
+
+
+def parse_bytes(value) -> float:
+    """Bytes from a number or a string such as "30GB", "512 MiB" (GB = 1e9, GiB = 2**30)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"a memory size must be bytes or a string like '30GB' / '512MiB', got {value!r}")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+@dataclass(frozen=True)
+class Memory(Mapping):
+    """Bytes per rank of one training step: `parameters`, `gradients`, `optimizer` (state),
+    `activations` (saved for backward at the end of forward) and `peak` (the most live at once,
+    over forward, backward and the optimizer step); a mapping of those five keys. `buffers`,
+    `peak_at` (when the peak occurs) and `largest` ((what, bytes) of the largest items live then)
+    say more."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    peak: int
+    buffers: int = 0
+    peak_at: str = ""
+    largest: tuple = ()
+    exact: bool = True             # False: the saved tensors were estimated (the fake run failed)
+
+    KEYS = ("parameters", "gradients", "optimizer", "activations", "peak")
+
+    def __getitem__(self, key):
+        if key not in self.KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self.KEYS)
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a graph's forward saves for backward, by storage (ints naming storages of one run).
+
+    storage[i]: the storage of node i's output (None: not one tensor); producer: storage -> the
+    first node whose output holds it; saves[i]: ((storage, bytes), ...) node i saves, tensors held
+    anyway (parameters, buffers, the inputs) left out; exact: False where a stand-in table was used."""
+
+    storage: tuple
+    producer: Mapping
+    saves: tuple
+    exact: bool = True
+
+
+def _tensors(v):
+    return [t for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)]
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a captured graph on fake tensors, noting each node's output storage and what each
+    node's autograd saves."""
+
+    def __init__(self, gm, mode, device):
+        super().__init__(gm, garbage_collect_values=False)
+        self.mode, self.device, self.fakes = mode, device, {}
+        self.current, self.producer, self.records = -1, {}, []
+        self.index = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def fake(self, t):
+        from torch._subclasses.fake_tensor import FakeTensor
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in self.fakes:
+            if isinstance(t, FakeTensor) and t.fake_mode is self.mode:
+                f = t
+            else:
+                with self.mode:
+                    f = torch.empty(t.shape, dtype=t.dtype, device=self.device if t.is_meta else t.device)
+            if isinstance(t, nn.Parameter):
+                f = nn.Parameter(f, requires_grad=t.requires_grad)
+            self.fakes[id(t)] = f
+        return self.fakes[id(t)]
+
+    def run_node(self, n):
+        self.current = self.index[n]
+        if reads_scalar(n):
+            return stand_in_scalar(self.env[n.all_input_nodes[0]])
+        out = super().run_node(n)
+        for t in _tensors(out):
+            self.producer.setdefault(_key(t), self.current)
+        return out
+
+    def get_attr(self, target, args, kwargs):
+        return self.fake(fetch_attr(self.module, target))
+
+    def call_module(self, target, args, kwargs):
+        from torch.func import functional_call
+        mod = self.fetch_attr(target)
+        state = {k: self.fake(t) for k, t in [*mod.named_parameters(remove_duplicate=False),
+                                               *mod.named_buffers(remove_duplicate=False)]}
+        return functional_call(mod, state, args, kwargs)
+
+    def pack(self, t):
+        self.records.append((self.current, _key(t), t.untyped_storage().nbytes(), t))
+        return t
+
+
+def saved_tensors(prob) -> Saved:
+    """The graph of `prob` (a planner Problem) run once on fake tensors under saved-tensor hooks."""
+    try:
+        return _recorded(prob)
+    except Exception:                  # an op fake tensors cannot run: every activation input saved
+        return _stand_in(prob)
+
+
+def _recorded(prob) -> Saved:
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    fakes = [t for v in prob.val for t in _tensors(v) if isinstance(t, FakeTensor)]
+    mode = fakes[0].fake_mode if fakes else FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [prob.val[i] for i, k in enumerate(prob.kind) if k == "input"]
+    device = next((t.device for v in inputs for t in _tensors(v)), torch.device("cpu"))
+    rec = _Recorder(prob.gm, mode, device)
+    inputs = [rec.fake(v) for v in inputs]
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+        rec.run(*inputs)
+    storage = []
+    for n in prob.nodes:
+        ts = _tensors(rec.env.get(n))
+        storage.append(_key(ts[0]) if len(ts) == 1 and not isinstance(rec.env.get(n), (tuple, list)) else None)
+    held = {s for s, i in rec.producer.items() if prob.kind[i] in ("param", "buffer", "input")}
+    saves = [dict() for _ in prob.nodes]
+    for i, s, nb, _ in rec.records:
+        if i >= 0 and s not in held:
+            saves[i][s] = max(nb, saves[i].get(s, 0))
+    return Saved(tuple(storage), dict(rec.producer), tuple(tuple(d.items()) for d in saves))
+
+
+def _stand_in(prob) -> Saved:
+    """Where the fake run fails: every op saves its floating activation inputs (an upper bound)."""
+    storage = tuple(i if prob.kind[i] in ("op", "select") else None for i in range(len(prob.nodes)))
+    producer = {i: i for i in range(len(prob.nodes)) if storage[i] is not None}
+    saves = []
+    for i, k in enumerate(prob.kind):
+        ins = [j for j in prob.ins[i] if storage[j] is not None and isinstance(prob.val[j], torch.Tensor)
+               and prob.val[j].is_floating_point()] if k == "op" else []
+        saves.append(tuple((j, prob.nbytes[j]) for j in ins))
+    return Saved(storage, producer, tuple(saves), exact=False)
+
+
+def _fraction(val, placement, p: int) -> float:
+    """The share of `val` one rank holds as `placement` (the largest rank's)."""
+    if not isinstance(val, torch.Tensor) or placement is None or isinstance(placement, (tuple, list)) \
+            or not val.numel():
+        return 1.0
+    try:
+        return local_numel(val.shape, placement, p) / val.numel()
+    except (ValueError, TypeError, AttributeError):
+        return 1.0
+
+
+def _block_ranges(prob, blocks) -> dict:
+    """{block name: (first node, last node)} of the nodes that module `name` (or one inside it) ran."""
+    from .decisions import module_of
+    spans = {}
+    for i, k in enumerate(prob.kind):
+        if k not in ("op", "select"):
+            continue
+        mod = module_of(prob, i)
+        for b in blocks:
+            if mod == b or mod.startswith(b + "."):
+                a, z = spans.get(b, (i, i))
+                spans[b] = (min(a, i), max(z, i))
+    return spans
+
+
+def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), device: str = "cpu") -> Memory:
+    """Memory of one training step per rank under `state` (a search State of `prob`);
+    `checkpointed`: names of blocks whose activations are recomputed in backward."""
+    from .decisions import module_of
+    n, p = len(prob.nodes), prob.p
+    end = 2 * n
+
+    def bwd(i):
+        return end - 1 - i
+
+    def strat(i):
+        return prob.strats[i][state.sidx[i]] if prob.strats[i] else None
+
+    items = []                                    # [bytes, first t, last t, what, kind]
+
+    # parameters, buffers, gradients of parameters, optimizer state
+    params = grads = 0
+    largest_param = 0
+    seen = set()
+    last_use: dict[int, int] = {}
+    for key, idxs in prob.param_nodes.items():
+        last_use[key] = max((u for i in idxs for u in prob.users[i]), default=0)
+    for name, t in prob.gm.named_parameters():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        pl = state.placement_of_param(id(t)) if id(t) in prob.param_obj else None
+        nb = int(t.numel() * _fraction(t, pl, p)) * t.element_size() if pl is not None else t.numel() * t.element_size()
+        params += nb
+        largest_param = max(largest_param, nb)
+        if t.requires_grad:
+            grads += nb
+            first = bwd(last_use.get(id(t), n - 1))
+            items.append([nb, first, end, f"grad {name}", "gradients"])
+    buffers = sum(b.numel() * b.element_size() for b in prob.gm.buffers())
+    states = optimizer_states(optimizer)
+    opt = states * grads
+    if states:          # torch.optim's single-tensor update (CPU) makes one temporary the size of a parameter
+        items.append([largest_param if device == "cpu" else grads, end, end, "optimizer update", "optimizer"])
+
+    spans = _block_ranges(prob, checkpointed) if checkpointed else {}
+    block_of = {}
+    for b, (a, z) in spans.items():
+        for i in range(a, z + 1):
+            block_of[i] = b
+
+    # saved tensors, keyed by (storage, share); an own output read at its own placement is "own"
+    keyed: dict = {}
+    for i in range(n):
+        s = strat(i)
+        for st, nb in saved.saves[i]:
+            j = saved.producer.get(st)
+            slot = next((q for q, k in enumerate(prob.ins[i]) if saved.storage[k] == st), None)
+            if slot is not None and s is not None:
+                k = prob.ins[i][slot]
+                moved = s.inputs[slot] is not None and s.inputs[slot] != state.place[k]
+                f = _fraction(prob.val[k], s.inputs[slot] if moved else state.place[k], p)
+            elif j is not None and saved.storage[j] == st:
+                k, moved, f = j, False, _fraction(prob.val[j], state.place[j], p)
+            else:                       # a tensor of the op's own: the share of its largest input
+                ins = [(prob.nbytes[k], q, k) for q, k in enumerate(prob.ins[i]) if isinstance(prob.val[k], torch.Tensor)
+                       and prob.kind[k] not in ("param", "buffer")]
+                if ins and s is not None:
+                    _, q, k = max(ins)
+                    f = _fraction(prob.val[k], s.inputs[q] or state.place[k], p)
+                else:
+                    f = _fraction(prob.val[i], state.place[i], p)
+                j, moved = i, False
+            key = (st, round(f, 9)) if moved else (st, "own")
+            rec = keyed.setdefault(key, [int(nb * f), i if moved or j is None else j, [], module_of(prob, i)])
+            rec[2].append(i)
+    activations = 0
+    kept_inputs = {}
+    for key, (nb, born, savers, what) in keyed.items():
+        outside = [i for i in savers if i not in block_of]
+        last = max(bwd(i) for i in savers)
+        if outside:
+            activations += nb
+            items.append([nb, born, last, f"saved by {what}", "activations"])
+        else:                           # recomputed at the start of its block's backward
+            b = block_of[savers[0]]
+            items.append([nb, bwd(spans[b][1]), last, f"recomputed in {b}", "activations"])
+    for b, (a, z) in spans.items():     # a checkpointed block keeps its inputs
+        for i in range(a, z + 1):
+            for k in prob.ins[i]:
+                if (k < a) and prob.kind[k] in ("op", "select") and saved.storage[k] is not None:
+                    kept_inputs[(b, saved.storage[k])] = (int(prob.nbytes[k] * _fraction(prob.val[k], state.place[k], p)),
+                                                          k, bwd(a), b)
+    for nb, k, last, b in kept_inputs.values():
+        if (saved.storage[k], "own") not in keyed:
+            activations += nb
+            items.append([nb, k, last, f"input of {b}", "activations"])
+
+    # other outputs and gathered copies while forward reads them
+    own = {st for st, tag in keyed if tag == "own"}
+    last_read: dict = {}
+    for i in range(n):
+        for k in prob.ins[i]:
+            st = saved.storage[k]
+            if st is not None:
+                last_read[st] = max(last_read.get(st, 0), end if prob.kind[i] == "output" else i)
+    for i in range(n):
+        st = saved.storage[i]
+        if prob.kind[i] == "op" and st is not None and saved.producer.get(st) == i and st not in own:
+            nb = int(prob.nbytes[i] * _fraction(prob.val[i], state.place[i], p))
+            items.append([nb, i, max(i, last_read.get(st, i)), f"output of {module_of(prob, i)}", "temporary"])
+        s = strat(i)
+        if s is None or prob.kind[i] != "op":
+            continue
+        for q, k in enumerate(prob.ins[i]):
+            req = s.inputs[q]
+            if req is not None and isinstance(prob.val[k], torch.Tensor) and req != state.place[k] \
+                    and (saved.storage[k], round(_fraction(prob.val[k], req, p), 9)) not in keyed:
+                items.append([int(prob.nbytes[k] * _fraction(prob.val[k], req, p)), i, i,
+                              f"{prob.nodes[k].name} redistributed", "temporary"])
+
+    # gradients of activations: from the backward of their first reader to their producer's
+    reader: dict = {}
+    members: dict = {}                  # a tensor and its views: one gradient, read at each view's placement
+    for i in range(n):
+        st = saved.storage[i]
+        if st is not None:
+            root = saved.producer.get(st, i)
+            reader[root] = max(reader.get(root, -1), max(prob.users[i], default=-1))
+            members.setdefault(root, []).append(i)
+    for i in range(n):
+        if not prob.needs_grad[i] or prob.kind[i] not in ("op", "select"):
+            continue
+        st = saved.storage[i]
+        if st is None or saved.producer.get(st) != i or reader.get(i, -1) <= i:
+            continue
+        f = max([_fraction(prob.val[i], state.place[i], p)] +
+                [_fraction(prob.val[m], strat(u).inputs[q], p) for m in members.get(i, ()) for u in prob.users[m]
+                 if strat(u) is not None for q, k in enumerate(prob.ins[u]) if k == m and strat(u).inputs[q] is not None])
+        items.append([int(prob.nbytes[i] * f), bwd(reader[i]), bwd(i), f"grad of {module_of(prob, i)}", "gradients"])
+
+    held = params + buffers + opt
+    delta = [0] * (end + 2)
+    for nb, a, z, *_ in items:
+        delta[a] += nb
+        delta[z + 1] -= nb
+    live, best, at = 0, -1, 0
+    for t in range(end + 1):
+        live += delta[t]
+        if live > best:
+            best, at = live, t
+    where = "optimizer step" if at == end else (f"forward of {prob.nodes[at].name}" if at < n
+                                                  else f"backward of {prob.nodes[bwd(at)].name}")
+    at_peak = {}
+    for nb, a, z, what, _ in items:
+        if a <= at <= z:
+            at_peak[what] = at_peak.get(what, 0) + nb
+    at_peak.update({"parameters": params, "optimizer state": opt})
+    largest = tuple(sorted(at_peak.items(), key=lambda kv: -kv[1])[:6])
+    return Memory(parameters=params, gradients=grads, optimizer=opt, activations=activations, peak=held + best,
+                  buffers=buffers, peak_at=where, largest=largest, exact=saved.exact)
+
+
+def memory_of(prob, state, checkpointed=()) -> Memory:
+    """`step_memory` of `state`, the saved tensors read once per graph (kept on the Problem)."""
+    if getattr(prob, "saved", None) is None:
+        prob.saved = saved_tensors(prob)
+    device = next((v.device.type for i, v in enumerate(prob.val) if prob.kind[i] == "input"
+                   and isinstance(v, torch.Tensor)), "cpu")
+    return step_memory(prob, state, prob.saved, prob.cost.optimizer, checkpointed, device)
