@@ -41,6 +41,8 @@ MODELS = {
     # do not divide (3, 2, 2 a rank), and 6 query heads over 2 K/V heads (fewer K/V heads than ranks)
     "llama7": lambda: hf_models.llama(hidden_size=56, num_attention_heads=7, num_key_value_heads=7,
                                       intermediate_size=112, seq=64, max_position_embeddings=128),
+    "qwen2_6_2": lambda: hf_models.qwen2(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
+                                         intermediate_size=96, seq=64, max_position_embeddings=128),
     "llama6_2": lambda: hf_models.llama(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
                                         intermediate_size=96, seq=64, max_position_embeddings=128),
 }
@@ -83,7 +85,7 @@ def _query_kv_heads(gm, model, rank, p) -> int:
     if not isinstance(pl, Shard):
         return kv
     shape = plan.graph_module.get_parameter(q).shape
-    chunks = getattr(pl, "chunks", 1)                 # GPT-2's fused c_attn: q, k, v blocks on each rank
+    chunks = 3 if q.endswith(("query_key_value.weight", "c_attn.weight")) else 1   # fused q, k, v rows
     head_dim = cfg.hidden_size // heads
     mine = [local_shape(shape, pl, p, r)[pl.dim] // chunks // head_dim for r in range(p)]
     start = sum(mine[:rank])
@@ -166,7 +168,7 @@ def test_greedy_more_world2(name, batch, dist2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama6_2", "gpt2", "qwen2", "neox"])
+@pytest.mark.parametrize("name", ["llama6_2", "gpt2", "qwen2_6_2", "neox"])
 def test_greedy_world3(name, dist3):
     _check(dist3.run(_generate_case, name, 1, GREEDY, timeout=600), name)
 
@@ -183,3 +185,24 @@ def test_sampling_agrees(world, request):
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_beam_search(name, dist2):
     _check(dist2.run(_generate_case, name, 1, dict(do_sample=False, num_beams=3), timeout=600), "beam")
+
+
+def _from_pretrained_case(rank, p, path):
+    import autoshard
+    from transformers import AutoModelForCausalLM
+    gm = autoshard.from_pretrained(path, p)          # config -> meta model -> this rank's slices
+    gm.eval()
+    assert not any(t.is_meta for t in gm.parameters())
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7]])
+    out = gm.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    want = AutoModelForCausalLM.from_pretrained(path).eval().generate(ids, max_new_tokens=6, do_sample=False,
+                                                                      use_cache=True, pad_token_id=0)
+    return out.tolist(), want.tolist()
+
+
+@pytest.mark.slow
+def test_from_pretrained_generates(dist2, tmp_path):
+    model, _ = hf_models.llama()
+    model.save_pretrained(tmp_path)
+    for got, want in dist2.run(_from_pretrained_case, str(tmp_path), timeout=600):
+        assert got == want

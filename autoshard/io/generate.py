@@ -47,8 +47,7 @@ def step_forward(self, input_ids, attention_mask=None, position_ids=None, keys=(
     from transformers.cache_utils import DynamicLayer
     cache = DynamicCache(config=self.config)
     for layer, k, v in zip(cache.layers, keys, values):
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
+        _fill(layer, k, v)
     for layer in cache.layers[len(keys):]:
         if type(layer) is DynamicLayer:
             layer.update = types.MethodType(_first_update, layer)
@@ -64,9 +63,15 @@ def _first_update(layer, key_states, value_states, *args, **kwargs):
     gather the new keys and values)."""
     if layer.is_initialized:
         return type(layer).update(layer, key_states, value_states, *args, **kwargs)
-    layer.lazy_initialization(key_states, value_states)
-    layer.keys, layer.values = key_states, value_states
+    _fill(layer, key_states, value_states)
     return key_states, value_states
+
+
+def _fill(layer, keys, values) -> None:
+    """Make `layer` hold `keys` / `values` (as its lazy_initialization and update would, without
+    the empty tensors it makes: constants a capture on the meta device could not fill)."""
+    layer.device, layer.is_initialized = keys.device, True
+    layer.keys, layer.values = keys, values
 
 
 def _cache_name(model) -> str:
@@ -212,9 +217,7 @@ class ParallelCausalLM(nn.Module):
         if len(keys) != len(cache.layers) and len(keys) != len(layers):
             raise ShardingError(f"the step returned {len(keys)} cache layers for a cache of {len(cache.layers)}")
         for layer, k, v in zip(cache.layers, keys, values):
-            if not getattr(layer, "is_initialized", False):
-                layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
+            _fill(layer, k, v)
         if isinstance(cache, Cache) and isinstance(logits_to_keep, int) and logits_to_keep not in (0, 1):
             raise ShardingError(f"generate: logits_to_keep={logits_to_keep}; the step returns the last position's")
         return CausalLMOutputWithPast(logits=logits, **{self._cache_name: cache})
