@@ -65,7 +65,7 @@ def _cache_bytes(cache) -> int:
 def _run(world: int, rounds: int) -> dict:
     import autoshard
     from autoshard.runtime.collectives import count_comm
-    from autoshard.runtime.counters import ring_bytes
+    from autoshard.runtime.counters import ring_bytes, split_kind
     model = _model()
     ids = _prompt()
     opts = dict(do_sample=False, use_cache=True, pad_token_id=0)
@@ -93,7 +93,9 @@ def _run(world: int, rounds: int) -> dict:
             adapter(input_ids=full.sequences[:, -1:], use_cache=True, **{adapter._cache_name: cache})
         out["decode_bytes_counted"] = c.bytes
         out["decode_bytes_predicted"] = sum(ring_bytes(k, r.nbytes, world) for r in plan.redistributions
-                                            for k in r.forward)
+                                            for k in r.forward) + \
+            sum(ring_bytes(k, nb, world) for d in plan.nodes.values() for k, nb in d.comm
+                if split_kind(k)[0] == "all_gather")        # a node's own forward all-gathers (K/V heads)
         out["decode_by_kind"] = {k: list(v) for k, v in c.by_kind.items()}
         h, v = CONFIG["hidden_size"], CONFIG["vocab_size"]
         layers = CONFIG["num_hidden_layers"]
@@ -109,7 +111,7 @@ def main():
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     load = note_load()
-    results = [launch(_run, w, args.rounds, timeout_s=1800) for w in args.worlds]
+    results = [launch(_run, w, w, args.rounds, timeout_s=1800) for w in args.worlds]
     base = next((r for r in results if r["world"] == 1), None)
     print(f"{'world':>5} {'prefill ms':>10} {'decode tok/s':>12} {'x 1 proc':>8} {'cache/rank':>11} "
           f"{'x 1 proc':>8} {'bytes/token counted':>20} {'predicted':>10} {'Megatron':>9}")

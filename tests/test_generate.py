@@ -124,7 +124,8 @@ def _generate_case(rank, p, name, batch, options):
     adapter = gm.__dict__["_autoshard_generator"]
     key = next(k for k in sig.served if len(k) == 4 and any(n == "keys" and v != ("tuple", ()) for n, v in k[1]))
     plan = sig.plans[key]
-    nxt = out.sequences[:, -1:]
+    rows = int(cache.layers[0].keys.shape[0])          # batch x beams: beam search keeps one row a beam
+    nxt = out.sequences[:, -1:].repeat_interleave(rows // out.sequences.size(0), dim=0)
     with count_comm() as c:
         adapter(input_ids=nxt, use_cache=True, **{adapter._cache_name: cache})
     return (out.sequences.tolist(), want.sequences.tolist(),
@@ -133,9 +134,16 @@ def _generate_case(rank, p, name, batch, options):
 
 
 def _forward_bytes(plan) -> float:
-    """The ring bytes a rank sends in the plan's forward collectives (a decode step runs no backward)."""
-    from autoshard.runtime.counters import ring_bytes
-    return float(sum(ring_bytes(k, r.nbytes, plan.world_size) for r in plan.redistributions for k in r.forward))
+    """The ring bytes a rank sends in the plan's forward collectives (a decode step runs no
+    backward): its redistributions' forward ones, and the all-gathers inside the nodes' own
+    strategies (K/V heads gathered onto groups of ranks where there are fewer K/V heads than
+    ranks; a strategy's reduce-scatter is that all-gather's backward)."""
+    from autoshard.runtime.counters import ring_bytes, split_kind
+    p = plan.world_size
+    moved = sum(ring_bytes(k, r.nbytes, p) for r in plan.redistributions for k in r.forward)
+    inside = sum(ring_bytes(k, nb, p) for d in plan.nodes.values() for k, nb in d.comm
+                 if split_kind(k)[0] == "all_gather")
+    return float(moved + inside)
 
 
 def _check(results, name):
