@@ -223,21 +223,28 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str, overl
     """How a call with another signature gets its graph (autoshard.rewrite.signatures): captured on the
     meta copy of the model with the call's inputs, planned with the module's layouts fixed, checked
     to be the same plan on every rank, rewritten for this rank."""
-    def build(capture_on, bind_to, call, train):
+    def build(capture_on, bind_to, call, train, step=None):
+        """`step` (autoshard.io.generate): capture `step.module(model)`'s forward instead, every
+        layer traced, planned with the step's `held` outputs returned as each rank holds them."""
         args, kwargs = call.arrangement().split(call)
+        if step is not None:
+            args, kwargs = step.inputs(args, kwargs)       # whole-shaped stand-ins for the held pieces
         if plan.tracer != "export" and fake_mode_of(capture_on) is not None:
             capture_on = bind_to          # symbolic_trace keeps dtypes symbolic: the meta copy in the recipe's dtypes
         if pg is not None:
             capture_on = _same_source(capture_on, bind_to, pg)
+        if step is not None:
+            capture_on = step.module(capture_on)
         try:
-            cap = capture(capture_on, args, tracer=plan.tracer, kwargs=kwargs, train=train)
+            cap = capture(capture_on, args, tracer=plan.tracer, kwargs=kwargs, train=train, once=step is None)
         except CaptureError as e:
             raise CaptureError(f"the {'training' if train else 'evaluation'} graph of a call with "
                                f"({call.describe()}) could not be captured:\n{e}") from e
         try:
             variant = plan_graph(cap.gm, plan.world_size, plan.cost_model, search=plan.search, tracer=cap.tracer,
                                  notes=cap.notes, example=(cap.args, cap.kwargs), layouts=dict(plan.layouts),
-                                 outputs=plan.outputs)
+                                 outputs=plan.outputs if step is None else "full",
+                                 held=frozenset() if step is None else step.held(cap.gm))
         except ShardingError as e:
             raise ShardingError(f"a call with ({call.describe()}) cannot run on this module: {e}") from e
         if pg is not None:

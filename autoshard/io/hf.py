@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, ProcessGroupError
+from . import generate
 from ..runtime.groups import device_of
 from ..runtime.pieces import pad_along
 from ..runtime.placements import block_sizes, global_shape, is_even, local_shape
@@ -75,10 +76,12 @@ def attach(gm, model) -> bool:
         gm.generation_config = generation
     gm._autoshard_hf = {
         "architecture": type(model).__name__,
+        "class": type(model),
         "tied_targets": frozenset(getattr(model, "all_tied_weights_keys", None) or ()),
         "ignore": frozenset(getattr(model, "_keys_to_ignore_on_save", None) or ()),
     }
     type(gm).save_pretrained = save_pretrained
+    generate.attach(gm, model)          # gm.generate where the model can generate
     return True
 
 

@@ -106,15 +106,17 @@ def unit_candidates(gm: fx.GraphModule) -> tuple:
 
 
 def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
-               tracer="fx", notes=(), example=((), {}), layouts=None, outputs="full", blocks=()) -> Plan:
+               tracer="fx", notes=(), example=((), {}), layouts=None, outputs="full", blocks=(),
+               held=frozenset()) -> Plan:
     """Plan an already captured graph (shapes in node.meta['val']); `layouts` (parameter name ->
     placement) fixes the parameters' layouts, leaving the search only the activations; with
     `cost.memory_budget`, the fastest plan that fits (`budget`; `blocks`: the modules it may recompute);
-    `outputs` ("full" or "sharded") is what the graph's output needs of the tensors it returns."""
+    `outputs` ("full" or "sharded") is what the graph's output needs of the tensors it returns;
+    `held`: positions of the flat outputs returned as each rank holds them (no collective)."""
     check_outputs(outputs)
     t0 = time.perf_counter()
     prob = _search.Problem(gm, world_size, cost, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
-                           layouts=layouts, outputs=outputs, part_candidates=part_candidates(gm))
+                           layouts=layouts, outputs=outputs, part_candidates=part_candidates(gm), held=held)
     if not prob.param_obj:
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
     checkpointed = ()
@@ -211,7 +213,7 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         if prob.kind[i] == "output":
             for j in prob.ins[i]:
                 if isinstance(prob.val[j], torch.Tensor):
-                    returned[prob.nodes[j].name] = prob.returned(state.place[j], prob.val[j].shape)
+                    returned[prob.nodes[j].name] = prob.returned(state.place[j], prob.val[j].shape, j)
     layouts, total, per_rank, seen = {}, 0, 0, set()
     for key, obj in prob.param_obj.items():
         pl = state.placement_of_param(key)

@@ -10,7 +10,8 @@ one tensor for communication: made whole for several consumers, it is made whole
 topmost one that needs it; the others re-apply their view ops to it), and their costs are
 counted together, on the class's root. What the graph's output needs of a tensor follows
 `outputs`: whole ("full"), or as it is when it is an ordinary shard ("sharded": returned as a
-DTensor, no collective).
+DTensor, no collective); the outputs at the positions `held` names are returned as each rank holds
+them whatever `outputs` says (a key/value cache kept split by heads, autoshard.io.generate).
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ class Problem:
     """A captured graph as arrays the search can evaluate quickly."""
 
     def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(), unit_candidates=(),
-                 pins: dict | None = None, layouts: dict | None = None, outputs: str = "full", part_candidates=()):
+                 pins: dict | None = None, layouts: dict | None = None, outputs: str = "full", part_candidates=(),
+                 held: frozenset = frozenset()):
         self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
         self.nodes = list(gm.graph.nodes)
         self.idx = {n: i for i, n in enumerate(self.nodes)}
@@ -111,6 +113,7 @@ class Problem:
         self.param_nodes: dict[int, list] = {}
         for i, key in self.param_key.items():
             self.param_nodes.setdefault(key, []).append(i)
+        self.held = _held_nodes(self.nodes, self.idx, held)    # node indices returned as they are held
         self.needs_grad = self._needs_grad()
         views = ViewClasses.of(self.nodes, self.idx, self.users,
                                returned={j for i, k in enumerate(self.kind) if k == "output" for j in self.ins[i]})
@@ -158,7 +161,7 @@ class Problem:
         that needs j whole then shares that collective (class_comms)."""
         for a in self.returned_above[j]:
             src = place[a]
-            if isinstance(self.returned(src, self.val[a].shape), Replicate) and isinstance(src, (Shard, Partial)):
+            if isinstance(self.returned(src, self.val[a].shape, a), Replicate) and isinstance(src, (Shard, Partial)):
                 return True
         return False
 
@@ -245,11 +248,13 @@ class Problem:
             return INF
         return sum(self.cost.comm_time(k, self.nbytes[m], self.p) for m, _, _, f, b, _, _ in comms for k in f + b)
 
-    def returned(self, src, shape):
-        """The placement the graph's output takes of a tensor of `shape` held as `src`: whole,
-        or with outputs="sharded" a shard at DTensor's boundaries as it is (a strided shard, one
-        in whole heads or a balanced one, which a DTensor's Shard cannot describe, is gathered;
-        a Partial one all-reduced)."""
+    def returned(self, src, shape, j: int | None = None):
+        """The placement the graph's output takes of a tensor of `shape` held as `src` (node j):
+        whole, or with outputs="sharded" a shard at DTensor's boundaries as it is (a strided
+        shard, one in whole heads or a balanced one, which a DTensor's Shard cannot describe, is
+        gathered; a Partial one all-reduced); any shard as it is where j is `held`."""
+        if j in self.held and isinstance(src, Shard):
+            return src
         if self.outputs == "sharded" and dtensor_boundaries(shape, src, self.p):
             return src
         return REPLICATE
@@ -328,7 +333,7 @@ class Problem:
                 if k == j and s.inputs[slot] is not None:
                     req, grad = s.inputs[slot], s.grad(slot)
                     if self.kind[c] == "output":         # its gradient comes back as it is returned
-                        req = grad = self.returned(src, self.val[j].shape)
+                        req = grad = self.returned(src, self.val[j].shape, j)
                     consumers = by_req.setdefault(req, {}).setdefault(grad, [])
                     if c not in consumers:
                         consumers.append(c)
@@ -401,6 +406,15 @@ def _structure(n: fx.Node, module) -> tuple | None:
     except TypeError:
         return None
     return key
+
+
+def _held_nodes(nodes, idx, positions) -> frozenset:
+    """The node indices of the graph's flat outputs at `positions` (held: returned as they are)."""
+    if not positions:
+        return frozenset()
+    out = next(n for n in nodes if n.op == "output")
+    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    return frozenset(idx[flat[k]] for k in positions if isinstance(flat[k], fx.Node))
 
 
 def _group_sizes(nodes, vals, units, part_candidates, world_size: int) -> tuple:

@@ -200,6 +200,18 @@ class Signatures:
             served = self._add(module, call, key)
         return served(module, call)
 
+    def call_step(self, module: nn.Module, step, args: tuple, kwargs: dict):
+        """A call of another forward than the model's on this module's shards: `step`
+        (autoshard.io.generate: a causal LM's prefill or decode step) gives its `signature`, the
+        model it is captured on (`step.module(model)`), the outputs kept as each rank holds them
+        (`step.held`) and the inputs that come in so (`step.localize`); served as any other call."""
+        call = bind(step.signature, args, kwargs)
+        key = (module.training, call.key, precision(module), step.name)
+        served = self.served.get(key)
+        if served is None:
+            served = self._add(module, call, key, step)
+        return served(module, call)
+
     def prepare(self, module: nn.Module) -> None:
         """Build the example call's graph for the module's current mode now (a model parallelized in
         eval mode runs its evaluation graph from the first call, planned inside parallelize)."""
@@ -207,15 +219,19 @@ class Signatures:
         if key not in self.served:
             self._add(module, self.first, key)
 
-    def _add(self, module: nn.Module, call: Call, key: tuple) -> Served:
+    def _add(self, module: nn.Module, call: Call, key: tuple, step=None) -> Served:
         mode = "training" if module.training else "evaluation"
         if self.copy_error is not None:
             raise ShardingError(f"this module cannot capture the {mode} graph of ({call.describe()}), which it "
                                 f"was not planned with: the model could not be copied for capture "
                                 f"({self.copy_error}); plan with an example of this call")
         with apart():                                # planned apart from the caller's modes and hooks
-            holder, plan = self.build(call, module.training, module if key[2] != self.recipe else None)
+            holder, plan = self.build(call, module.training, module if key[2] != self.recipe else None,
+                                      **({} if step is None else {"step": step}))
+        local = step.localize(holder, plan) if step is not None else None
         served = adopt(module, holder, len(self.served), call.arrangement(), plan, self.modules)
+        if local is not None:
+            served.check = local(served.check)        # the held inputs checked at their local shapes
         self.served[key] = served
         self.plans[key] = plan
         return served
@@ -336,14 +352,15 @@ def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> 
         on_meta, error = None, f"{type(e).__name__}: {first_line(e, 160)}"
     alive = weakref.ref(model)
 
-    def build_for(call, train, recipe_of=None):
+    def build_for(call, train, recipe_of=None, **step):
         """Captured on the model, else its meta copy; under another precision recipe than the
-        example's (`recipe_of`: the module, whose dtypes and devices it takes), on a fake copy."""
+        example's (`recipe_of`: the module, whose dtypes and devices it takes), on a fake copy
+        (`step`: see Signatures.call_step)."""
         model = alive()
         if recipe_of is not None:
             like = compute_dtypes(recipe_of)
-            return build(recipe_copy(on_meta, like), recipe_copy(on_meta, like, fake=False), call, train)
-        return build(model if model is not None else on_meta, on_meta, call, train)
+            return build(recipe_copy(on_meta, like), recipe_copy(on_meta, like, fake=False), call, train, **step)
+        return build(model if model is not None else on_meta, on_meta, call, train, **step)
     modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False) if n)
     module._autoshard_signatures = Signatures(signature, first, served, build_for, modules, error, precision(module))
     module._autoshard_signatures.prepare(module)

@@ -1,0 +1,216 @@
+"""`gm.generate`: Hugging Face's GenerationMixin over the parallel module, the key/value cache
+split by heads (autoshard.io.generate).
+
+Gloo ranks at world 2 and 3 against the single-process model's own `generate`: greedy tokens
+equal for LLaMA (grouped K/V heads; also fewer K/V heads than ranks), GPT-2 (fused c_attn),
+Qwen2 and GPT-NeoX (parallel attention and MLP), one prompt and a left-padded batch with its
+attention mask; sampling (temperature, top-k, top-p) the same on every rank whatever each rank's
+torch seed, and equal to one process under autoshard.manual_seed(s) / torch.manual_seed(s); beam
+search equal, with return_dict_in_generate's scores. Every case asserts the cache each rank
+holds: its own K/V heads only (the heads its queries read; K/V heads replicated where there are
+fewer than ranks), and the bytes counted in a decode step against its plan's prediction.
+LLaMA and GPT-2 greedy at world 2 and one world-3 case run by default; the rest with -m slow.
+"""
+import copy
+import math
+
+import pytest
+import torch
+
+import hf_models
+
+pytest.importorskip("transformers")
+
+
+def _neox(**kw):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    cfg = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+               max_position_embeddings=64, use_parallel_residual=True, rotary_pct=0.5, attention_dropout=0.0,
+               hidden_dropout=0.0, use_cache=False, **kw)
+    model = hf_models.build_model(GPTNeoXConfig, GPTNeoXForCausalLM, cfg)
+    return model, hf_models.example_kwargs(256)
+
+
+MODELS = {
+    "llama": lambda: hf_models.llama(),
+    "llama_mqa": lambda: hf_models.llama(num_attention_heads=4, num_key_value_heads=1),
+    "gpt2": lambda: hf_models.gpt2(),
+    "qwen2": lambda: hf_models.qwen2(),
+    "neox": _neox,
+    # at 3 ranks (examples of 64 tokens, where splitting attention by heads pays): 7 heads that
+    # do not divide (3, 2, 2 a rank), and 6 query heads over 2 K/V heads (fewer K/V heads than ranks)
+    "llama7": lambda: hf_models.llama(hidden_size=56, num_attention_heads=7, num_key_value_heads=7,
+                                      intermediate_size=112, seq=64, max_position_embeddings=128),
+    "qwen2_6_2": lambda: hf_models.qwen2(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
+                                         intermediate_size=96, seq=64, max_position_embeddings=128),
+    "llama6_2": lambda: hf_models.llama(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
+                                        intermediate_size=96, seq=64, max_position_embeddings=128),
+}
+
+
+def _prompts(kw, batch):
+    """One prompt (1, 6), or a left-padded batch of 3 prompts of lengths 6, 4, 2 with its mask."""
+    ids = kw["input_ids"]
+    if batch == 1:
+        return {"input_ids": ids[:1, :6]}
+    lengths = (6, 4, 2)
+    pad = 0
+    out = torch.full((3, 6), pad, dtype=torch.long)
+    mask = torch.zeros(3, 6, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        out[i, 6 - n:] = ids[i % ids.size(0), :n]
+        mask[i, 6 - n:] = 1
+    return {"input_ids": out, "attention_mask": mask}
+
+
+def _cache_of(out):
+    return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+
+
+def _kv_heads(model) -> int:
+    cfg = model.config
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def _query_kv_heads(gm, model, rank, p) -> int:
+    """The K/V heads rank `rank`'s query heads read (from its share of the first layer's query
+    projection, whole heads in rank order)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv = _kv_heads(model)
+    plan = gm._autoshard_plan
+    q = next(n for n in plan.layouts if n.endswith(("q_proj.weight", "query_key_value.weight", "c_attn.weight")))
+    from autoshard.runtime.placements import Shard, local_shape
+    pl = plan.layouts[q]
+    if not isinstance(pl, Shard):
+        return kv
+    shape = plan.graph_module.get_parameter(q).shape
+    chunks = 3 if q.endswith(("query_key_value.weight", "c_attn.weight")) else 1   # fused q, k, v rows
+    head_dim = cfg.hidden_size // heads
+    mine = [local_shape(shape, pl, p, r)[pl.dim] // chunks // head_dim for r in range(p)]
+    start = sum(mine[:rank])
+    group = heads // kv
+    return len({h // group for h in range(start, start + mine[rank])})
+
+
+def _generate_case(rank, p, name, batch, options):
+    import autoshard
+    from autoshard.runtime.collectives import count_comm
+    model, kw = MODELS[name]()
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export")
+    gm.eval()
+    prompts = _prompts(kw, batch)
+    options = dict(options, max_new_tokens=6, use_cache=True, return_dict_in_generate=True, output_scores=True,
+                   pad_token_id=0)
+    sampled = options.get("do_sample", False)
+    if sampled:
+        torch.manual_seed(1000 + 17 * rank)           # each rank's own torch seed differs
+        autoshard.manual_seed(5)
+    out = gm.generate(**prompts, **options)
+    if sampled:
+        torch.manual_seed(5)
+    want = ref.generate(**prompts, **options)
+    cache = _cache_of(out)
+    heads = [int(layer.keys.shape[1]) for layer in cache.layers]
+    full = [int(layer.keys.shape[1]) for layer in _cache_of(want).layers]
+    assert full == [_kv_heads(ref)] * len(full), full
+    expected = _query_kv_heads(gm, ref, rank, p)
+    assert heads == [expected] * len(heads), (name, rank, heads, expected, full)
+    if p > 1 and _kv_heads(ref) >= p:
+        assert expected < _kv_heads(ref)
+    # one more decode step, its bytes counted against its plan
+    sig = gm._autoshard_signatures
+    adapter = gm.__dict__["_autoshard_generator"]
+    key = next(k for k in sig.served if len(k) == 4 and any(n == "keys" and v != ("tuple", ()) for n, v in k[1]))
+    plan = sig.plans[key]
+    rows = int(cache.layers[0].keys.shape[0])          # batch x beams: beam search keeps one row a beam
+    nxt = out.sequences[:, -1:].repeat_interleave(rows // out.sequences.size(0), dim=0)
+    with count_comm() as c:
+        adapter(input_ids=nxt, use_cache=True, **{adapter._cache_name: cache})
+    return (out.sequences.tolist(), want.sequences.tolist(),
+            [s.tolist() for s in out.scores][:2], [s.tolist() for s in want.scores][:2],
+            heads, c.bytes, _forward_bytes(plan), dict(c.by_kind), [(r.node, r.forward, r.nbytes) for r in plan.redistributions if r.forward])
+
+
+def _forward_bytes(plan) -> float:
+    """The ring bytes a rank sends in the plan's forward collectives (a decode step runs no
+    backward): its redistributions' forward ones, and the all-gathers inside the nodes' own
+    strategies (K/V heads gathered onto groups of ranks where there are fewer K/V heads than
+    ranks; a strategy's reduce-scatter is that all-gather's backward)."""
+    from autoshard.runtime.counters import ring_bytes, split_kind
+    p = plan.world_size
+    moved = sum(ring_bytes(k, r.nbytes, p) for r in plan.redistributions for k in r.forward)
+    inside = sum(ring_bytes(k, nb, p) for d in plan.nodes.values() for k, nb in d.comm
+                 if split_kind(k)[0] == "all_gather")
+    return float(moved + inside)
+
+
+def _check(results, name):
+    first = results[0]
+    for r in results:
+        assert r[0] == first[0], f"{name}: ranks generated different tokens"
+        assert r[0] == r[1], f"{name}: {r[0]} != one process's {r[1]}"
+        for got, want in zip(r[2], r[3]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
+        assert r[5] == pytest.approx(r[6], rel=1e-9), (name, r[7], r[6], r[8])
+
+
+GREEDY = dict(do_sample=False)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_greedy_world2(name, dist2):
+    _check(dist2.run(_generate_case, name, 1, GREEDY, timeout=600), name)
+
+
+def test_greedy_world3_padded(dist3):
+    _check(dist3.run(_generate_case, "llama7", 3, GREEDY, timeout=600), "llama at 3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,batch", [("llama", 3), ("gpt2", 3), ("llama_mqa", 1), ("llama_mqa", 3),
+                                        ("qwen2", 3), ("neox", 1), ("neox", 3)])
+def test_greedy_more_world2(name, batch, dist2):
+    _check(dist2.run(_generate_case, name, batch, GREEDY, timeout=600), name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama6_2", "gpt2", "qwen2_6_2", "neox"])
+def test_greedy_world3(name, dist3):
+    _check(dist3.run(_generate_case, name, 1, GREEDY, timeout=600), name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_sampling_agrees(world, request):
+    options = dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9)
+    pool = request.getfixturevalue(f"dist{world}")
+    _check(pool.run(_generate_case, "llama", 3, options, timeout=600), "sampling")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_beam_search(name, dist2):
+    _check(dist2.run(_generate_case, name, 1, dict(do_sample=False, num_beams=3), timeout=600), "beam")
+
+
+def _from_pretrained_case(rank, p, path):
+    import autoshard
+    from transformers import AutoModelForCausalLM
+    gm = autoshard.from_pretrained(path, p)          # config -> meta model -> this rank's slices
+    gm.eval()
+    assert not any(t.is_meta for t in gm.parameters())
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7]])
+    out = gm.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    want = AutoModelForCausalLM.from_pretrained(path).eval().generate(ids, max_new_tokens=6, do_sample=False,
+                                                                      use_cache=True, pad_token_id=0)
+    return out.tolist(), want.tolist()
+
+
+@pytest.mark.slow
+def test_from_pretrained_generates(dist2, tmp_path):
+    model, _ = hf_models.llama()
+    model.save_pretrained(tmp_path)
+    for got, want in dist2.run(_from_pretrained_case, str(tmp_path), timeout=600):
+        assert got == want
