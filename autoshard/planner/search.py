@@ -226,12 +226,6 @@ def improve_by_layers(state: State) -> bool:
     return changed
 
 
-def _layer_name(name: str) -> str | None:
-    """"model.layers.3" of "model.layers.3.mlp.up_proj.weight"; None outside numbered layers."""
-    m = re.search(r"\.(\d+)(\.|$)", name)
-    return None if m is None else name[:m.end(1)]
-
-
 def _layer_signature(state: State, members: list[int]) -> tuple:
     """What a layer runs under `state`, whatever its nodes are named: each op's strategy and output
     placement, and the placements of the tensors it reads from outside the layer."""
@@ -251,13 +245,15 @@ def uniform_layers(state: State) -> bool:
     embedding). Returns whether anything changed."""
     prob = state.prob
     layer_groups: dict[str, dict] = {}
-    for g, grp in enumerate(prob.groups):
-        layer = _layer_name(grp.names[0])
-        if layer is not None:
-            layer_groups.setdefault(layer, {})[grp.names[0][len(layer):]] = g
     runs: dict[str, list[str]] = {}
-    for layer in layer_groups:
-        runs.setdefault(layer.rpartition(".")[0], []).append(layer)
+    for g, grp in enumerate(prob.groups):
+        key = _layer_key(grp.names[0])
+        if key is not None:
+            (prefix, rest), index = key
+            layer = f"{prefix}.{index}"
+            if layer not in layer_groups:
+                runs.setdefault(prefix, []).append(layer)
+            layer_groups.setdefault(layer, {})[rest] = g
     changed = False
     for layers in runs.values():
         layers.sort(key=lambda n: int(n.rpartition(".")[2]))

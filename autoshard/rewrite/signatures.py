@@ -226,8 +226,7 @@ class Signatures:
                                 f"was not planned with: the model could not be copied for capture "
                                 f"({self.copy_error}); plan with an example of this call")
         with apart():                                # planned apart from the caller's modes and hooks
-            holder, plan = self.build(call, module.training, module if key[2] != self.recipe else None,
-                                      **({} if step is None else {"step": step}))
+            holder, plan = self.build(call, module.training, module if key[2] != self.recipe else None, step)
         local = step.localize(holder, plan) if step is not None else None
         served = adopt(module, holder, len(self.served), call.arrangement(), plan, self.modules)
         if local is not None:
@@ -352,15 +351,15 @@ def install(module: fx.GraphModule, model: nn.Module, example: tuple, build) -> 
         on_meta, error = None, f"{type(e).__name__}: {first_line(e, 160)}"
     alive = weakref.ref(model)
 
-    def build_for(call, train, recipe_of=None, **step):
+    def build_for(call, train, recipe_of=None, step=None):
         """Captured on the model, else its meta copy; under another precision recipe than the
         example's (`recipe_of`: the module, whose dtypes and devices it takes), on a fake copy
         (`step`: see Signatures.call_step)."""
         model = alive()
         if recipe_of is not None:
             like = compute_dtypes(recipe_of)
-            return build(recipe_copy(on_meta, like), recipe_copy(on_meta, like, fake=False), call, train, **step)
-        return build(model if model is not None else on_meta, on_meta, call, train, **step)
+            return build(recipe_copy(on_meta, like), recipe_copy(on_meta, like, fake=False), call, train, step)
+        return build(model if model is not None else on_meta, on_meta, call, train, step)
     modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False) if n)
     module._autoshard_signatures = Signatures(signature, first, served, build_for, modules, error, precision(module))
     module._autoshard_signatures.prepare(module)
