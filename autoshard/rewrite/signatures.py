@@ -118,6 +118,10 @@ class Call:
         def show(v):
             if isinstance(v, torch.Tensor):
                 return f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+            if isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v):
+                inner = ", ".join(show(x) for x in v)                       # a cache's tensors: shapes, not values
+                return f"({inner},)" if isinstance(v, tuple) and len(v) == 1 else \
+                    (f"({inner})" if isinstance(v, tuple) else f"[{inner}]")
             return type(v).__name__ if _value_key(v)[0] == "object" else repr(v)
         return ", ".join(f"{n}={show(v)}" for n, v in self.arguments)
 
