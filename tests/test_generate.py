@@ -209,9 +209,6 @@ def _from_pretrained_case(rank, p, path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known gap: the decode step of a module built by from_pretrained (the model on "
-                   "meta) is captured with the cache's stand-ins on cpu: 'Tensor on device meta is not on the "
-                   "expected device cpu'; the prefill works")
 def test_from_pretrained_generates(dist2, tmp_path):
     model, _ = hf_models.llama()
     model.save_pretrained(tmp_path)
