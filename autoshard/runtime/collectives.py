@@ -10,10 +10,10 @@ an FX leaf (`torch.fx.wrap`), so a traced or rewritten graph shows it as one nam
 Under `torch.compile` every collective is one of PyTorch's functional collectives
 (`torch.ops._c10d_functional`, what DTensor dispatches), traced into its graph (fullgraph, no
 break at a collective), where inductor may reorder them. Eager runs all-reduces and all-gathers
-as c10d's own ops (`dist.all_reduce` on a copy, `dist.all_gather_into_tensor`): on gloo a
-functional all-reduce of a few KiB took 3 to 5 times as long (its per-call work registry and
-wait), which a decode step of 20 small collectives paid in full. The others stay functional, waited
-for at once. The byte counters record eager runs only.
+as c10d's own ops (`dist.all_reduce` on a copy, `dist.all_gather_single`): on gloo a
+functional all-reduce of 4 KiB took 3 to 5 times as long as c10d's (2 ranks, measured; the cause
+inside c10d was not looked into), which a decode step of small collectives pays on each. The
+others stay functional, waited for at once. The byte counters record eager runs only.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def _stacked_gather(x, group):
     x = x.contiguous().view(-1)
     if not torch.compiler.is_compiling():
         flat = x.new_empty(p * x.numel())
-        dist.all_gather_into_tensor(flat, x, group=group)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(flat, x, group=group)
     else:
         flat = functional.wait_tensor(functional.all_gather_into_tensor(x, p, _group_name(group)))
     return flat.view((p,) + shape)
@@ -252,7 +252,9 @@ def resolve(group):
 
 @_fx_leaf
 def copy_to(x, group=None):
-    """fwd: identity; bwd: all-reduce (sum) of the gradient."""
+    """fwd: identity; bwd: all-reduce (sum) of the gradient (none without grad: x itself)."""
+    if not torch.is_grad_enabled():
+        return x
     pg, p = resolve(group)
     return x if p == 1 else _CopyTo.apply(x, pg)
 
