@@ -32,12 +32,20 @@ def _neox(**kw):
     return model, hf_models.example_kwargs(256)
 
 
+def _nemotron(**kw):
+    from transformers import NemotronConfig, NemotronForCausalLM
+    cfg = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+               num_hidden_layers=2, max_position_embeddings=64, use_cache=False, **kw)
+    return hf_models.build_model(NemotronConfig, NemotronForCausalLM, cfg), hf_models.example_kwargs(256)
+
+
 MODELS = {
     "llama": lambda: hf_models.llama(),
     "llama_mqa": lambda: hf_models.llama(num_attention_heads=4, num_key_value_heads=1),
     "gpt2": lambda: hf_models.gpt2(),
     "qwen2": lambda: hf_models.qwen2(),
     "neox": _neox,
+    "nemotron": _nemotron,
     # at 3 ranks (examples of 64 tokens, where splitting attention by heads pays): 7 heads that
     # do not divide (3, 2, 2 a rank), and 6 query heads over 2 K/V heads (fewer K/V heads than ranks)
     "llama7": lambda: hf_models.llama(hidden_size=56, num_attention_heads=7, num_key_value_heads=7,
@@ -204,6 +212,14 @@ def test_greedy_more_world2(name, batch, dist2):
 @pytest.mark.parametrize("name", ["llama6_2", "gpt2", "qwen2_6_2", "neox"])
 def test_greedy_world3(name, dist3):
     _check(dist3.run(_generate_case, name, 1, GREEDY, timeout=600), name)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known gap: Nemotron's decode steps at 2 ranks give logits 0.08 off one "
+                   "process's (its prefill's agree to 3e-7; the captured step itself agrees in one process); not "
+                   "analysed")
+def test_greedy_nemotron(dist2):
+    _check(dist2.run(_generate_case, "nemotron", 1, GREEDY, timeout=600), "nemotron")
 
 
 @pytest.mark.slow
