@@ -9,14 +9,28 @@ the one-process baseline: Hugging Face's own `model.generate`) runs one thread. 
   call being the maximum over ranks (each timed call starts after a barrier);
 - bytes per decode token: counted (autoshard.runtime.collectives.count_comm, ring bytes a rank
   sends) over one decode step, and predicted from that step's plan (its forward collectives);
-- cache bytes per rank after 32 new tokens, against one process's.
+- cache bytes per rank after 32 new tokens, against one process's;
+- CPU ms a decode token: rank 0's main-thread CPU time (time.thread_time) of the same difference
+  over 31: what the step costs the rank, whatever the machine's load (the wall time waits on
+  the other ranks and the scheduler).
 
-Usage: python benchmarks/generate.py [--worlds 1 2 4] [--rounds 5] [--json out.json]
+The module is planned with a fine-tuning batch (`--example train`: 4 x 256 tokens with labels),
+whose layouts then serve generation; `--example prompt` plans with the prompt itself (32 tokens:
+the memory term then shards the norms' weights, and the decode step gathers each norm's output).
+
+With `--ceiling`, the machine's own limit: one process's matrix-vector product over a matrix of
+the model's parameter count against the slowest of `world` processes over 1/world of it each, at
+once (a decode step reads every weight once, so it is memory-bound on CPU; where the cores share
+the memory bandwidth, this ratio, not the plan, caps the decode speed-up).
+
+Usage: python benchmarks/generate.py [--worlds 1 2 4] [--rounds 5] [--example train|prompt] [--ceiling]
+       [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -62,7 +76,16 @@ def _cache_bytes(cache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
-def _run(world: int, rounds: int) -> dict:
+def _example(kind: str, ids) -> dict:
+    """What the module is planned with: "train", a fine-tuning batch (4 x 256 tokens with labels,
+    the shards then train and generate); "prompt", the prompt itself."""
+    if kind == "prompt":
+        return {"input_ids": ids}
+    batch = torch.randint(0, CONFIG["vocab_size"], (4, 256), generator=torch.Generator().manual_seed(2))
+    return {"input_ids": batch, "labels": batch}
+
+
+def _run(world: int, rounds: int, example: str = "train") -> dict:
     import autoshard
     from autoshard.runtime.collectives import count_comm
     from autoshard.runtime.counters import ring_bytes, split_kind
@@ -72,18 +95,22 @@ def _run(world: int, rounds: int) -> dict:
     if world == 1:
         gen = model
     else:
-        gen = autoshard.parallelize(model, world, {"input_ids": ids}, tracer="export")
+        gen = autoshard.parallelize(model, world, _example(example, ids), tracer="export")
         gen.eval()
     with torch.no_grad():
         full = gen.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, return_dict_in_generate=True, **opts)
-        one, many = [], []
+        one, many, cpu = [], [], []
         for _ in range(rounds):
+            c0 = time.thread_time()
             one.append(_timed(lambda: gen.generate(ids, max_new_tokens=1, **opts), world))
+            c1 = time.thread_time()
             many.append(_timed(lambda: gen.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, **opts), world))
+            cpu.append((time.thread_time() - c1) - (c1 - c0))
     cache = getattr(full, "cache", None) or full.past_key_values
     out = {"world": world, "prefill_s": statistics.median(one),
            "decode_tokens_per_s": (NEW - 1) / (statistics.median(many) - statistics.median(one)),
-           "cache_bytes_per_rank": _cache_bytes(cache), "tokens": full.sequences[0, -8:].tolist()}
+           "cache_bytes_per_rank": _cache_bytes(cache), "tokens": full.sequences[0, -8:].tolist(),
+           "decode_cpu_ms_per_token": statistics.median(cpu) / (NEW - 1) * 1e3}
     if world > 1:
         adapter = gen.__dict__["_autoshard_generator"]
         sig = gen._autoshard_signatures
@@ -104,27 +131,79 @@ def _run(world: int, rounds: int) -> dict:
     return out
 
 
+def _matvec(rows: int, ready, out) -> None:
+    """One process's median time (ms) of a 1 x 1024 by 1024 x `rows` product, the others started
+    alike at once (`ready`: a barrier)."""
+    torch.set_num_threads(1)
+    w, x = torch.randn(rows, 1024), torch.randn(1, 1024)
+    for _ in range(3):
+        x @ w.t()
+    ready.wait()
+    times = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        x @ w.t()
+        times.append(time.perf_counter() - t0)
+    out.put(statistics.median(times) * 1e3)
+
+
+def ceiling(world: int) -> float:
+    """What the machine allows a decode step split over `world` processes: one process's time over
+    a matrix of the model's parameter count against the slowest of `world` processes over 1/world
+    of it each, at once (a decode step reads every weight once: memory-bound on CPU, so where
+    the cores share the memory bandwidth, splitting the weights does not split the time)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    rows = sum(p.numel() for p in _model().parameters()) // 1024
+
+    def run(n, r):
+        ready, out = ctx.Barrier(n), ctx.SimpleQueue()
+        procs = [ctx.Process(target=_matvec, args=(r, ready, out)) for _ in range(n)]
+        for q in procs:
+            q.start()
+        times = [out.get() for _ in procs]
+        for q in procs:
+            q.join()
+        return max(times)
+    return run(1, rows) / run(world, rows // world)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also time the weights' matrix-vector product in 1 and in `world` processes at once")
+    ap.add_argument("--example", choices=("train", "prompt"), default="train",
+                    help="plan with a fine-tuning batch (4 x 256 tokens, labels) or with the prompt itself")
     args = ap.parse_args()
     load = note_load()
-    results = [launch(_run, w, w, args.rounds, timeout_s=1800) for w in args.worlds]
+    results = [launch(_run, w, w, args.rounds, args.example, timeout_s=1800) for w in args.worlds]
+    after = os.getloadavg()[0]
     base = next((r for r in results if r["world"] == 1), None)
     print(f"{'world':>5} {'prefill ms':>10} {'decode tok/s':>12} {'x 1 proc':>8} {'cache/rank':>11} "
-          f"{'x 1 proc':>8} {'bytes/token counted':>20} {'predicted':>10} {'Megatron':>9}")
+          f"{'x 1 proc':>8} {'bytes/token counted':>20} {'predicted':>10} {'Megatron':>9} {'cpu ms/token':>12}")
     for r in results:
         speed = r["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base else float("nan")
         mem = r["cache_bytes_per_rank"] / base["cache_bytes_per_rank"] if base else float("nan")
         print(f"{r['world']:>5} {r['prefill_s'] * 1e3:>10.1f} {r['decode_tokens_per_s']:>12.1f} {speed:>8.2f} "
               f"{r['cache_bytes_per_rank']:>11} {mem:>8.3f} {r.get('decode_bytes_counted', 0):>20.0f} "
-              f"{r.get('decode_bytes_predicted', 0):>10.0f} {r.get('megatron_bytes', 0):>9.0f}")
+              f"{r.get('decode_bytes_predicted', 0):>10.0f} {r.get('megatron_bytes', 0):>9.0f} "
+              f"{r['decode_cpu_ms_per_token']:>12.1f}")
+    for r in results:
+        if "decode_by_kind" in r:
+            print(f"world {r['world']}: collectives of one decode step (calls, bytes): {r['decode_by_kind']}")
+    if args.ceiling:
+        for w in args.worlds:
+            if w > 1:
+                print(f"ceiling at world {w}: one process's matrix-vector product over the weights / the slowest "
+                      f"of {w} processes' over 1/{w} of them at once = {ceiling(w):.2f}")
     same = all(r["tokens"] == results[0]["tokens"] for r in results)
-    print(f"the same tokens at every world size: {same}; load before the run {load:.2f}")
+    print(f"the same tokens at every world size: {same}; planned with the {args.example!r} example; "
+          f"1-minute load average {load:.2f} before the run, {after:.2f} after it")
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": CONFIG, "results": results, "load": load}, indent=1))
+        Path(args.json).write_text(json.dumps({"config": CONFIG, "results": results, "load": load, "load_after": after,
+                                               "example": args.example}, indent=1))
 
 
 if __name__ == "__main__":

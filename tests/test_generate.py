@@ -8,7 +8,8 @@ attention mask; sampling (temperature, top-k, top-p) the same on every rank what
 torch seed, and equal to one process under autoshard.manual_seed(s) / torch.manual_seed(s); beam
 search equal, with return_dict_in_generate's scores. Every case asserts the cache each rank
 holds: its own K/V heads only (the heads its queries read; K/V heads replicated where there are
-fewer than ranks), and the bytes counted in a decode step against its plan's prediction.
+fewer than ranks), and the bytes counted in a decode step against its plan's prediction and,
+where the module's layouts are Megatron's, against Megatron's inference bytes.
 LLaMA and GPT-2 greedy at world 2 and one world-3 case run by default; the rest with -m slow.
 """
 import copy
@@ -31,12 +32,20 @@ def _neox(**kw):
     return model, hf_models.example_kwargs(256)
 
 
+def _nemotron(**kw):
+    from transformers import NemotronConfig, NemotronForCausalLM
+    cfg = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+               num_hidden_layers=2, max_position_embeddings=64, use_cache=False, **kw)
+    return hf_models.build_model(NemotronConfig, NemotronForCausalLM, cfg), hf_models.example_kwargs(256)
+
+
 MODELS = {
     "llama": lambda: hf_models.llama(),
     "llama_mqa": lambda: hf_models.llama(num_attention_heads=4, num_key_value_heads=1),
     "gpt2": lambda: hf_models.gpt2(),
     "qwen2": lambda: hf_models.qwen2(),
     "neox": _neox,
+    "nemotron": _nemotron,
     # at 3 ranks (examples of 64 tokens, where splitting attention by heads pays): 7 heads that
     # do not divide (3, 2, 2 a rank), and 6 query heads over 2 K/V heads (fewer K/V heads than ranks)
     "llama7": lambda: hf_models.llama(hidden_size=56, num_attention_heads=7, num_key_value_heads=7,
@@ -130,7 +139,29 @@ def _generate_case(rank, p, name, batch, options):
         adapter(input_ids=nxt, use_cache=True, **{adapter._cache_name: cache})
     return (out.sequences.tolist(), want.sequences.tolist(),
             [s.tolist() for s in out.scores][:2], [s.tolist() for s in want.scores][:2],
-            heads, c.bytes, _forward_bytes(plan), dict(c.by_kind), [(r.node, r.forward, r.nbytes) for r in plan.redistributions if r.forward])
+            heads, c.bytes, _forward_bytes(plan), dict(c.by_kind), [(r.node, r.forward, r.nbytes) for r in plan.redistributions if r.forward],
+            _megatron_bytes(gm, ref, plan, rows))
+
+
+def _megatron_bytes(gm, model, plan, rows):
+    """Megatron's inference bytes of a decode step (2 all-reduces of rows x hidden a layer, 1 a
+    layer where attention and MLP run in parallel, one for the vocabulary-parallel embedding,
+    the all-gather of rows x vocabulary logits; fp32), where the module's layouts are Megatron's:
+    every norm's weights replicated, heads that divide over the ranks (7 heads over 3 ranks
+    count 16 bytes more, not analysed), and no K/V heads gathered onto groups of ranks (there are at least as many K/V
+    heads as ranks); else None."""
+    from autoshard.runtime.counters import ring_bytes
+    from autoshard.runtime.placements import Replicate
+    layouts = gm._autoshard_plan.layouts
+    norms = [k for k in layouts if "norm" in k or ".ln_" in k]
+    cfg, p = model.config, plan.world_size
+    if cfg.num_attention_heads % p or not norms or not all(isinstance(layouts[k], Replicate) for k in norms) \
+            or any(d.comm for d in plan.nodes.values()):
+        return None
+    per_layer = 1 if getattr(cfg, "use_parallel_residual", False) else 2
+    layers = cfg.num_hidden_layers
+    return float((per_layer * layers + 1) * ring_bytes("all_reduce", rows * cfg.hidden_size * 4, p)
+                 + ring_bytes("all_gather", rows * cfg.vocab_size * 4, p))
 
 
 def _forward_bytes(plan) -> float:
@@ -154,6 +185,8 @@ def _check(results, name):
         for got, want in zip(r[2], r[3]):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
         assert r[5] == pytest.approx(r[6], rel=1e-9), (name, r[7], r[6], r[8])
+        if r[9] is not None:
+            assert r[5] == r[9], (name, "decode bytes against Megatron's", r[5], r[9], r[7])
 
 
 GREEDY = dict(do_sample=False)
@@ -179,6 +212,14 @@ def test_greedy_more_world2(name, batch, dist2):
 @pytest.mark.parametrize("name", ["llama6_2", "gpt2", "qwen2_6_2", "neox"])
 def test_greedy_world3(name, dist3):
     _check(dist3.run(_generate_case, name, 1, GREEDY, timeout=600), name)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known gap: Nemotron's decode steps at 2 ranks give logits 0.08 off one "
+                   "process's (its prefill's agree to 3e-7; the captured step itself agrees in one process); not "
+                   "analysed")
+def test_greedy_nemotron(dist2):
+    _check(dist2.run(_generate_case, "nemotron", 1, GREEDY, timeout=600), "nemotron")
 
 
 @pytest.mark.slow
@@ -209,9 +250,6 @@ def _from_pretrained_case(rank, p, path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known gap: the decode step of a module built by from_pretrained (the model on "
-                   "meta) is captured with the cache's stand-ins on cpu: 'Tensor on device meta is not on the "
-                   "expected device cpu'; the prefill works")
 def test_from_pretrained_generates(dist2, tmp_path):
     model, _ = hf_models.llama()
     model.save_pretrained(tmp_path)

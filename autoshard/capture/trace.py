@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, first_line
 from . import repeats
@@ -173,16 +174,15 @@ def _meta_inputs(model: nn.Module, args: tuple, kwargs: dict):
     """For a model built on the meta device: its example inputs moved to meta (so that capture
     allocates nothing and devices agree) and the device the inputs will really live on (their
     own when not meta, else CPU); for a `recipe_copy`, the inputs as its fake tensors and None;
-    (None, None) for a model with real tensors."""
+    (None, None) for a model with real tensors. Tensors inside tuples, lists and dicts (a
+    generation step's cache) are moved too."""
     mode = fake_mode_of(model)
     if mode is not None:
-        fake = lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a      # noqa: E731
-        return (tuple(fake(a) for a in args), {k: fake(v) for k, v in kwargs.items()}), None
+        return pytree.tree_map_only(torch.Tensor, mode.from_tensor, (tuple(args), dict(kwargs))), None
     if not has_meta(model):
         return None, None
-    devices = {a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_meta}
-    meta = lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a      # noqa: E731
-    return (tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}), \
+    devices = {a.device for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and not a.is_meta}
+    return pytree.tree_map_only(torch.Tensor, lambda a: a.to("meta"), (tuple(args), dict(kwargs))), \
         next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
 
 

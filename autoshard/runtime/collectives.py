@@ -7,10 +7,13 @@ an FX leaf (`torch.fx.wrap`), so a traced or rewritten graph shows it as one nam
 `call_function` node.  In traced code pass `group` as a registry key string
 (`autoshard.runtime.groups.register_group`), never as a ProcessGroup object.
 
-Every collective is one of PyTorch's functional collectives (`torch.ops._c10d_functional`, what
-DTensor dispatches), waited for at once: eager runs them on gloo (CPU) or NCCL (CUDA) as
-`torch.distributed` would, and `torch.compile` traces them into its graph (fullgraph, no break
-at a collective), where inductor may reorder them. The byte counters record eager runs only.
+Under `torch.compile` every collective is one of PyTorch's functional collectives
+(`torch.ops._c10d_functional`, what DTensor dispatches), traced into its graph (fullgraph, no
+break at a collective), where inductor may reorder them. Eager runs all-reduces and all-gathers
+as c10d's own ops (`dist.all_reduce` on a copy, `dist.all_gather_single`): on gloo a
+functional all-reduce of 4 KiB took 3 to 5 times as long as c10d's (2 ranks, measured; the cause
+inside c10d was not looked into), which a decode step of small collectives pays on each. The
+others stay functional, waited for at once. The byte counters record eager runs only.
 """
 from __future__ import annotations
 
@@ -48,9 +51,9 @@ def count_eager(op, kind, direction, t, p, group, times: int = 1) -> None:
 def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum", inplace=False):
     """Sum (or `reduce_op`: "max", "min", ...) of `x` over the group, in a fresh contiguous tensor
     (in `x` itself with `inplace`, eager only, which needs `x` contiguous)."""
-    if inplace and not torch.compiler.is_compiling():         # c10d's own in-place op (CommDebugMode counts it)
-        dist.all_reduce(x, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
-        out = x
+    if not torch.compiler.is_compiling():         # c10d's own in-place op (CommDebugMode counts it), on a copy
+        out = x if inplace else x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
     else:
         out = functional.wait_tensor(functional.all_reduce(x.contiguous(), reduce_op, _group_name(group)))
     count_eager(op, "all_reduce", direction, out, dist.get_world_size(group), group)
@@ -59,9 +62,14 @@ def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum",
 
 def _stacked_gather(x, group):
     """[p, *x.shape] tensor of every rank's `x`."""
-    p = dist.get_world_size(group)
-    flat = functional.wait_tensor(functional.all_gather_into_tensor(x.contiguous().view(-1), p, _group_name(group)))
-    return flat.view((p,) + tuple(x.shape))
+    p, shape = dist.get_world_size(group), tuple(x.shape)
+    x = x.contiguous().view(-1)
+    if not torch.compiler.is_compiling():
+        flat = x.new_empty(p * x.numel())
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(flat, x, group=group)
+    else:
+        flat = functional.wait_tensor(functional.all_gather_into_tensor(x, p, _group_name(group)))
+    return flat.view((p,) + shape)
 
 
 def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forward", **cut):
@@ -244,7 +252,9 @@ def resolve(group):
 
 @_fx_leaf
 def copy_to(x, group=None):
-    """fwd: identity; bwd: all-reduce (sum) of the gradient."""
+    """fwd: identity; bwd: all-reduce (sum) of the gradient (none without grad: x itself)."""
+    if not torch.is_grad_enabled():
+        return x
     pg, p = resolve(group)
     return x if p == 1 else _CopyTo.apply(x, pg)
 
