@@ -107,13 +107,17 @@ def _gather_readers(prob, place, sidx, moved) -> None:
     reduce-scatter onto the tokens rather than an all-reduce of the whole gradient."""
     readers = sorted({u for i in moved for u in prob.users[i] if u not in moved and prob.kind[u] == "op"})
     for u in readers:
-        best = _activation_comm(prob, place, sidx), sidx[u]
+        near = {prob.root[j] for j in (u, *prob.ins[u], *prob.users[u]) if prob.kind[j] != "param"}
+
+        def comm():
+            return sum(prob.tensor_cost(j, place, sidx) for j in near)
+        best = comm(), sidx[u]
         for si, s in enumerate(prob.strats[u]):
             if si == best[1] or not isinstance(s.output, Replicate):
                 continue
             old = sidx[u], place[u]
             sidx[u], place[u] = si, s.output
-            c = _activation_comm(prob, place, sidx)
+            c = comm()
             if c < best[0] * (1 - EPS):
                 best = c, si
             sidx[u], place[u] = old
