@@ -16,12 +16,14 @@ row layer -> element-wise / norm ops -> column layer, whatever the architecture.
 
 The move: in topological order, an op whose output is held whole (Replicate) takes a strategy that
 outputs `Shard(token dim)` where each of its inputs is either moved already (read at its new
-placement), a Partial tensor (reduce-scattered), a whole activation (sliced locally) or a
-parameter read as stored, and at least one is moved or Partial; a view of a row layer's Partial
+placement), a Partial tensor (reduce-scattered), one split on another dim (an all-to-all where it
+was gathered: a hidden-split embedding's output), a whole activation (sliced locally) or a
+parameter read as stored, and at least one is not whole; a view of a row layer's Partial
 output that made it whole (the rewrite's flattened tokens viewed back to [b, s, h]) first passes
 it on Partial. Readers left as they were read a moved tensor whole: the all-gather. The move is
-kept only where the activations' communication does not grow (the parameters' gradient
-all-reduces are the norms' own cost); else the plan is left as it was. The token dim of a
+kept only where the activations' bytes do not grow (the parameters' gradient all-reduces are the
+norms' own cost; an all-to-all of a hidden-split embedding's output in place of its gather sends
+fewer bytes in more ring steps); else the plan is left as it was. The token dim of a
 [..., tokens, features] activation is its second-to-last (`token_dim`).
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ import copy
 
 import torch
 
+from ..runtime.counters import ring_bytes
 from ..runtime.placements import Partial, Replicate, Shard
 from .assignment import State
 
@@ -69,8 +72,10 @@ def _split_strategy(prob, i, place, moved):
             elif token_dim(prob.val[j]) is not None and req == Shard(token_dim(prob.val[j])):
                 if isinstance(src, Partial):
                     seeded = True           # a row layer's output: reduce-scattered onto the tokens
-                else:
-                    ok = _whole(src)        # a whole activation: sliced locally
+                elif not _whole(src):       # split on features (a hidden-split embedding): all-to-all,
+                    ok = prob.redistribution(j, src, req) is not None      # where it was gathered whole
+                    seeded = seeded or (ok and isinstance(src, Shard))
+                # (a whole activation is sliced locally)
             else:
                 ok = req == src
             if not ok:
@@ -96,8 +101,39 @@ def _partial_strategy(prob, i, place):
     return None
 
 
-def _activation_comm(prob, place, sidx) -> float:
-    return sum(prob.tensor_cost(j, place, sidx) for j in range(len(prob.nodes)) if prob.kind[j] != "param")
+def _activation_bytes(prob, place, sidx) -> float:
+    """Ring bytes a rank sends for the activations (not the parameters' gradients) under a labelling."""
+    return sum(ring_bytes(k, prob.nbytes[j], prob.p) for j in range(len(prob.nodes))
+               if prob.nbytes[j] and prob.kind[j] != "param"
+               for _, _, fwd, bwd, _, _ in prob.comms_of(j, place, sidx) for k in fwd + bwd)
+
+
+def _near_cost(prob, place, sidx, u) -> float:
+    """Communication (seconds) of the tensors whose cost a change of node u's strategy can change."""
+    near = {prob.root[j] for j in (u, *prob.ins[u], *prob.users[u]) if prob.kind[j] != "param"}
+    return sum(prob.tensor_cost(j, place, sidx) for j in near)
+
+
+def _prune(prob, place, sidx, moved, state) -> None:
+    """Put back moved ops that end the split region (no moved reader) where that sends less, and
+    views (which save nothing) where it sends no more: a tail whose reader wants another split
+    (the head's slices before a row-parallel head), the logits of a row-parallel head on their
+    way to a whole loss (split on tokens, their gradient would be gathered back)."""
+    changed = True
+    while changed:
+        changed = False
+        for i in sorted(moved, reverse=True):
+            if any(u in moved for u in prob.users[i]):
+                continue
+            before = _near_cost(prob, place, sidx, i)
+            new = sidx[i], place[i]
+            sidx[i], place[i] = state.sidx[i], state.place[i]
+            after = _near_cost(prob, place, sidx, i)
+            if after < before * (1 - EPS) or (prob.root[i] != i and after <= before * (1 + EPS)):
+                moved.discard(i)
+                changed = True
+            else:
+                sidx[i], place[i] = new
 
 
 def _gather_readers(prob, place, sidx, moved) -> None:
@@ -105,19 +141,16 @@ def _gather_readers(prob, place, sidx, moved) -> None:
     output whole) that moves fewest bytes: a view before a column layer then passes the layer's
     Partial input gradient through (`ReplicatePartialGrad`), so the gather's backward is a
     reduce-scatter onto the tokens rather than an all-reduce of the whole gradient."""
-    readers = sorted({u for i in moved for u in prob.users[i] if u not in moved and prob.kind[u] == "op"})
+    readers = sorted({u for i in moved for u in prob.users[i] if u not in moved and prob.kind[u] == "op"
+                      and _whole(place[u])})
     for u in readers:
-        near = {prob.root[j] for j in (u, *prob.ins[u], *prob.users[u]) if prob.kind[j] != "param"}
-
-        def comm():
-            return sum(prob.tensor_cost(j, place, sidx) for j in near)
-        best = comm(), sidx[u]
+        best = _near_cost(prob, place, sidx, u), sidx[u]
         for si, s in enumerate(prob.strats[u]):
             if si == best[1] or not isinstance(s.output, Replicate):
                 continue
             old = sidx[u], place[u]
             sidx[u], place[u] = si, s.output
-            c = comm()
+            c = _near_cost(prob, place, sidx, u)
             if c < best[0] * (1 - EPS):
                 best = c, si
             sidx[u], place[u] = old
@@ -151,9 +184,9 @@ def apply(state: State) -> int:
     for i in list(passed):              # passed on, but its reader was not moved: undo
         if prob.users[i][0] not in moved:
             sidx[i], place[i] = state.sidx[i], state.place[i]
+    _prune(prob, place, sidx, moved, state)
     _gather_readers(prob, place, sidx, moved)
-    if not moved or _activation_comm(prob, place, sidx) > \
-            _activation_comm(prob, state.place, state.sidx) * (1 + EPS) + 1e-15:
+    if not moved or _activation_bytes(prob, place, sidx) > _activation_bytes(prob, state.place, state.sidx) * (1 + EPS):
         return 0
     state.place[:], state.sidx[:] = place, sidx
     state.tcost = [prob.tensor_cost(j, place, sidx) for j in range(len(prob.nodes))]
