@@ -7,9 +7,9 @@ is predicted, and the fastest (communication + compute, `CostModel`) that fits i
 fits, blocks are recomputed in backward (activation checkpointing, applied by `parallelize`):
 added one at a time, the one that lowers the peak most first, each costing its forward again
 (its compute and its forward collectives). A budget that nothing meets is a `MemoryBudgetError`
-with the smallest peak reachable and what holds it. Sequence parallelism (`planner.sequence`: the
-stream split on tokens, the same bytes) is a candidate too where the caller leaves it open and no
-plan without it fits.
+with the smallest peak reachable and what holds it. Each plan's sequence-parallel twin
+(`planner.sequence`: the stream split on tokens, the same bytes) is a candidate too where the
+caller leaves it open, priced as the plan, so it is taken only where no plan as fast fits without it.
 """
 from __future__ import annotations
 
