@@ -291,15 +291,14 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
                 f = _fraction(prob.val[k], s.inputs[slot] if moved else state.place[k], p)
             elif j is not None and saved.storage[j] == st:
                 k, moved, f = j, False, _fraction(prob.val[j], state.place[j], p)
-            else:                       # a tensor of the op's own: the share of its largest input, or of
-                # its output where that is less (attention's probabilities: split by heads as its output
-                # is, beside a whole mask larger than q, k or v; a loss: whole output, split logits)
+            else:                       # a tensor of the op's own: the share of its largest input
                 ins = [(prob.nbytes[k], q, k) for q, k in enumerate(prob.ins[i]) if isinstance(prob.val[k], torch.Tensor)
                        and prob.kind[k] not in ("param", "buffer")]
-                f = _fraction(prob.val[i], state.place[i], p)
                 if ins and s is not None:
                     _, q, k = max(ins)
-                    f = min(f, _fraction(prob.val[k], s.inputs[q] or state.place[k], p))
+                    f = _fraction(prob.val[k], s.inputs[q] or state.place[k], p)
+                else:
+                    f = _fraction(prob.val[i], state.place[i], p)
                 j, moved = i, False
             key = (st, round(f, 9)) if moved else (st, "own")
             rec = keyed.setdefault(key, [int(nb * f), i if moved or j is None else j, [], module_of(prob, i)])
