@@ -36,7 +36,8 @@ def _check_world_size(world_size) -> int:
 
 def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | None = None,
          search: str = "greedy", tracer: str = "auto", tokens: int = 512, cost_model: CostModel | None = None,
-         capture_once: bool = True, outputs: str = "full", **cost_options) -> Plan:
+         capture_once: bool = True, outputs: str = "full", sequence_parallel: bool | None = None,
+         **cost_options) -> Plan:
     """Plan tensor parallelism for `model` at degree `world_size`.
 
     `example_inputs`: a tuple of positional arguments or a dict of keyword arguments (shapes
@@ -49,6 +50,10 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     "30GB"): the fastest plan whose predicted peak per rank of a training step (`plan.memory`, for
     `optimizer`, AdamW by default) fits, recomputing blocks in backward where nothing else does
     (`plan.checkpointed`, applied by `parallelize`); a MemoryBudgetError where no plan fits.
+    `sequence_parallel`: hold the residual stream, norms and dropouts between row- and column-parallel
+    layers split on tokens (Megatron's sequence parallelism: the same bytes, those activations at
+    1/p per rank; `plan.sequence_parallel` counts the ops split so): True, False, or None (default:
+    only where `memory_budget` needs it).
     `capture_once`: trace each run of identical layers once and repeat it in the graph (autoshard.capture.repeats; the same graph, in a time flat in depth), or
     trace every layer.
     """
@@ -64,7 +69,8 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     cap = capture(model, example_inputs, tracer=tracer, tokens=tokens, once=capture_once)
     result = plan_graph(cap.gm, world_size, cost, pin=pin, search=search, tracer=cap.tracer,
                         notes=cap.notes, example=(cap.args, cap.kwargs), outputs=outputs,
-                        blocks=B.resolve_blocks(model, "auto") if cost.memory_budget is not None else ())
+                        blocks=B.resolve_blocks(model, "auto") if cost.memory_budget is not None else (),
+                        sequence_parallel=sequence_parallel)
     _without_weights(cap.gm, model)
     return result
 

@@ -98,6 +98,7 @@ class Plan:
     outputs: str = "full"                     # "full": outputs returned whole; "sharded": split ones as DTensors
     output_placements: Mapping[str, Placement] = field(default_factory=dict)   # node the output reads -> as returned
     checkpointed: tuple = ()                  # blocks whose activations are recomputed in backward
+    sequence_parallel: int = 0                # ops holding the stream split on tokens (planner.sequence)
     memory_model: Any = field(default=None, compare=False, repr=False)   # Lazy of the step's Memory
 
     @functools.cached_property

@@ -13,6 +13,8 @@ the captured graph, and the model's own eager step beside it).
 
     python benchmarks/memory.py            # T = 512 and 2048 (a few minutes on 2 cores)
     python benchmarks/memory.py --full     # T = 512, 1024, 2048, 4096
+    python benchmarks/memory.py --sequence-parallel both --tokens 512 1024   # each plan also with
+                                           # sequence parallelism (`sequence_parallel=True`)
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def build(name: str, tokens: int):
     return model, kw, lambda m: m(**kw).loss
 
 
-def measure(name: str, tokens: int):
+def measure(name: str, tokens: int, sequence_parallel: bool = False):
     """On every rank: (predicted memory, measured peak, measured parts), gathered to rank 0."""
     import torch.distributed as dist
 
@@ -52,7 +54,8 @@ def measure(name: str, tokens: int):
     import refs
     p = dist.get_world_size()
     model, example, loss_of = build(name, tokens)
-    plan = autoshard.plan(model, p, example)
+    plan = autoshard.plan(model, p, example, sequence_parallel=sequence_parallel)
+    assert bool(plan.sequence_parallel) == sequence_parallel, (name, plan.sequence_parallel)
     gm = autoshard.parallelize(model, p, example, plan=plan)
     gm.train()
     peak, parts = refs.measured_step_peak(gm, loss_of)
@@ -81,30 +84,35 @@ def main(argv=None) -> int:
     ap.add_argument("--full", action="store_true", help="T = 512, 1024, 2048, 4096 (default 512 and 2048)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     ap.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
+    ap.add_argument("--tokens", nargs="+", type=int, help="sequence lengths (overrides --full)")
+    ap.add_argument("--sequence-parallel", choices=("off", "on", "both"), default="off",
+                    help="plan without sequence parallelism (default), with it, or both")
     args = ap.parse_args(argv)
     load = note_load()
-    sizes = (512, 1024, 2048, 4096) if args.full else (512, 2048)
+    sizes = args.tokens or ((512, 1024, 2048, 4096) if args.full else (512, 2048))
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.sequence_parallel]
     rows, records = [], []
     for name in args.models:
         for tokens in sizes:
             one, one_at, one_measured, own = single(name, tokens)
-            rows.append([name, tokens, 1, one["peak"] / 2 ** 20, one_measured / 2 ** 20, one["peak"] / one_measured,
+            rows.append([name, tokens, 1, "", one["peak"] / 2 ** 20, one_measured / 2 ** 20, one["peak"] / one_measured,
                          one["activations"] / 2 ** 20, 1.0, one_at, own / 2 ** 20])
             for p in args.worlds:
-                ranks = launch(measure, p, name, tokens, timeout_s=1200)
-                mem, at, measured, parts = max(ranks, key=lambda r: r[2])
-                predicted = max(r[0]["peak"] for r in ranks)
-                share = mem["activations"] / (one["activations"] / p)
-                rows.append([name, tokens, p, predicted / 2 ** 20, measured / 2 ** 20, predicted / measured,
-                             mem["activations"] / 2 ** 20, share, at, ""])
-                records.append(dict(model=name, tokens=tokens, world=p, predicted=mem, peak_at=at,
-                                    measured_peak=measured, measured_parts=parts, single=one,
-                                    single_measured_peak=one_measured, model_measured_peak=own))
-    print_table(rows, ["model", "tokens", "ranks", "predicted peak MiB", "measured MiB", "pred/meas",
+                for sp in modes:
+                    ranks = launch(measure, p, name, tokens, sp, timeout_s=1200)
+                    mem, at, measured, parts = max(ranks, key=lambda r: r[2])
+                    predicted = max(r[0]["peak"] for r in ranks)
+                    share = mem["activations"] / (one["activations"] / p)
+                    rows.append([name, tokens, p, "yes" if sp else "no", predicted / 2 ** 20, measured / 2 ** 20,
+                                 predicted / measured, mem["activations"] / 2 ** 20, share, at, ""])
+                    records.append(dict(model=name, tokens=tokens, world=p, sequence_parallel=sp, predicted=mem,
+                                        peak_at=at, measured_peak=measured, measured_parts=parts, single=one,
+                                        single_measured_peak=one_measured, model_measured_peak=own))
+    print_table(rows, ["model", "tokens", "ranks", "seq. parallel", "predicted peak MiB", "measured MiB", "pred/meas",
                        "activations/rank MiB", "act / (one process / p)", "predicted peak at",
                        "model's own step MiB"],
                 title="memory of one AdamW step per rank (MemTracker, gloo CPU ranks)", floatfmt=".3f")
-    ratios = [r[5] for r in rows]
+    ratios = [r[6] for r in rows]
     print(f"\npred/meas: min {min(ratios):.3f}, max {max(ratios):.3f} over {len(ratios)} configurations")
     write_json("memory", dict(load_before=load, rows=records))
     return 0

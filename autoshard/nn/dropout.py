@@ -51,7 +51,8 @@ class ParallelDropout(nn.Module):
             full = list(global_shape(x.shape, self.shard, self.world_size))
             noise = x.new_empty(full).bernoulli_(1.0 - self.p, generator=rng.generator("replicated", x.device))
             groups, m = groups_of(self.shard, self.world_size)        # (the ranks of a group: one piece)
-            noise = split_along(noise, self.shard.dim, groups, uneven=True, **self.shard.blocking)[self.rank // m]
+            # a copy of this rank's piece: a view would keep the whole mask alive until backward
+            noise = split_along(noise, self.shard.dim, groups, uneven=True, **self.shard.blocking)[self.rank // m].clone()
         else:
             g = rng.generator("sharded" if sharded else "replicated", x.device)
             noise = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=g)

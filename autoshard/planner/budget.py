@@ -7,7 +7,9 @@ is predicted, and the fastest (communication + compute, `CostModel`) that fits i
 fits, blocks are recomputed in backward (activation checkpointing, applied by `parallelize`):
 added one at a time, the one that lowers the peak most first, each costing its forward again
 (its compute and its forward collectives). A budget that nothing meets is a `MemoryBudgetError`
-with the smallest peak reachable and what holds it.
+with the smallest peak reachable and what holds it. Each plan's sequence-parallel twin
+(`planner.sequence`: the stream split on tokens, the same bytes) is a candidate too where the
+caller leaves it open, priced as the plan, so it is taken only where no plan as fast fits without it.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import replace
 from ..errors import MemoryBudgetError
 from .cost import flops
 from .memory import memory_of
+from .sequence import with_sequence_parallel
 
 # prices of a byte of training state (seconds) the search is run at; the cost model's own is added
 WEIGHTS = (0.0, 1e-12, 1e-10, 1e-8, 1e-6, 1e-3)
@@ -75,9 +78,12 @@ def _with_recompute(prob, state, budget, blocks):
     return seconds, mem, tuple(chosen)
 
 
-def fit_budget(make_problem, run, cost, blocks=()):
+def fit_budget(make_problem, run, cost, blocks=(), sequence_parallel=False):
     """(state, problem, checkpointed blocks) of the fastest plan whose predicted peak is at most
-    `cost.memory_budget`; `make_problem(cost)` builds a Problem, `run(problem)` searches it."""
+    `cost.memory_budget`; `make_problem(cost, tokens=False)` builds a Problem (`tokens`: one whose ops
+    may split the token dim), `run(problem)` searches it. `sequence_parallel`: False never, True
+    always, None as a candidate beside each plan, priced as that plan (it sends the same bytes) and
+    taken only where the plan itself does not fit."""
     budget = cost.memory_budget
     candidates, seen, saved = [], set(), None
     for weight in dict.fromkeys((cost.memory_weight, *WEIGHTS)):
@@ -90,13 +96,20 @@ def fit_budget(make_problem, run, cost, blocks=()):
         if layout in seen:
             continue
         seen.add(layout)
-        candidates.append((step_seconds(prob, state), mem, state, prob))
-    fits = [c for c in candidates if c[1].peak <= budget]
+        candidates.append((step_seconds(prob, state), False, mem, state, prob))
+    if sequence_parallel is not False:
+        tokens = make_problem(cost, tokens=True)
+        tokens.saved = saved
+        split = [(seconds, True, state, tokens) for seconds, _, _, plain, _ in candidates
+                 if (state := with_sequence_parallel(plain, tokens)) is not None]
+        split = [(seconds, sp, memory_of(prob, state), state, prob) for seconds, sp, state, prob in split]
+        candidates = split + (candidates if sequence_parallel is None or not split else [])
+    fits = [c for c in candidates if c[2].peak <= budget]
     if fits:
-        _, _, state, prob = min(fits, key=lambda c: (c[0], c[1].peak))
+        _, _, _, state, prob = min(fits, key=lambda c: (c[0], c[1], c[2].peak))
         return state, prob, ()
     best, smallest = None, None
-    for _, _, state, prob in candidates:
+    for _, _, _, state, prob in candidates:
         seconds, mem, chosen = _with_recompute(prob, state, budget, blocks)
         if mem.peak <= budget and (best is None or seconds < best[0]):
             best = (seconds, state, prob, chosen)
@@ -106,7 +119,7 @@ def fit_budget(make_problem, run, cost, blocks=()):
         return best[1], best[2], best[3]
     held = ", ".join(f"{what} {_fmt(nb)}" for what, nb in smallest.largest)
     raise MemoryBudgetError(
-        f"no plan at world size {candidates[0][3].p} fits memory_budget={_fmt(budget)} per rank: the smallest "
+        f"no plan at world size {candidates[0][4].p} fits memory_budget={_fmt(budget)} per rank: the smallest "
         f"peak reachable is {_fmt(smallest.peak)}{' with every block recomputed' if blocks else ''}, at the "
         f"{smallest.peak_at}; largest there: {held}. Use more ranks, a smaller batch or sequence, or a "
         f"lower-precision dtype")

@@ -21,6 +21,7 @@ from ..plan import Lazy, NodeDecision, Plan, Redistribution, check_outputs
 from ..runtime.counters import ring_bytes
 from ..runtime.placements import Replicate, Shard, local_numel, padded, splits
 from . import search as _search
+from . import sequence as _sequence
 from .cost import CostModel, flops
 from .decisions import module_of
 from .budget import fit_budget
@@ -107,26 +108,39 @@ def unit_candidates(gm: fx.GraphModule) -> tuple:
 
 def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
                tracer="fx", notes=(), example=((), {}), layouts=None, outputs="full", blocks=(),
-               held=frozenset()) -> Plan:
+               held=frozenset(), sequence_parallel=False) -> Plan:
     """Plan an already captured graph (shapes in node.meta['val']); `layouts` (parameter name ->
     placement) fixes the parameters' layouts, leaving the search only the activations; with
     `cost.memory_budget`, the fastest plan that fits (`budget`; `blocks`: the modules it may recompute);
     `outputs` ("full" or "sharded") is what the graph's output needs of the tensors it returns;
-    `held`: positions of the flat outputs returned as each rank holds them (no collective)."""
+    `held`: positions of the flat outputs returned as each rank holds them (no collective);
+    `sequence_parallel` (True, False, or None: where a memory budget needs it) holds the stream
+    between row and column layers split on tokens (`planner.sequence`)."""
     check_outputs(outputs)
+    if sequence_parallel not in (True, False, None):
+        raise ValueError(f"sequence_parallel must be True, False or None, got {sequence_parallel!r}")
     t0 = time.perf_counter()
-    prob = _search.Problem(gm, world_size, cost, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
-                           layouts=layouts, outputs=outputs, part_candidates=part_candidates(gm), held=held)
+    budgeted = cost.memory_budget is not None and layouts is None
+
+    def make(c, tokens=False):
+        return _search.Problem(gm, world_size, c, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
+                               outputs=outputs, part_candidates=part_candidates(gm), tokens=tokens,
+                               **({} if budgeted else {"layouts": layouts, "held": held}))
+    prob = make(cost)
     if not prob.param_obj:
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
     checkpointed = ()
-    if cost.memory_budget is None or layouts is not None:
+    if not budgeted:
         state = _run(prob, search)
+        if sequence_parallel is True:
+            moved = _sequence.with_sequence_parallel(state, make(cost, tokens=True))
+            if moved is None:
+                notes = (*notes, "sequence_parallel: no activation between row and column layers can be split on "
+                                 "tokens at the same bytes; planned without")
+            else:
+                state, prob = moved, moved.prob
     else:
-        def make(c):
-            return _search.Problem(gm, world_size, c, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
-                                   outputs=outputs, part_candidates=part_candidates(gm))
-        state, prob, checkpointed = fit_budget(make, lambda pr: _run(pr, search), cost, blocks)
+        state, prob, checkpointed = fit_budget(make, lambda pr: _run(pr, search), cost, blocks, sequence_parallel)
     seconds = time.perf_counter() - t0
     notes = list(notes) + _divisibility_notes(prob, world_size)
     return build_plan(prob, state, tracer=tracer, search=search, seconds=seconds, notes=notes, example=example,
@@ -260,4 +274,4 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         unsupported=unsupported, notes=tuple(notes), fingerprint=fingerprint, cost_model=prob.cost,
         search=search, search_seconds=seconds, objective=state.total, graph_module=prob.gm, example=example,
         outputs=prob.outputs, output_placements=MappingProxyType(returned),
-        checkpointed=tuple(checkpointed), memory_model=memory)
+        checkpointed=tuple(checkpointed), memory_model=memory, sequence_parallel=_sequence.split_ops(prob, state))

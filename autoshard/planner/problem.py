@@ -53,8 +53,9 @@ class Problem:
 
     def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(), unit_candidates=(),
                  pins: dict | None = None, layouts: dict | None = None, outputs: str = "full", part_candidates=(),
-                 held: frozenset = frozenset()):
+                 held: frozenset = frozenset(), tokens: bool = False):
         self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
+        self.tokens = tokens          # sequence parallelism: ops may split the token dim (planner.sequence)
         self.nodes = list(gm.graph.nodes)
         self.idx = {n: i for i, n in enumerate(self.nodes)}
         modules = dict(gm.named_modules())
@@ -100,7 +101,7 @@ class Problem:
                     hit = rules.strategies(NodeInfo(n, world_size, module, tuple(chunk_candidates),
                                                     unit_candidates=tuple(unit_candidates),
                                                     part_candidates=tuple(part_candidates),
-                                                    replica_candidates=replica_candidates))
+                                                    replica_candidates=replica_candidates, tokens=tokens))
                     if key is not None:
                         memo[key] = hit
                 found, covered = hit

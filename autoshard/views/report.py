@@ -25,6 +25,8 @@ def memory_line(plan) -> str:
             f"{fmt_bytes(m.gradients)}, optimizer {fmt_bytes(m.optimizer)}, activations {fmt_bytes(m.activations)})")
     if plan.checkpointed:
         text += f"; recomputed in backward: {', '.join(plan.checkpointed)}"
+    if plan.sequence_parallel:
+        text += f"; sequence parallel: {plan.sequence_parallel} ops split on tokens"
     return text
 
 

@@ -86,6 +86,7 @@ class NodeInfo:
     unit_candidates: tuple = ()        # sizes of indivisible units the graph cuts features into (head dims)
     part_candidates: tuple = ()        # sizes of unequal parts the graph cuts a dim into (q, k, v features)
     replica_candidates: tuple = ()     # group sizes m of `Shard(d, replicas=m)` (K/V heads fewer than ranks)
+    tokens: bool = False               # sequence parallelism: the token dim may be split (`valid`)
 
     def __post_init__(self):
         self.inputs = list(self.node.all_input_nodes)
@@ -292,14 +293,23 @@ def _replicate_like(v, partial_grad: bool = False):
     return None
 
 
-def _fits(placement, v, p, dynamic, uneven=False) -> bool:
+def _fits(placement, v, p, dynamic, uneven=False, tokens=False) -> bool:
     if placement is None or isinstance(placement, (Replicate, Partial)):
         return True
     if isinstance(placement, tuple):
         dyn = dynamic if isinstance(dynamic, tuple) else (dynamic,) * len(placement)
-        return isinstance(v, (tuple, list)) and all(_fits(pl, x, p, d, uneven) for pl, x, d in zip(placement, v, dyn))
+        return isinstance(v, (tuple, list)) and all(_fits(pl, x, p, d, uneven, tokens)
+                                                    for pl, x, d in zip(placement, v, dyn))
     fits = splits if uneven else divides
-    return isinstance(v, torch.Tensor) and fits(v.shape, placement, p) and placement.dim not in dynamic
+    return isinstance(v, torch.Tensor) and fits(v.shape, placement, p) and \
+        (placement.dim not in dynamic or (tokens and uneven and token_shard(placement, v.dim())))
+
+
+def token_shard(placement, ndim: int) -> bool:
+    """Whether `placement` is sequence parallelism's split of a [..., tokens, features] tensor: a
+    contiguous shard of its token (second-to-last) dim at torch.chunk's boundaries."""
+    return isinstance(placement, Shard) and ndim >= 2 and placement.dim == ndim - 2 and \
+        placement == Shard(ndim - 2)
 
 
 def _replicas(placement) -> set:
@@ -332,9 +342,9 @@ def valid(info: NodeInfo, s: OpStrategy) -> bool:
     p = info.world_size
     if not closed_groups(s) or any(_replicas(pl) and n.op == "get_attr" for pl, n in zip(s.inputs, info.inputs)):
         return False                 # (a parameter is held split or whole, never by groups of ranks)
-    if not _fits(s.output, info.val(info.node), p, dynamic_dims(info.node), s.uneven):
+    if not _fits(s.output, info.val(info.node), p, dynamic_dims(info.node), s.uneven, info.tokens):
         return False
-    return all(_fits(pl, info.val(n), p, dynamic_dims(n), s.uneven) for pl, n in zip(s.inputs, info.inputs))
+    return all(_fits(pl, info.val(n), p, dynamic_dims(n), s.uneven, info.tokens) for pl, n in zip(s.inputs, info.inputs))
 
 
 def strategies(info: NodeInfo) -> tuple[list[OpStrategy], bool]:

@@ -1,0 +1,219 @@
+"""Megatron's sequence parallelism as a move on a searched plan (`sequence_parallel=`).
+
+Between a row-parallel layer and the next column-parallel layers a Megatron plan holds the
+residual stream, the norms and the dropouts whole on every rank: the row layer's Partial output is
+all-reduced, each rank then runs the same element-wise ops on the same tokens and saves the same
+activations. Sequence parallelism (Korthikanti et al., 2022) holds that stretch split on the token
+dim instead: the Partial output is reduce-scattered onto the tokens (backward: all-gathered), the
+ops between run on 1/p of the tokens, and the column layers' input is all-gathered (backward:
+reduce-scattered). A ring all-reduce is a reduce-scatter and an all-gather, so the activations move
+the same bytes; what changes is memory (the stream's saved tensors, norms' statistics and dropout
+masks at 1/p per rank), a little compute (the element-wise ops at 1/p) and the norms' weights,
+whose gradients are now sums over each rank's tokens and are all-reduced (a hidden-size vector
+each). The search's objective never prefers it (comm-neutral, memory of activations unpriced), so
+it is applied here, after the search, to whatever plan it found, for any graph whose stream runs
+row layer -> element-wise / norm ops -> column layer, whatever the architecture.
+
+The move: in topological order, an op whose output is held whole (Replicate) takes a strategy that
+outputs `Shard(token dim)` where each of its inputs is either moved already (read at its new
+placement), a Partial tensor (reduce-scattered), one split on another dim (an all-to-all where it
+was gathered: a hidden-split embedding's output), a whole activation (sliced locally) or a
+parameter read as stored, and at least one is not whole; a view of a row layer's Partial
+output that made it whole (the rewrite's flattened tokens viewed back to [b, s, h]) first passes
+it on Partial. Readers left as they were read a moved tensor whole: the all-gather. The move is
+kept only where the activations' bytes do not grow (the parameters' gradient all-reduces are the
+norms' own cost; an all-to-all of a hidden-split embedding's output in place of its gather sends
+fewer bytes in more ring steps); else the plan is left as it was. The token dim of a
+[..., tokens, features] activation is its second-to-last (`token_dim`).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..runtime.counters import ring_bytes
+from ..runtime.placements import Partial, Replicate, Shard
+from .assignment import State
+
+EPS = 1e-9        # relative slack of the communication check (float sums in another order)
+
+
+def token_dim(v) -> int | None:
+    """The dim sequence parallelism splits a floating activation on: tokens of [..., tokens, features]."""
+    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2:
+        return v.dim() - 2
+    return None
+
+
+def _whole(pl) -> bool:
+    return type(pl) is Replicate
+
+
+def _split_strategy(prob, i, place, moved):
+    """The strategy of node i that outputs Shard(token dim) from the inputs `moved` / as held, or None."""
+    d = token_dim(prob.val[i])
+    if d is None or not _whole(place[i]) or prob.kind[i] != "op":
+        return None
+    want = Shard(d)
+    for si, s in enumerate(prob.strats[i]):
+        if s.output != want:
+            continue
+        ok, seeded = True, False
+        for slot, j in enumerate(prob.ins[i]):
+            req = s.inputs[slot]
+            if req is None:
+                continue
+            src = place[j]
+            if prob.kind[j] in ("param", "buffer") or not prob.nbytes[j]:
+                ok = req == src
+            elif j in moved:
+                ok, seeded = req == src, seeded or req == src
+            elif token_dim(prob.val[j]) is not None and req == Shard(token_dim(prob.val[j])):
+                if isinstance(src, Partial):
+                    seeded = True           # a row layer's output: reduce-scattered onto the tokens
+                elif not _whole(src):       # split on features (a hidden-split embedding): all-to-all,
+                    ok = prob.redistribution(j, src, req) is not None      # where it was gathered whole
+                    seeded = seeded or (ok and isinstance(src, Shard))
+                # (a whole activation is sliced locally)
+            else:
+                ok = req == src
+            if not ok:
+                break
+        if ok and seeded:
+            return si
+    return None
+
+
+def _partial_strategy(prob, i, place):
+    """The strategy of a whole view / element-wise op i that reads a Partial input and keeps it
+    Partial (its one reader then reduce-scatters it), or None."""
+    if prob.kind[i] != "op" or not _whole(place[i]) or len(prob.users[i]) != 1:
+        return None
+    acts = [j for j in prob.ins[i] if prob.nbytes[j] and prob.kind[j] not in ("param", "buffer")]
+    if len(acts) != 1 or not isinstance(place[acts[0]], Partial):
+        return None
+    for si, s in enumerate(prob.strats[i]):
+        if isinstance(s.output, Partial) and all(
+                req is None or (isinstance(req, Partial) if j == acts[0] else req == place[j])
+                for req, j in zip(s.inputs, prob.ins[i])):
+            return si
+    return None
+
+
+def _activation_bytes(prob, place, sidx) -> float:
+    """Ring bytes a rank sends for the activations (not the parameters' gradients) under a labelling."""
+    return sum(ring_bytes(k, prob.nbytes[j], prob.p) for j in range(len(prob.nodes))
+               if prob.nbytes[j] and prob.kind[j] != "param"
+               for _, _, fwd, bwd, _, _ in prob.comms_of(j, place, sidx) for k in fwd + bwd)
+
+
+def _near_cost(prob, place, sidx, u) -> float:
+    """Communication (seconds) of the tensors whose cost a change of node u's strategy can change."""
+    near = {prob.root[j] for j in (u, *prob.ins[u], *prob.users[u]) if prob.kind[j] != "param"}
+    return sum(prob.tensor_cost(j, place, sidx) for j in near)
+
+
+def _prune(prob, place, sidx, moved, state) -> None:
+    """Put back moved ops that end the split region (no moved reader) where that sends less, and
+    views (which save nothing) where it sends no more: a tail whose reader wants another split
+    (the head's slices before a row-parallel head), the logits of a row-parallel head on their
+    way to a whole loss (split on tokens, their gradient would be gathered back)."""
+    changed = True
+    while changed:
+        changed = False
+        for i in sorted(moved, reverse=True):
+            if any(u in moved for u in prob.users[i]):
+                continue
+            before = _near_cost(prob, place, sidx, i)
+            new = sidx[i], place[i]
+            sidx[i], place[i] = state.sidx[i], state.place[i]
+            after = _near_cost(prob, place, sidx, i)
+            if after < before * (1 - EPS) or (prob.root[i] != i and after <= before * (1 + EPS)):
+                moved.discard(i)
+                changed = True
+            else:
+                sidx[i], place[i] = new
+
+
+def _gather_readers(prob, place, sidx, moved) -> None:
+    """Let each reader that gathers a moved tensor whole take the strategy (of those keeping its
+    output whole) that moves fewest bytes: a view before a column layer then passes the layer's
+    Partial input gradient through (`ReplicatePartialGrad`), so the gather's backward is a
+    reduce-scatter onto the tokens rather than an all-reduce of the whole gradient."""
+    readers = sorted({u for i in moved for u in prob.users[i] if u not in moved and prob.kind[u] == "op"
+                      and _whole(place[u])})
+    for u in readers:
+        best = _near_cost(prob, place, sidx, u), sidx[u]
+        for si, s in enumerate(prob.strats[u]):
+            if si == best[1] or not isinstance(s.output, Replicate):
+                continue
+            old = sidx[u], place[u]
+            sidx[u], place[u] = si, s.output
+            c = _near_cost(prob, place, sidx, u)
+            if c < best[0] * (1 - EPS):
+                best = c, si
+            sidx[u], place[u] = old
+        sidx[u], place[u] = best[1], prob.strats[u][best[1]].output
+
+
+def apply(state: State) -> int:
+    """Apply the move to `state` in place (see the module docstring); returns how many ops now hold
+    their output split on tokens (0: nothing to move, or moving would send more bytes)."""
+    prob = state.prob
+    place, sidx = list(state.place), list(state.sidx)
+    moved: set[int] = set()
+    passed: dict[int, int] = {}         # whole views of a Partial tensor passed on Partial: node -> strategy
+    for i in range(len(prob.nodes)):
+        si = _split_strategy(prob, i, place, moved)
+        if si is None:
+            # a whole view of a Partial tensor whose one reader could then take it split
+            pi = _partial_strategy(prob, i, place)
+            if pi is None:
+                continue
+            old = place[i], sidx[i]
+            place[i], sidx[i] = prob.strats[i][pi].output, pi
+            u = prob.users[i][0]
+            if _split_strategy(prob, u, place, moved) is None:
+                place[i], sidx[i] = old
+                continue
+            passed[i] = pi
+            continue
+        sidx[i], place[i] = si, prob.strats[i][si].output
+        moved.add(i)
+    for i in list(passed):              # passed on, but its reader was not moved: undo
+        if prob.users[i][0] not in moved:
+            sidx[i], place[i] = state.sidx[i], state.place[i]
+    _prune(prob, place, sidx, moved, state)
+    _gather_readers(prob, place, sidx, moved)
+    if not moved or _activation_bytes(prob, place, sidx) > _activation_bytes(prob, state.place, state.sidx) * (1 + EPS):
+        return 0
+    state.place[:], state.sidx[:] = place, sidx
+    state.tcost = [prob.tensor_cost(j, place, sidx) for j in range(len(prob.nodes))]
+    state.total = state.evaluate()
+    return len(moved)
+
+
+def with_sequence_parallel(state: State, tokens) -> State | None:
+    """`state` (searched on a Problem whose ops keep tokens whole) as a state of `tokens` (the same
+    graph's Problem with `tokens=True`: the token splits offered too) with the move applied, or None
+    where it moves nothing (or the two problems' decisions differ). The search runs without token
+    splits, so that the plan moved is the plan found without sequence parallelism."""
+    prob = state.prob
+    if len(tokens.nodes) != len(prob.nodes) or [g.choices for g in tokens.groups] != [g.choices for g in prob.groups]:
+        return None
+    other = copy.copy(state)
+    other.prob, other.choice, other.place = tokens, list(state.choice), list(state.place)
+    other.sidx = [tokens.strats[i].index(prob.strats[i][s]) if prob.strats[i] else s for i, s in enumerate(state.sidx)]
+    other.param_place = dict(state.param_place)
+    if not apply(other):
+        return None
+    return other
+
+
+def split_ops(prob, state: State) -> int:
+    """How many ops of `state` hold their output split on the token dim (0 without sequence parallelism)."""
+    if not prob.tokens:
+        return 0
+    return sum(1 for i in range(len(prob.nodes)) if prob.kind[i] == "op" and token_dim(prob.val[i]) is not None
+               and state.place[i] == Shard(token_dim(prob.val[i])))
