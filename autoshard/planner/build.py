@@ -23,7 +23,7 @@ from ..runtime.placements import Replicate, Shard, local_numel, padded, splits
 from . import search as _search
 from .cost import CostModel, flops
 from .decisions import module_of
-from .budget import fit_budget
+from .budget import fit_budget, least_comm
 from .memory import memory_of
 from .rules.registry import PARALLEL_LAYERS, family_of
 from .rules.shape import view_groups
@@ -120,8 +120,11 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     if not prob.param_obj:
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
     checkpointed = ()
-    if cost.memory_budget is None or layouts is not None:
+    if layouts is not None or (cost.memory_budget is None and cost.memory_weight is not None):
         state = _run(prob, search)
+    elif cost.memory_budget is None:
+        state = least_comm(prob, lambda pr: _searched(pr, search))
+        state.reduce_early()
     else:
         def make(c):
             return _search.Problem(gm, world_size, c, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
@@ -133,8 +136,12 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
                       checkpointed=checkpointed, memory_now=layouts is None)
 
 
+def _searched(prob, search):
+    return _search.exact(prob) if search == "exact" else _search.greedy(prob)
+
+
 def _run(prob, search):
-    state = _search.exact(prob) if search == "exact" else _search.greedy(prob)
+    state = _searched(prob, search)
     state.reduce_early()
     return state
 
