@@ -190,6 +190,16 @@ CONFIGS: dict[str, Spec] = {
         hidden_act="gelu", max_position_embeddings=2048, layer_norm_eps=1e-5, rotary_pct=0.25,
         rotary_emb_base=10000, use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0,
         eos_token_id=0), parallel=True, norms=2, remark="GPT-NeoX, fused query_key_value"),
+    "gpt-neox-20b": Spec("EleutherAI/gpt-neox-20b", "GPTNeoXConfig", dict(
+        vocab_size=50432, hidden_size=6144, intermediate_size=24576, num_hidden_layers=44, num_attention_heads=64,
+        hidden_act="gelu_fast", max_position_embeddings=2048, layer_norm_eps=1e-5, rotary_pct=0.25,
+        rotary_emb_base=10000, use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=2), parallel=True, norms=2, remark="parallel residual, a norm per branch (issue 40)"),
+    "falcon-11b": Spec("tiiuae/falcon-11B", "FalconConfig", dict(
+        vocab_size=65024, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32, num_kv_heads=8,
+        new_decoder_architecture=True, num_ln_in_parallel_attn=1, parallel_attn=True, bias=False, alibi=False,
+        layer_norm_epsilon=1e-5, max_position_embeddings=8192, rope_theta=500042.0, bos_token_id=11,
+        eos_token_id=11), parallel=True, remark="32 heads in 8 groups, q/k/v fused per group, one norm"),
     "opt-1.3b": Spec("facebook/opt-1.3b", "OPTConfig", dict(
         vocab_size=50272, hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
         max_position_embeddings=2048, word_embed_proj_dim=2048, do_layer_norm_before=True,

@@ -73,10 +73,11 @@ def least_comm(prob, run):
         state = run(prob)
         held = state_bytes(prob, state)
         if best is None or held < best[0]:
-            best = held, state
+            best = held, state, price
         if held <= bound:
             break
-    held, state = best
+    held, state, price = best
+    prob.price_state(price)               # the plan's objective is the one it was found at
     _relax(prob, state, max(bound, held), held)
     return state
 
