@@ -28,9 +28,9 @@ TIE_PRICE = 1e-14
 # reachable by this fraction of the whole model's state: small layers (norms, a 768 x 768 transform,
 # replicated K/V) may stay whole where that moves fewer bytes, as Megatron keeps them, every large
 # weight is split. A fraction of the model, not of 1/p of it, since what Megatron keeps whole is (2.6%
-# of a 2-layer BERT-base); 1.5%, not 2: BERT's transform whole is 1.34% of it at 8 ranks, a tiny
-# LLaMA's out-projection (hidden 64, 2 layers) 1.9% at 2, which Megatron splits.
-STATE_TOLERANCE = 0.015
+# of a 2-layer BERT-base). At 1.5% BERT-base at 2 layers and 8 ranks split its transform again (1.10
+# of Megatron's bytes: the transform is 1.34% of it, with norms and biases more).
+STATE_TOLERANCE = 0.02
 
 
 @dataclass(frozen=True, kw_only=True)
