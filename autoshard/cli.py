@@ -75,6 +75,11 @@ def _pin(text: str) -> tuple:
     return name, value
 
 
+def _weight(s: str):
+    """--memory-weight: seconds per byte, or 'none' (no price)."""
+    return "none" if s.lower() == "none" else float(s)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m autoshard",
                                  description="autoshard: automatic tensor parallelism by torch.fx graph rewriting")
@@ -101,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="return outputs whole (default) or leave split ones split (DTensors at run time)")
     pp.add_argument("--bandwidth", type=float, help="bytes/s a rank sends (cost model)")
     pp.add_argument("--latency", type=float, help="seconds per ring step (cost model)")
-    pp.add_argument("--memory-weight", type=float, help="seconds per byte of training state (cost model)")
+    pp.add_argument("--memory-weight", type=_weight, help="seconds per byte of training state (cost model; default "
+                    "1e-9), or 'none': no price, the fastest plan within about 1/p of the least state")
     pp.add_argument("--memory-budget", help="peak bytes of a training step per rank, e.g. 30GB (the fastest plan "
                     "that fits; an error names the smallest reachable peak)")
     pp.add_argument("--optimizer", help="optimizer whose state the memory counts: adamw (default), adam, sgd, "
@@ -240,6 +246,8 @@ def cmd_plan(args) -> int:
             raise CliError(f"--draw {args.draw}: the extension picks the format, one of {', '.join(FORMATS)}")
     knobs = {k: getattr(args, k) for k in ("bandwidth", "latency", "memory_weight", "memory_budget", "optimizer")
              if getattr(args, k) is not None}
+    if knobs.get("memory_weight") == "none":
+        knobs["memory_weight"] = None
     if knobs.get("optimizer", "").isdigit():
         knobs["optimizer"] = int(knobs["optimizer"])
     pins = dict(args.pin)

@@ -190,6 +190,16 @@ CONFIGS: dict[str, Spec] = {
         hidden_act="gelu", max_position_embeddings=2048, layer_norm_eps=1e-5, rotary_pct=0.25,
         rotary_emb_base=10000, use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0,
         eos_token_id=0), parallel=True, norms=2, remark="GPT-NeoX, fused query_key_value"),
+    "gpt-neox-20b": Spec("EleutherAI/gpt-neox-20b", "GPTNeoXConfig", dict(
+        vocab_size=50432, hidden_size=6144, intermediate_size=24576, num_hidden_layers=44, num_attention_heads=64,
+        hidden_act="gelu_fast", max_position_embeddings=2048, layer_norm_eps=1e-5, rotary_pct=0.25,
+        rotary_emb_base=10000, use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=2), parallel=True, norms=2, remark="parallel residual, a norm per branch (issue 40)"),
+    "falcon-11b": Spec("tiiuae/falcon-11B", "FalconConfig", dict(
+        vocab_size=65024, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32, num_kv_heads=8,
+        new_decoder_architecture=True, num_ln_in_parallel_attn=1, parallel_attn=True, bias=False, alibi=False,
+        layer_norm_epsilon=1e-5, max_position_embeddings=8192, rope_theta=500042.0, bos_token_id=11,
+        eos_token_id=11), parallel=True, remark="32 heads in 8 groups, q/k/v fused per group, one norm"),
     "opt-1.3b": Spec("facebook/opt-1.3b", "OPTConfig", dict(
         vocab_size=50272, hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
         max_position_embeddings=2048, word_embed_proj_dim=2048, do_layer_norm_before=True,
@@ -278,13 +288,16 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
+COST = {}          # cost-model knobs of every plan (--least-comm: {"memory_weight": None})
+
+
 def timed_plan(model, p: int, mode: str):
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = autoshard.plan(model, p, {"input_ids": ids, "labels": ids}, outputs=mode)
+            plan = autoshard.plan(model, p, {"input_ids": ids, "labels": ids}, outputs=mode, **COST)
         return plan, time.perf_counter() - t0, None
     except Exception as exc:                                     # noqa: BLE001 - recorded, never fatal
         return None, time.perf_counter() - t0, exc
@@ -431,7 +444,11 @@ def main(argv=None) -> int:
     ap.add_argument("--flag", type=float, default=1.25,
                     help="print the largest collectives of rows whose comm/Megatron or layers' share exceeds this")
     ap.add_argument("--list", action="store_true", help="list the configurations and exit")
+    ap.add_argument("--least-comm", action="store_true", help="plan with memory_weight=None: no price of state, "
+                    "the fastest plan within about 1/p of the least state (planner.budget.least_comm)")
     args = ap.parse_args(argv)
+    if args.least_comm:
+        COST["memory_weight"] = None
     if args.list:
         for k, s in CONFIGS.items():
             print(f"{k:14s} {s.hf_id:36s} {s.remark}")

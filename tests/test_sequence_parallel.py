@@ -17,7 +17,6 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import autoshard  # noqa: E402
-from autoshard.runtime.counters import ring_bytes  # noqa: E402
 
 TOLERANCE = 0.10
 DROPOUT = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)

@@ -1,4 +1,9 @@
-"""Plans under a memory budget: the fastest plan whose predicted peak per rank fits (`planner.memory`).
+"""Plans under a memory budget, and without one.
+
+Without a budget or a price (`least_comm`): the fastest plan (communication, then compute) whose
+training state per rank exceeds the least reachable by at most `cost.STATE_TOLERANCE` of the
+model's state, of those the smallest. With a budget: the fastest plan whose predicted peak per
+rank fits (`planner.memory`).
 
 The trades: the search is run at several prices of training-state memory (`memory_weight` from 0,
 where a small layer stays whole and Gemma's K/V weights are replicated whenever that moves fewer
@@ -16,12 +21,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import MemoryBudgetError
-from .cost import flops
+from ..runtime.placements import REPLICATE, local_numel
+from .cost import STATE_TOLERANCE, TIE_PRICE, flops
 from .memory import memory_of
 from .sequence import with_sequence_parallel
 
 # prices of a byte of training state (seconds) the search is run at; the cost model's own is added
 WEIGHTS = (0.0, 1e-12, 1e-10, 1e-8, 1e-6, 1e-3)
+# without a budget: the prices tried in turn, cheapest first, until a plan's state is within the tolerance
+PRICES = (TIE_PRICE, 1e-12, 1e-11, 1e-10, 1e-9, 1e-8, 1e-6, 1e-3)
 
 
 def _fmt(n: float) -> str:
@@ -33,6 +41,78 @@ def _fmt(n: float) -> str:
 def step_seconds(prob, state) -> float:
     """Predicted seconds of a step under `state`: its objective without the memory term."""
     return state.total - sum(prob.param_cost(k, state.placement_of_param(k)) for k in prob.param_obj)
+
+
+def _param_bytes(prob, key, placement) -> int:
+    obj = prob.param_obj[key]
+    return local_numel(obj.shape, placement, prob.p) * obj.element_size()
+
+
+def state_bytes(prob, state) -> int:
+    """Bytes of parameters the largest rank holds under `state` (its training state / state_factor)."""
+    return sum(_param_bytes(prob, k, state.placement_of_param(k)) for k in prob.param_obj)
+
+
+def least_state(prob) -> int:
+    """The smallest `state_bytes` any choice of the groups reaches (each group at its smallest)."""
+    grouped = {k for grp in prob.groups for k in grp.params}
+    total = sum(_param_bytes(prob, k, REPLICATE) for k in prob.param_obj if k not in grouped)
+    for grp in prob.groups:
+        total += min(sum(_param_bytes(prob, k, pl) for k, pl in zip(grp.params, ch)) for ch in grp.choices)
+    return total
+
+
+def least_comm(prob, run):
+    """The plan without a budget or a price: the fastest (`step_seconds`) whose state per rank is at most
+    the least reachable plus STATE_TOLERANCE of the whole model's, then the smallest. `run(prob)`
+    searches at the problem's price of state: run at PRICES in turn, the first plan within the bound
+    is then relaxed group by group (`_relax`: a layer made whole where that is faster and the bound
+    still holds). Where no price reaches the bound, the plan of least state."""
+    whole = sum(_param_bytes(prob, k, REPLICATE) for k in prob.param_obj)
+    bound = least_state(prob) + STATE_TOLERANCE * whole
+    best = None
+    for price in PRICES:
+        prob.price_state(price)
+        state = run(prob)
+        held = state_bytes(prob, state)
+        if best is None or held < best[0]:
+            best = held, state, price
+        if held <= bound:
+            break
+    held, state, price = best
+    prob.price_state(price)               # the plan's objective is the one it was found at
+    _relax(prob, state, max(bound, held), held)
+    return state
+
+
+def _relax(prob, state, bound, held) -> None:
+    """Flip one group at a time where the step gets faster (or as fast with less state) and the state
+    stays within `bound`: the prices move whole families of layers at once, the bound is per byte."""
+    for _ in range(3):
+        improved = False
+        for g, grp in enumerate(prob.groups):
+            now = state.choice[g]
+            old_b = sum(_param_bytes(prob, k, state.placement_of_param(k)) for k in grp.params)
+            old_c = sum(prob.param_cost(k, state.placement_of_param(k)) for k in grp.params)
+            best = None
+            for c, ch in enumerate(grp.choices):
+                if c == now:
+                    continue
+                new_b = sum(_param_bytes(prob, k, pl) for k, pl in zip(grp.params, ch))
+                if held + new_b - old_b > bound:
+                    continue
+                d, ov = state.trial({g: c})
+                step = d - (sum(prob.param_cost(k, pl) for k, pl in zip(grp.params, ch)) - old_c)
+                tol = 1e-12 * max(1.0, abs(state.total))
+                if step < -tol or (step <= tol and new_b < old_b):
+                    if best is None or (step, new_b) < best[:2]:
+                        best = step, new_b, d, ov
+            if best is not None:
+                state.commit(best[2], best[3])
+                held += best[1] - old_b
+                improved = True
+        if not improved:
+            return
 
 
 def _block_nodes(prob, blocks) -> dict:
@@ -86,7 +166,8 @@ def fit_budget(make_problem, run, cost, blocks=(), sequence_parallel=False):
     taken only where the plan itself does not fit."""
     budget = cost.memory_budget
     candidates, seen, saved = [], set(), None
-    for weight in dict.fromkeys((cost.memory_weight, *WEIGHTS)):
+    own = () if cost.memory_weight is None else (cost.memory_weight,)
+    for weight in dict.fromkeys((*own, TIE_PRICE, *WEIGHTS)):
         prob = make_problem(replace(cost, memory_weight=weight))
         prob.saved = saved
         state = run(prob)

@@ -24,7 +24,7 @@ from . import search as _search
 from . import sequence as _sequence
 from .cost import CostModel, flops
 from .decisions import module_of
-from .budget import fit_budget
+from .budget import fit_budget, least_comm
 from .memory import memory_of
 from .rules.registry import PARALLEL_LAYERS, family_of
 from .rules.shape import view_groups
@@ -131,7 +131,11 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
     checkpointed = ()
     if not budgeted:
-        state = _run(prob, search)
+        if layouts is None and cost.memory_weight is None:
+            state = least_comm(prob, lambda pr: _searched(pr, search))
+            state.reduce_early()
+        else:
+            state = _run(prob, search)
         if sequence_parallel is True:
             moved = _sequence.with_sequence_parallel(state, make(cost, tokens=True))
             if moved is None:
@@ -147,8 +151,12 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
                       checkpointed=checkpointed, memory_now=layouts is None)
 
 
+def _searched(prob, search):
+    return _search.exact(prob) if search == "exact" else _search.greedy(prob)
+
+
 def _run(prob, search):
-    state = _search.exact(prob) if search == "exact" else _search.greedy(prob)
+    state = _searched(prob, search)
     state.reduce_early()
     return state
 

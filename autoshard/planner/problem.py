@@ -125,6 +125,7 @@ class Problem:
         self.best_memo: dict = {}
         self.tensor_memo: dict = {}
         self._param_memo: dict = {}
+        self.state_price = None          # seconds per byte of state; None: the cost model's (`price_state`)
         self.groups = decision_groups(self, pins or {})
         if layouts is not None:
             self.groups = fix_layouts(self, layouts)
@@ -373,8 +374,14 @@ class Problem:
             mean = obj.numel() / (self.p if isinstance(placement, Shard) else 1)
             largest = local_numel(obj.shape, placement, self.p)
             nb = (mean + IMBALANCE * (largest - mean)) * obj.element_size()
-            hit = self._param_memo[(key, placement)] = self.cost.memory_cost(nb)
+            hit = self._param_memo[(key, placement)] = self.cost.memory_cost(nb, self.state_price)
         return hit
+
+    def price_state(self, price: float | None) -> None:
+        """Search this problem again at another price of a byte of state (`budget.least_comm`):
+        only the parameters' memory term changes; States made before keep their totals."""
+        self.state_price = price
+        self._param_memo.clear()
 
     # ---------------------------------------------------------------- decisions
 
