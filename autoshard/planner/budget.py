@@ -48,6 +48,11 @@ def _param_bytes(prob, key, placement) -> int:
     return local_numel(obj.shape, placement, prob.p) * obj.element_size()
 
 
+def _group_bytes(prob, params, placements) -> int:
+    """Bytes the largest rank holds of `params` at `placements` (one decision group's choice)."""
+    return sum(_param_bytes(prob, k, pl) for k, pl in zip(params, placements))
+
+
 def state_bytes(prob, state) -> int:
     """Bytes of parameters the largest rank holds under `state` (its training state / state_factor)."""
     return sum(_param_bytes(prob, k, state.placement_of_param(k)) for k in prob.param_obj)
@@ -58,7 +63,7 @@ def least_state(prob) -> int:
     grouped = {k for grp in prob.groups for k in grp.params}
     total = sum(_param_bytes(prob, k, REPLICATE) for k in prob.param_obj if k not in grouped)
     for grp in prob.groups:
-        total += min(sum(_param_bytes(prob, k, pl) for k, pl in zip(grp.params, ch)) for ch in grp.choices)
+        total += min(_group_bytes(prob, grp.params, ch) for ch in grp.choices)
     return total
 
 
@@ -92,13 +97,13 @@ def _relax(prob, state, bound, held) -> None:
         improved = False
         for g, grp in enumerate(prob.groups):
             now = state.choice[g]
-            old_b = sum(_param_bytes(prob, k, state.placement_of_param(k)) for k in grp.params)
+            old_b = _group_bytes(prob, grp.params, [state.placement_of_param(k) for k in grp.params])
             old_c = sum(prob.param_cost(k, state.placement_of_param(k)) for k in grp.params)
             best = None
             for c, ch in enumerate(grp.choices):
                 if c == now:
                     continue
-                new_b = sum(_param_bytes(prob, k, pl) for k, pl in zip(grp.params, ch))
+                new_b = _group_bytes(prob, grp.params, ch)
                 if held + new_b - old_b > bound:
                     continue
                 d, ov = state.trial({g: c})
