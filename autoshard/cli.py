@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "1e-9), or 'none': no price, the fastest plan within about 1/p of the least state")
     pp.add_argument("--memory-budget", help="peak bytes of a training step per rank, e.g. 30GB (the fastest plan "
                     "that fits; an error names the smallest reachable peak)")
+    pp.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
+                    help="hold the stream, norms and dropouts split on tokens between row- and column-parallel "
+                         "layers (Megatron's sequence parallelism): on, off, or auto (default: only where a "
+                         "--memory-budget needs it)")
     pp.add_argument("--optimizer", help="optimizer whose state the memory counts: adamw (default), adam, sgd, "
                     "sgd_momentum, adagrad, rmsprop, or a number of moments per parameter")
     pp.add_argument("--json", action="store_true", help="print a JSON summary instead of the report")
@@ -216,6 +220,7 @@ def summary(plan) -> dict:
         "unsupported": list(plan.unsupported), "notes": list(plan.notes), "search_seconds": plan.search_seconds,
         "outputs": plan.outputs, "output_placements": {k: str(v) for k, v in plan.output_placements.items()},
         "memory": dict(plan.memory, peak_at=plan.memory.peak_at), "checkpointed": list(plan.checkpointed),
+        "sequence_parallel": plan.sequence_parallel,
     }
 
 
@@ -251,8 +256,10 @@ def cmd_plan(args) -> int:
     if knobs.get("optimizer", "").isdigit():
         knobs["optimizer"] = int(knobs["optimizer"])
     pins = dict(args.pin)
+    sequence = {"auto": None, "on": True, "off": False}[args.sequence_parallel]
     plan = autoshard.plan(model, args.world_size, example, pin=pins or None, search=args.search,
-                          tracer=args.tracer, tokens=args.tokens, outputs=args.outputs, **knobs)
+                          tracer=args.tracer, tokens=args.tokens, outputs=args.outputs,
+                          sequence_parallel=sequence, **knobs)
     if args.export:
         exported = plan.export(args.export, **({"model": model, "loss_parallel": args.loss_parallel}
                                                if args.export == "dtensor" else

@@ -156,3 +156,17 @@ def test_budgets_pick_the_fastest_plan_that_fits():
     with pytest.raises(autoshard.MemoryBudgetError, match=r"smallest peak reachable is .* with every block "
                                                           r"recomputed.*largest there: "):
         autoshard.plan(model, 2, args, memory_budget="100kB")
+
+
+def test_cli_sequence_parallel_flag(capsys):
+    """`autoshard plan --sequence-parallel on|off` reaches the planner: on splits ops on tokens and
+    lowers the predicted activations, off splits none; the JSON summary says how many."""
+    import json
+    from autoshard import cli
+    out = {}
+    for flag in ("on", "off"):
+        assert cli.main(["plan", "tests.factories:gpt", "-n", "2", "--input-shape", "2,64", "--dtype", "int64",
+                         "--sequence-parallel", flag, "--json"]) == 0
+        out[flag] = json.loads(capsys.readouterr().out)
+    assert out["on"]["sequence_parallel"] > 0 and out["off"]["sequence_parallel"] == 0
+    assert out["on"]["memory"]["activations"] < out["off"]["memory"]["activations"]
