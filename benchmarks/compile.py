@@ -61,6 +61,7 @@ all-reduce's input copy from being fused), also the passes inductor's config rec
     python benchmarks/compile.py                    # 60 rounds: ~4 min on 2 quiet cores
     python benchmarks/compile.py --overlap          # + inductor's compute/communication reordering
     python benchmarks/compile.py --whole            # each whole module in one graph, not per layer
+    python benchmarks/compile.py --outputs sharded  # autoshard's logits left split, the loss vocabulary-parallel
 """
 from __future__ import annotations
 
@@ -186,18 +187,20 @@ def _warm_compiler(tmp: Path) -> float:
     return time.perf_counter() - t0
 
 
-def run(layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool, whole: bool = False) -> dict:
+def run(layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool, whole: bool = False,
+        outputs: str = "full") -> dict:
     """On every rank: build, check, count and time all variants; rank 0's dict is returned."""
     import shutil
     import tempfile
     tmp = Path(tempfile.mkdtemp(prefix=f"autoshard_compile_bench_r{dist.get_rank()}_"))
     try:
-        return _run(tmp, layers, warmup, rounds, budget_s, overlap, whole)
+        return _run(tmp, layers, warmup, rounds, budget_s, overlap, whole, outputs)
     finally:                            # the inductor caches: loaded already, not needed again
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run(tmp: Path, layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool, whole: bool) -> dict:
+def _run(tmp: Path, layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool, whole: bool,
+         outputs: str) -> dict:
     import torch._dynamo
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
@@ -234,9 +237,10 @@ def _run(tmp: Path, layers: int, warmup: int, rounds: int, budget_s: float, over
 
     t_build: dict[str, float] = {}
     for name, fn in (
-            ("autoshard eager", lambda: autoshard.parallelize(copy.deepcopy(model), world, kw)),
-            ("autoshard compiled", lambda: (_compile_whole(autoshard.parallelize(copy.deepcopy(model), world, kw))
-                                            if whole else _autoshard_compiled(model, world, kw))),
+            ("autoshard eager", lambda: autoshard.parallelize(copy.deepcopy(model), world, kw, outputs=outputs)),
+            ("autoshard compiled", lambda: (
+                _compile_whole(autoshard.parallelize(copy.deepcopy(model), world, kw, outputs=outputs))
+                if whole else _autoshard_compiled(model, world, kw, outputs))),
             ("dtensor eager", lambda: _dtensor(copy.deepcopy(model), world)),
             ("dtensor compiled", lambda: (_compile_whole if whole else _compile_layers)(
                 _dtensor(copy.deepcopy(model), world)))):
@@ -368,7 +372,7 @@ def _run(tmp: Path, layers: int, warmup: int, rounds: int, budget_s: float, over
                        "kv_heads": cfg.num_key_value_heads, "vocab": cfg.vocab_size,
                        "batch": BATCH, "seq": SEQ, "world": world, "warmup": warmup,
                        "rounds": rounds, "budget_s": budget_s},
-            "overlap": overlap, "whole_module": whole,
+            "overlap": overlap, "whole_module": whole, "outputs": outputs,
             "inductor": {"reorder_for_compute_comm_overlap": bool(inductor_config.reorder_for_compute_comm_overlap),
                          "reorder_for_compute_comm_overlap_passes":
                              [str(p) for p in inductor_config.reorder_for_compute_comm_overlap_passes],
@@ -379,13 +383,13 @@ def _run(tmp: Path, layers: int, warmup: int, rounds: int, budget_s: float, over
             "recompiles_during_timing": later}
 
 
-def _autoshard_compiled(model, world: int, kw: dict):
+def _autoshard_compiled(model, world: int, kw: dict, outputs: str = "full"):
     """A second autoshard module with each block compiled (fullgraph). blocks="auto" keeps the
     children of a ModuleList of two or more layers; with one layer, name it."""
     import autoshard
-    gm = autoshard.parallelize(copy.deepcopy(model), world, kw)
+    gm = autoshard.parallelize(copy.deepcopy(model), world, kw, outputs=outputs)
     if not autoshard.blocks_of(gm):
-        gm = autoshard.parallelize(copy.deepcopy(model), world, kw,
+        gm = autoshard.parallelize(copy.deepcopy(model), world, kw, outputs=outputs,
                                    blocks=[f"model.layers.{i}" for i in range(len(model.model.layers))])
     return _compile_blocks(gm)
 
@@ -434,6 +438,7 @@ def report(r: dict) -> None:
                       f"{c['heads']}/{c['kv_heads']} vocab {c['vocab']}, batch {c['batch']} x "
                       f"{c['seq']}, world {c['world']} (gloo, CPU, 1 thread/rank); {n} rounds; "
                       f"compiled: {'each whole module' if r.get('whole_module') else 'each decoder layer'}; "
+                      f"autoshard outputs={r.get('outputs', 'full')}; "
                       f"reorder_for_compute_comm_overlap={r['inductor']['reorder_for_compute_comm_overlap']}"
                       f"{' with passes ' + ', '.join(r['inductor']['reorder_for_compute_comm_overlap_passes']) if r['overlap'] else ''}; "
                       f"reference loss {r['reference_loss']:.6f} (bf16 autocast "
@@ -472,18 +477,22 @@ def main(argv=None) -> int:
     ap.add_argument("--whole", action="store_true",
                     help="compile each whole module (torch.compile(module, fullgraph=True): embedding, head and "
                          "loss in the graph too) instead of each decoder layer")
-    ap.add_argument("--name", help="results file stem (default compile[_quick][_overlap][_whole])")
+    ap.add_argument("--outputs", choices=("full", "sharded"), default="full",
+                    help="autoshard's outputs: full (default: the logits gathered, as the model returns them) "
+                         "or sharded (the logits a DTensor split on vocabulary, the loss vocabulary-parallel; "
+                         "what a training loop that reads only the loss can take)")
+    ap.add_argument("--name", help="results file stem (default compile[_quick][_overlap][_whole][_sharded])")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     load0 = note_load()
     rounds = args.rounds if args.rounds is not None else (15 if args.quick else 60)
     budget = args.budget if args.budget is not None else (30.0 if args.quick else 150.0)
     warmup = 2 if args.quick else 3
-    r = launch(run, args.world, args.layers, warmup, rounds, budget, args.overlap, args.whole,
+    r = launch(run, args.world, args.layers, warmup, rounds, budget, args.overlap, args.whole, args.outputs,
                timeout_s=1800.0, collective_timeout_s=600.0)
     report(r)
     name = args.name or ("compile" + ("_quick" if args.quick else "") + ("_overlap" if args.overlap else "")
-                        + ("_whole" if args.whole else ""))
+                        + ("_whole" if args.whole else "") + ("_sharded" if args.outputs == "sharded" else ""))
     out = {"benchmark": "compile", "mode": "quick" if args.quick else "full", "env": env_info(),
            "timing": "first_step_ms: the first step alone (barrier, max over ranks): the compile "
                      "step of a compiled variant, in a fresh inductor cache; steady: median over "
