@@ -25,16 +25,24 @@ kept only where the activations' bytes do not grow (the parameters' gradient all
 norms' own cost; an all-to-all of a hidden-split embedding's output in place of its gather sends
 fewer bytes in more ring steps); else the plan is left as it was. The token dim of a
 [..., tokens, features] activation is its second-to-last (`token_dim`).
+
+Where the gathered readers are linear layers (`regathered`), they save only the rank's tokens and
+gather them again in backward (Megatron's; `runtime.sequence.gathered_linears`): one all-gather
+more per such input, priced in the plan's bytes, for (p - 1)/p of the input's bytes less saved.
 """
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..runtime.counters import ring_bytes
 from ..runtime.placements import Partial, Replicate, Shard
-from .assignment import State
+from ..runtime.sequence import column_readers
+
+if TYPE_CHECKING:          # (memory.py, which the cost model imports, reads `regathered`: no import of the search)
+    from .assignment import State
 
 EPS = 1e-9        # relative slack of the communication check (float sums in another order)
 
@@ -217,3 +225,35 @@ def split_ops(prob, state: State) -> int:
         return 0
     return sum(1 for i in range(len(prob.nodes)) if prob.kind[i] == "op" and token_dim(prob.val[i]) is not None
                and state.place[i] == Shard(token_dim(prob.val[i])))
+
+
+def regathered(prob, state) -> dict:
+    """{tensor: its readers} of the token-split tensors gathered whole for linear layers only, which
+    then save the rank's tokens and gather them again in backward (`runtime.sequence`): the
+    gathers whose backward is one reduce-scatter (the readers send back Partial gradients) and whose
+    readers are linear layers on parameters, or one view flattening tokens read by such layers
+    (`column_readers`, the test the rewrite fuses by)."""
+    if not prob.tokens:
+        return {}
+    out = {}
+    for j in range(len(prob.nodes)):
+        d = token_dim(prob.val[j])
+        if d is None or prob.kind[j] == "param" or state.place[j] != Shard(d) or not prob.needs_grad[j]:
+            continue
+        for req, _, fwd, bwd, consumers, via in prob.comms_of(j, state.place, state.sidx):
+            if via is None and fwd == ("all_gather",) and bwd == ("reduce_scatter",) and isinstance(req, Replicate) \
+                    and column_readers(prob.nodes[j], [prob.nodes[c] for c in consumers]) is not None:
+                out[j] = tuple(consumers)
+    return out
+
+
+def regathered_layers(prob, j: int, readers) -> tuple:
+    """The linear layers among `regathered`'s readers of tensor j (through a flattening view)."""
+    found = column_readers(prob.nodes[j], [prob.nodes[c] for c in readers])
+    index = {n: i for i, n in enumerate(prob.nodes)}
+    return tuple(index[n] for n in found[0])
+
+
+def regather_seconds(prob, state) -> float:
+    """Predicted seconds of the backward all-gathers of `regathered` inputs."""
+    return sum(prob.cost.comm_time("all_gather", prob.nbytes[j], prob.p) for j in regathered(prob, state))
