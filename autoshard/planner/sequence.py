@@ -33,16 +33,12 @@ more per such input, priced in the plan's bytes, for (p - 1)/p of the input's by
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..runtime.counters import ring_bytes
 from ..runtime.placements import Partial, Replicate, Shard
 from ..runtime.sequence import column_readers
-
-if TYPE_CHECKING:          # (memory.py, which the cost model imports, reads `regathered`: no import of the search)
-    from .assignment import State
 
 EPS = 1e-9        # relative slack of the communication check (float sums in another order)
 
@@ -165,8 +161,9 @@ def _gather_readers(prob, place, sidx, moved) -> None:
         sidx[u], place[u] = best[1], prob.strats[u][best[1]].output
 
 
-def apply(state: State) -> int:
-    """Apply the move to `state` in place (see the module docstring); returns how many ops now hold
+def apply(state) -> int:
+    """Apply the move to `state` (an `assignment.State`, not imported: the memory model, which the
+    search's cost model imports, reads `regathered` here) in place (see the module docstring); returns how many ops now hold
     their output split on tokens (0: nothing to move, or moving would send more bytes)."""
     prob = state.prob
     place, sidx = list(state.place), list(state.sidx)
@@ -202,7 +199,7 @@ def apply(state: State) -> int:
     return len(moved)
 
 
-def with_sequence_parallel(state: State, tokens) -> State | None:
+def with_sequence_parallel(state, tokens):
     """`state` (searched on a Problem whose ops keep tokens whole) as a state of `tokens` (the same
     graph's Problem with `tokens=True`: the token splits offered too) with the move applied, or None
     where it moves nothing (or the two problems' decisions differ). The search runs without token
@@ -219,7 +216,7 @@ def with_sequence_parallel(state: State, tokens) -> State | None:
     return other
 
 
-def split_ops(prob, state: State) -> int:
+def split_ops(prob, state) -> int:
     """How many ops of `state` hold their output split on the token dim (0 without sequence parallelism)."""
     if not prob.tokens:
         return 0
