@@ -188,7 +188,8 @@ def fit_budget(make_problem, run, cost, blocks=(), sequence_parallel=False):
         tokens = make_problem(cost, tokens=True)
         tokens.saved = saved
         split = [(seconds + regather_seconds(tokens, state), True, state, tokens)
-                 for seconds, _, _, plain, _ in candidates if (state := with_sequence_parallel(plain, tokens)) is not None]
+                 for seconds, _, _, plain, _ in candidates
+                 if (state := with_sequence_parallel(plain, tokens)) is not None]
         split = [(seconds, sp, memory_of(prob, state), state, prob) for seconds, sp, state, prob in split]
         candidates = split + (candidates if sequence_parallel is None or not split else [])
     fits = [c for c in candidates if c[2].peak <= budget]

@@ -162,9 +162,9 @@ def _gather_readers(prob, place, sidx, moved) -> None:
 
 
 def apply(state) -> int:
-    """Apply the move to `state` (an `assignment.State`, not imported: the memory model, which the
-    search's cost model imports, reads `regathered` here) in place (see the module docstring); returns how many ops now hold
-    their output split on tokens (0: nothing to move, or moving would send more bytes)."""
+    """Apply the move to `state` in place (see the module docstring); returns how many ops now hold
+    their output split on tokens (0: nothing to move, or moving would send more bytes). `state` is an
+    `assignment.State`, not imported: the memory model, which the cost model imports, reads this module."""
     prob = state.prob
     place, sidx = list(state.place), list(state.sidx)
     moved: set[int] = set()
