@@ -57,7 +57,7 @@ def _exact_case(rank, p, name, seq, world_kw, compiled=False):
     import refs
     from autoshard.runtime.collectives import count_comm
     from autoshard.runtime.sequence import gathered_linears
-    model, kw = _build(name, seq, **world_kw, **({"attention_dropout": 0.1} if name == "llama" else {}))
+    model, kw = _build(name, seq, **world_kw, **({"attention_dropout": 0.1} if name == "llama" and not compiled else {}))
     model.train()
     ref = copy.deepcopy(model)
     plain = autoshard.plan(model, p, kw)
@@ -119,7 +119,8 @@ def test_sequence_parallel_at_four(dist4):
 
 @pytest.mark.slow
 def test_sequence_parallel_compiled(dist2):
-    """torch.compile(fullgraph=True) of the module: the fused layers' gathers are functional collectives."""
+    """torch.compile(fullgraph=True) of the module: the fused layers' gathers are functional collectives
+    (no dropout: autoshard's dropout streams, torch.Generator objects, do not trace)."""
     dist2.run(_exact_case, "llama", 32, {}, True, timeout=900)
 
 
