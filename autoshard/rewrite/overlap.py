@@ -17,20 +17,13 @@ from ..capture.repeats import STACK
 from ..errors import ShardingError
 from ..runtime import collectives as C
 from ..runtime.overlap import column_linears
-from ..runtime.sequence import column_readers, gathered_linears
-from .local_ops import LINEAR_OPS, target_of
+from ..runtime.sequence import column_readers, gathered_linears, linear_parts
 
 
 def _linear_parts(n: fx.Node, x: fx.Node):
-    """(weight, bias) of a linear node reading `x` as its input, else None."""
-    if n.op != "call_function" or target_of(n) not in LINEAR_OPS or not n.args or n.args[0] is not x:
-        return None
-    weight = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
-    bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-    tensors = [t for t in (weight, bias) if t is not None]
-    if weight is None or not all(isinstance(t, fx.Node) and t.op == "get_attr" for t in tensors):
-        return None
-    return weight, bias
+    """(weight, bias) of an F.linear / aten.linear node reading `x` as its input, else None."""
+    found = linear_parts(n, x)
+    return found[:2] if found is not None and found[2] == "linear" else None
 
 
 def _fuse(graph: fx.Graph, node: fx.Node, readers, parts, fn, args, kwargs) -> None:
@@ -70,7 +63,7 @@ def fuse_column_linears(gm: fx.GraphModule) -> int:
 
 def fuse_gathered_linears(gm: fx.GraphModule, gathers) -> None:
     """Fuse each of `gathers` (collectives.all_gather nodes the plan gathers again in backward) with
-    its readers, linear layers by the planner's test (`runtime.sequence.linear_parts`)."""
+    its readers, linear layers by the planner's test (`runtime.sequence.column_readers`)."""
     for g in gathers:
         found = column_readers(g, g.users, g.args[0].meta.get("val"))       # (the gathered tensor's whole value)
         if found is None:

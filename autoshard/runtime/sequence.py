@@ -31,10 +31,11 @@ aten = torch.ops.aten
 # a gather whose consumers are fused: backward gathers the input again, then reduce-scatters its gradient
 REGATHERED = ("all_gather", "reduce_scatter")
 
-# op -> (position of the input, of the weight, of the bias, bias keyword, form): "linear" is x @ w.T + b,
-# "addmm" is b + x @ w (a Conv1D's, weight [in, out])
-_FORMS = {F.linear: (0, 1, 2, "bias", "linear"), aten.linear.default: (0, 1, 2, "bias", "linear"),
-          torch.addmm: (1, 2, 0, None, "addmm"), aten.addmm.default: (1, 2, 0, None, "addmm")}
+# op -> (position of the input, of the weight, of the bias, their keywords, form): "linear" is
+# x @ w.T + b, "addmm" is b + x @ w (a Conv1D's, weight [in, out])
+_LINEAR = (0, 1, 2, "weight", "bias", "linear")
+_ADDMM = (1, 2, 0, None, None, "addmm")
+_FORMS = {F.linear: _LINEAR, aten.linear.default: _LINEAR, torch.addmm: _ADDMM, aten.addmm.default: _ADDMM}
 
 
 def linear_parts(n: torch.fx.Node, x: torch.fx.Node):
@@ -43,14 +44,14 @@ def linear_parts(n: torch.fx.Node, x: torch.fx.Node):
     spec = _FORMS.get(n.target) if n.op == "call_function" else None
     if spec is None:
         return None
-    xi, wi, bi, bias_kw, form = spec
+    xi, wi, bi, weight_kw, bias_kw, form = spec
     args = list(n.args)
-    if len(args) <= max(xi, wi) or args[xi] is not x or set(n.kwargs) - {bias_kw}:
+    if len(args) <= xi or args[xi] is not x or len(args) > 3 or set(n.kwargs) - {weight_kw, bias_kw}:
         return None
-    weight = args[wi]
+    weight = args[wi] if wi < len(args) else n.kwargs.get(weight_kw) if weight_kw else None
     bias = args[bi] if bi < len(args) else n.kwargs.get(bias_kw) if bias_kw else None
-    held = [weight] + ([bias] if bias is not None else [])
-    if len(args) > 3 or not all(isinstance(t, torch.fx.Node) and t.op == "get_attr" for t in held):
+    held = [t for t in (weight, bias) if t is not None]
+    if weight is None or not all(isinstance(t, torch.fx.Node) and t.op == "get_attr" for t in held):
         return None
     return weight, bias, form
 
