@@ -57,7 +57,8 @@ def _exact_case(rank, p, name, seq, world_kw, compiled=False):
     import refs
     from autoshard.runtime.collectives import count_comm
     from autoshard.runtime.sequence import gathered_linears
-    model, kw = _build(name, seq, **world_kw, **({"attention_dropout": 0.1} if name == "llama" and not compiled else {}))
+    dropout = {"attention_dropout": 0.1} if name == "llama" and not compiled else {}
+    model, kw = _build(name, seq, **world_kw, **dropout)
     model.train()
     ref = copy.deepcopy(model)
     plain = autoshard.plan(model, p, kw)

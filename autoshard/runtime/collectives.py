@@ -201,7 +201,8 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_pieces(grad, *ctx.args, op="reduce_scatter", direction="backward", **ctx.cut), None, None, None, None
+        return gather_pieces(grad, *ctx.args, op="reduce_scatter", direction="backward", **ctx.cut), None, None, None, \
+            None
 
 
 class _AllGather(torch.autograd.Function):
@@ -213,8 +214,8 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_pieces(grad, *ctx.args, op="all_gather", direction="backward", **ctx.cut), None, None, None, \
-            None, None
+        return reduce_scatter_pieces(grad, *ctx.args, op="all_gather", direction="backward", **ctx.cut), None, None, \
+            None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
