@@ -51,9 +51,10 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     `optimizer`, AdamW by default) fits, recomputing blocks in backward where nothing else does
     (`plan.checkpointed`, applied by `parallelize`); a MemoryBudgetError where no plan fits.
     `sequence_parallel`: hold the residual stream, norms and dropouts between row- and column-parallel
-    layers split on tokens (Megatron's sequence parallelism: the same bytes, those activations at
-    1/p per rank; `plan.sequence_parallel` counts the ops split so): True, False, or None (default:
-    only where `memory_budget` needs it).
+    layers split on tokens (Megatron's sequence parallelism: the all-reduces' bytes, those activations
+    at 1/p per rank, the column layers saving their rank's tokens and gathering them again in backward,
+    one all-gather more each; `plan.sequence_parallel` counts the ops split so): True, False, or None
+    (default: only where `memory_budget` needs it).
     `capture_once`: trace each run of identical layers once and repeat it in the graph (autoshard.capture.repeats; the same graph, in a time flat in depth), or
     trace every layer.
     """

@@ -13,8 +13,9 @@ fits, blocks are recomputed in backward (activation checkpointing, applied by `p
 added one at a time, the one that lowers the peak most first, each costing its forward again
 (its compute and its forward collectives). A budget that nothing meets is a `MemoryBudgetError`
 with the smallest peak reachable and what holds it. Each plan's sequence-parallel twin
-(`planner.sequence`: the stream split on tokens, the same bytes) is a candidate too where the
-caller leaves it open, priced as the plan, so it is taken only where no plan as fast fits without it.
+(`planner.sequence`: the stream split on tokens, the same bytes but for the column layers' inputs
+gathered again in backward) is a candidate too where the caller leaves it open, priced as the plan
+plus those gathers, so it is taken only where no plan as fast fits without it.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from ..errors import MemoryBudgetError
 from ..runtime.placements import REPLICATE, local_numel
 from .cost import STATE_TOLERANCE, TIE_PRICE, flops
 from .memory import memory_of
-from .sequence import with_sequence_parallel
+from .sequence import regather_seconds, with_sequence_parallel
 
 # prices of a byte of training state (seconds) the search is run at; the cost model's own is added
 WEIGHTS = (0.0, 1e-12, 1e-10, 1e-8, 1e-6, 1e-3)
@@ -167,8 +168,8 @@ def fit_budget(make_problem, run, cost, blocks=(), sequence_parallel=False):
     """(state, problem, checkpointed blocks) of the fastest plan whose predicted peak is at most
     `cost.memory_budget`; `make_problem(cost, tokens=False)` builds a Problem (`tokens`: one whose ops
     may split the token dim), `run(problem)` searches it. `sequence_parallel`: False never, True
-    always, None as a candidate beside each plan, priced as that plan (it sends the same bytes) and
-    taken only where the plan itself does not fit."""
+    always, None as a candidate beside each plan, priced as that plan plus its backward re-gathers
+    (`sequence.regather_seconds`) and taken only where the plan itself does not fit."""
     budget = cost.memory_budget
     candidates, seen, saved = [], set(), None
     own = () if cost.memory_weight is None else (cost.memory_weight,)
@@ -186,7 +187,8 @@ def fit_budget(make_problem, run, cost, blocks=(), sequence_parallel=False):
     if sequence_parallel is not False:
         tokens = make_problem(cost, tokens=True)
         tokens.saved = saved
-        split = [(seconds, True, state, tokens) for seconds, _, _, plain, _ in candidates
+        split = [(seconds + regather_seconds(tokens, state), True, state, tokens)
+                 for seconds, _, _, plain, _ in candidates
                  if (state := with_sequence_parallel(plain, tokens)) is not None]
         split = [(seconds, sp, memory_of(prob, state), state, prob) for seconds, sp, state, prob in split]
         candidates = split + (candidates if sequence_parallel is None or not split else [])

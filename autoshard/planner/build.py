@@ -20,6 +20,7 @@ from ..errors import ShardingError
 from ..plan import Lazy, NodeDecision, Plan, Redistribution, check_outputs
 from ..runtime.counters import ring_bytes
 from ..runtime.placements import Replicate, Shard, local_numel, padded, splits
+from ..runtime.sequence import REGATHERED
 from . import search as _search
 from . import sequence as _sequence
 from .cost import CostModel, flops
@@ -216,10 +217,13 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
                                      module_of(prob, i))
         for kind, nb in s.comm:
             count(kind, nb)
+    regathered = _sequence.regathered(prob, state)   # gathered again in backward for linear layers
     for j, n in enumerate(prob.nodes):
         if not prob.nbytes[j]:
             continue
         for req, grad, fwd, bwd, consumers, via in prob.comms_of(j, state.place, state.sidx):
+            if regathered.get(j) == tuple(consumers):
+                bwd = REGATHERED
             if fwd or bwd or req != state.place[j]:       # a local split moves no bytes but must happen
                 names = tuple(prob.nodes[c].name for c in consumers)
                 # shards of unequal sizes travel padded to the largest (the search ignores those < p rows)

@@ -5,7 +5,8 @@ tensors (no memory, no compute) under `torch.autograd.graph.saved_tensors_hooks`
 tensor is traced to the node whose output owns its storage (`Saved`): a matmul's inputs, a
 softmax's output, a dropout's mask (a new tensor of the op's own), a norm's statistics. Under a
 plan each saved tensor takes the bytes of its local piece: an input at the placement its reader
-requires (a gathered copy is whole: Replicate), an own output at its placement, an op's new
+requires (a gathered copy is whole: Replicate; not where linear readers save the rank's tokens and
+gather them again in backward, `sequence.regathered`), an own output at its placement, an op's new
 tensors at the share of its largest activation input. Dtypes are the stored ones (bf16 halves).
 
 `step_memory` lays the step out as a timeline (node i's forward at t = i, its backward at
@@ -29,6 +30,7 @@ import torch.nn as nn
 
 from ..capture.shapes import fetch_attr, reads_scalar, stand_in_scalar
 from ..runtime.placements import local_numel
+from .sequence import regathered, regathered_layers
 
 # optimizer -> moments held per trainable element, in the parameter's dtype (torch.optim's)
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "adamax": 2, "nadam": 2, "radam": 2, "sgd": 0, "sgd_momentum": 1,
@@ -278,7 +280,10 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
         for i in range(a, z + 1):
             block_of[i] = b
 
-    # saved tensors, keyed by (storage, share); an own output read at its own placement is "own"
+    # saved tensors, keyed by (storage, share); an own output read at its own placement is "own", and so
+    # is a gathered input its linear readers save as this rank's tokens (gathered again in backward)
+    gathered = regathered(prob, state)
+    again = {i: k for k, readers in gathered.items() for i in regathered_layers(prob, k, readers)}
     keyed: dict = {}
     for i in range(n):
         s = strat(i)
@@ -288,6 +293,8 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
             if slot is not None and s is not None:
                 k = prob.ins[i][slot]
                 moved = s.inputs[slot] is not None and s.inputs[slot] != state.place[k]
+                if i in again and saved.storage[again[i]] == st:
+                    k, moved = again[i], False          # the rank's tokens, gathered again in backward
                 f = _fraction(prob.val[k], s.inputs[slot] if moved else state.place[k], p)
             elif j is not None and saved.storage[j] == st:
                 k, moved, f = j, False, _fraction(prob.val[j], state.place[j], p)
@@ -347,6 +354,10 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
                     and (saved.storage[k], round(_fraction(prob.val[k], req, p), 9)) not in keyed:
                 items.append([int(prob.nbytes[k] * _fraction(prob.val[k], req, p)), i, i,
                               f"{prob.nodes[k].name} redistributed", "temporary"])
+
+    for k, readers in gathered.items():     # gathered again where the readers' one backward runs
+        items.append([prob.nbytes[k], bwd(min(readers)), bwd(min(readers)), f"{prob.nodes[k].name} gathered again",
+                      "temporary"])
 
     # gradients of activations: from the backward of their first reader to their producer's
     reader: dict = {}

@@ -25,6 +25,10 @@ kept only where the activations' bytes do not grow (the parameters' gradient all
 norms' own cost; an all-to-all of a hidden-split embedding's output in place of its gather sends
 fewer bytes in more ring steps); else the plan is left as it was. The token dim of a
 [..., tokens, features] activation is its second-to-last (`token_dim`).
+
+Where the gathered readers are linear layers (`regathered`), they save only the rank's tokens and
+gather them again in backward (Megatron's; `runtime.sequence.gathered_linears`): one all-gather
+more per such input, priced in the plan's bytes, for (p - 1)/p of the input's bytes less saved.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import torch
 
 from ..runtime.counters import ring_bytes
 from ..runtime.placements import Partial, Replicate, Shard
-from .assignment import State
+from ..runtime.sequence import column_readers
 
 EPS = 1e-9        # relative slack of the communication check (float sums in another order)
 
@@ -157,9 +161,10 @@ def _gather_readers(prob, place, sidx, moved) -> None:
         sidx[u], place[u] = best[1], prob.strats[u][best[1]].output
 
 
-def apply(state: State) -> int:
+def apply(state) -> int:
     """Apply the move to `state` in place (see the module docstring); returns how many ops now hold
-    their output split on tokens (0: nothing to move, or moving would send more bytes)."""
+    their output split on tokens (0: nothing to move, or moving would send more bytes). `state` is an
+    `assignment.State`, not imported: the memory model, which the cost model imports, reads this module."""
     prob = state.prob
     place, sidx = list(state.place), list(state.sidx)
     moved: set[int] = set()
@@ -194,7 +199,7 @@ def apply(state: State) -> int:
     return len(moved)
 
 
-def with_sequence_parallel(state: State, tokens) -> State | None:
+def with_sequence_parallel(state, tokens):
     """`state` (searched on a Problem whose ops keep tokens whole) as a state of `tokens` (the same
     graph's Problem with `tokens=True`: the token splits offered too) with the move applied, or None
     where it moves nothing (or the two problems' decisions differ). The search runs without token
@@ -211,9 +216,41 @@ def with_sequence_parallel(state: State, tokens) -> State | None:
     return other
 
 
-def split_ops(prob, state: State) -> int:
+def split_ops(prob, state) -> int:
     """How many ops of `state` hold their output split on the token dim (0 without sequence parallelism)."""
     if not prob.tokens:
         return 0
     return sum(1 for i in range(len(prob.nodes)) if prob.kind[i] == "op" and token_dim(prob.val[i]) is not None
                and state.place[i] == Shard(token_dim(prob.val[i])))
+
+
+def regathered(prob, state) -> dict:
+    """{tensor: its readers} of the token-split tensors gathered whole for linear layers only, which
+    then save the rank's tokens and gather them again in backward (`runtime.sequence`): the
+    gathers whose backward is one reduce-scatter (the readers send back Partial gradients) and whose
+    readers are linear layers on parameters, or one view flattening tokens read by such layers
+    (`column_readers`, the test the rewrite fuses by)."""
+    if not prob.tokens:
+        return {}
+    out = {}
+    for j in range(len(prob.nodes)):
+        d = token_dim(prob.val[j])
+        if d is None or prob.kind[j] == "param" or state.place[j] != Shard(d) or not prob.needs_grad[j]:
+            continue
+        for req, _, fwd, bwd, consumers, via in prob.comms_of(j, state.place, state.sidx):
+            if via is None and fwd == ("all_gather",) and bwd == ("reduce_scatter",) and isinstance(req, Replicate) \
+                    and column_readers(prob.nodes[j], [prob.nodes[c] for c in consumers]) is not None:
+                out[j] = tuple(consumers)
+    return out
+
+
+def regathered_layers(prob, j: int, readers) -> tuple:
+    """The linear layers among `regathered`'s readers of tensor j (through a flattening view)."""
+    found = column_readers(prob.nodes[j], [prob.nodes[c] for c in readers])
+    index = {n: i for i, n in enumerate(prob.nodes)}
+    return tuple(index[n] for n in found[0])
+
+
+def regather_seconds(prob, state) -> float:
+    """Predicted seconds of the backward all-gathers of `regathered` inputs."""
+    return sum(prob.cost.comm_time("all_gather", prob.nbytes[j], prob.p) for j in regathered(prob, state))

@@ -25,11 +25,12 @@ from ..runtime import collectives as C
 from ..runtime.groups import subgroup
 from ..runtime.pieces import split_along
 from ..runtime.placements import Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups, layout_of, stored
+from ..runtime.sequence import REGATHERED
 from ..runtime.state_dict import register_parallel_attribute
 from ..runtime.transitions import fused_backward, redistribute
 from .local_ops import FRESH_OUTPUT_OPS, LocalOps, shard_kw, target_of
 from .outputs import Outputs
-from .overlap import fuse_column_linears
+from .overlap import fuse_column_linears, fuse_gathered_linears
 from .verify import check_local_graph
 
 
@@ -175,6 +176,7 @@ class Rewriter(LocalOps, Outputs):
         `via` another tensor made whole is that tensor's collective's result with the view ops
         between them applied again (with their global sizes), so the pair moves its bytes once."""
         nodes = {n.name: n for n in self.graph.nodes}
+        self.regathered = []                   # all-gathers the plan gathers again in backward
         groups: dict = {}
         for r in self.plan.redistributions:
             groups.setdefault((r.node, r.dst), []).append(r)
@@ -190,12 +192,14 @@ class Rewriter(LocalOps, Outputs):
             readers = [nodes[c] for r in entries for c in r.consumers] + [nodes[c] for c in served.get((name, dst), ())]
             first = min(readers, key=lambda n: self._order[n])
             with self.graph.inserting_before(first):
-                if via is None and len(entries) == 1 and entries[0].backward == ("reduce_scatter",) \
+                if via is None and len(entries) == 1 and entries[0].backward in (("reduce_scatter",), REGATHERED) \
                         and fused_backward(entries[0].forward, entries[0].grad, dst):
                     src = entries[0].src                 # gathered; the Partial gradient reduce-scattered
                     size = self.uneven_size(x.name, src)
                     moved = self.call(C.all_gather, (x, src.dim, src.chunks),
                                       {"group": self.key, **({"size": size} if size else {}), **shard_kw(src)})
+                    if entries[0].backward == REGATHERED:  # fused with its linear readers (after rewrite_ops)
+                        self.regathered.append(moved)
                 elif via is None:
                     moved = self.forward(x, entries[0].src, dst)
                 elif isinstance(dst, Shard):             # a slice of the all-reduced sum of it (or of its view parent)
@@ -222,6 +226,7 @@ class Rewriter(LocalOps, Outputs):
         self.wrap_outputs()
         self.rewrite_ops()
         self.mode_ops()
+        fuse_gathered_linears(self.gm, self.regathered)
         if self.overlap:
             fuse_column_linears(self.gm)
         self.graph.lint()

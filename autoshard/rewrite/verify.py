@@ -20,6 +20,7 @@ from ..nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from ..runtime import collectives as C
 from ..runtime.groups import subgroup_size
 from ..runtime.pieces import cat_along, split_along
+from ..runtime.sequence import gathered_linears
 
 
 def _within(group, p: int, rank: int) -> tuple[int, int]:
@@ -49,6 +50,15 @@ def _all_to_all(p, rank):
     return lambda x, src_dim, dst_dim, group=None: split_along(cat_along([x] * p, src_dim), dst_dim, p)[rank]
 
 
+def _gathered_linears(p, rank):
+    def fn(x, dim, *params, group=None, size=None, forms=(), flat=False, **cut):
+        whole = _gather(p, rank)(x, dim, group=group, size=size)
+        whole = whole.reshape(-1, whole.size(-1)) if flat else whole
+        return tuple(torch.addmm(b, whole, w) if f == "addmm" else F.linear(whole, w, b)
+                     for w, b, f in zip(params[0::2], params[1::2], forms))
+    return fn
+
+
 def _vocab_ce(p, rank):
     def fn(logits, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, group=None,
            num_classes=None):
@@ -66,6 +76,7 @@ _LOCAL = {
     C.gather_from: _gather,
     C.all_gather: _gather,
     C.all_to_all: _all_to_all,
+    gathered_linears: _gathered_linears,
     C.to_dtensor: lambda p, rank: (lambda x, dim, group=None, size=None: x),      # the local block is what it holds
     PF.masked_embedding: lambda p, rank: (lambda input, weight, padding_idx=None, group=None, **kw:
                                           F.embedding(input, weight)),

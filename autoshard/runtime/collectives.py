@@ -72,7 +72,7 @@ def _stacked_gather(x, group):
     return flat.view((p,) + shape)
 
 
-def _gather(x, dim, chunks, group, size=None, op="gather_from", direction="forward", **cut):
+def gather_pieces(x, dim, chunks, group, size=None, op="gather_from", direction="forward", **cut):
     """Full tensor from every rank's Shard(dim, chunks) piece; `size`, the full size of `dim`
     where shards differ (torch.chunk's boundaries, in `unit`s, of equal blocks or of `parts`,
     in groups of `nest` ranks: the `cut` keywords): each is padded to the largest and cropped."""
@@ -96,7 +96,7 @@ def _scatter(x, dim, chunks, group, **cut):
     return pieces[dist.get_rank(group)].contiguous()
 
 
-def _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", direction="forward", **cut):
+def reduce_scatter_pieces(x, dim, chunks, group, op="reduce_scatter", direction="forward", **cut):
     """This rank's Shard(dim, chunks) piece of the sum of `x` over the group (an uneven split
     reduces equal pieces padded to the largest and crops its own)."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -158,7 +158,7 @@ class _ScatterTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, *ctx.args, op="scatter_to", direction="backward", **ctx.cut), None, None, None, None
+        return gather_pieces(grad, *ctx.args, op="scatter_to", direction="backward", **ctx.cut), None, None, None, None
 
 
 class _SlicePartial(torch.autograd.Function):
@@ -184,7 +184,7 @@ class _GatherFrom(torch.autograd.Function):
     def forward(ctx, x, dim, chunks, group, size, cut):
         ctx.args = (dim, chunks, group)
         ctx.cut = dict(cut)
-        return _gather(x, dim, chunks, group, size, op="gather_from", **ctx.cut)
+        return gather_pieces(x, dim, chunks, group, size, op="gather_from", **ctx.cut)
 
     @staticmethod
     def backward(ctx, grad):
@@ -194,14 +194,15 @@ class _GatherFrom(torch.autograd.Function):
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, chunks, group, cut):
-        out = _reduce_scatter(x, dim, chunks, group, op="reduce_scatter", **dict(cut))
+        out = reduce_scatter_pieces(x, dim, chunks, group, op="reduce_scatter", **dict(cut))
         ctx.args = (dim, chunks, group, x.size(dim))
         ctx.cut = dict(cut)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, *ctx.args, op="reduce_scatter", direction="backward", **ctx.cut), None, None, None, None
+        return gather_pieces(grad, *ctx.args, op="reduce_scatter", direction="backward", **ctx.cut), None, None, None, \
+            None
 
 
 class _AllGather(torch.autograd.Function):
@@ -209,12 +210,12 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x, dim, chunks, group, size, cut):
         ctx.args = (dim, chunks, group)
         ctx.cut = dict(cut)
-        return _gather(x, dim, chunks, group, size, op="all_gather", **ctx.cut)
+        return gather_pieces(x, dim, chunks, group, size, op="all_gather", **ctx.cut)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, *ctx.args, op="all_gather", direction="backward", **ctx.cut), None, None, None, \
-            None, None
+        return reduce_scatter_pieces(grad, *ctx.args, op="all_gather", direction="backward", **ctx.cut), None, None, \
+            None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
