@@ -107,6 +107,7 @@ class Saved:
     producer: Mapping
     saves: tuple
     exact: bool = True
+    shapes: Mapping = None     # storage -> the shape it was saved with (None: the stand-in table)
 
 
 def _tensors(v):
@@ -190,10 +191,12 @@ def _recorded(prob) -> Saved:
         storage.append(_key(ts[0]) if len(ts) == 1 and not isinstance(rec.env.get(n), (tuple, list)) else None)
     held = {s for s, i in rec.producer.items() if prob.kind[i] in ("param", "buffer", "input")}
     saves = [dict() for _ in prob.nodes]
-    for i, s, nb, _ in rec.records:
+    shapes = {}
+    for i, s, nb, t in rec.records:
         if i >= 0 and s not in held:
             saves[i][s] = max(nb, saves[i].get(s, 0))
-    return Saved(tuple(storage), dict(rec.producer), tuple(tuple(d.items()) for d in saves))
+            shapes.setdefault(s, tuple(t.shape))
+    return Saved(tuple(storage), dict(rec.producer), tuple(tuple(d.items()) for d in saves), shapes=shapes)
 
 
 def _stand_in(prob) -> Saved:
@@ -217,6 +220,34 @@ def _fraction(val, placement, p: int) -> float:
         return local_numel(val.shape, placement, p) / val.numel()
     except (ValueError, TypeError, AttributeError):
         return 1.0
+
+
+def _own_fraction(prob, state, i, s, p: int, shape) -> float:
+    """The share one rank holds of a tensor op `i` saves of its own (attention's probabilities and
+    dropout noise, a float copy of its mask, a norm's statistics, a loss's log-softmax), of `shape`:
+    split as its largest input or its output is where it spans that tensor's split dim whole
+    (probabilities [B, H, T, S] follow queries split on heads; a [B, 1, T, S] mask copy, or a norm's
+    [T, 1] statistics beside features split, do not), the smaller share of the two."""
+    ins = [(prob.nbytes[k], q, k) for q, k in enumerate(prob.ins[i]) if isinstance(prob.val[k], torch.Tensor)
+           and prob.kind[k] not in ("param", "buffer")]
+    if not ins or s is None:
+        return _fraction(prob.val[i], state.place[i], p)
+    _, q, k = max(ins)
+    shares = [_aligned_share(prob.val[k], s.inputs[q] or state.place[k], p, shape)]
+    if isinstance(prob.val[i], torch.Tensor) and prob.val[i].numel() > 1:
+        shares.append(_aligned_share(prob.val[i], state.place[i], p, shape))
+    shares = [f for f in shares if f is not None]
+    return min(shares) if shares else 1.0
+
+
+def _aligned_share(val, placement, p: int, shape) -> float | None:
+    """`_fraction(val, placement)` for a tensor of `shape` that `val`'s split splits alike; None where
+    `shape` has val's rank but not its split dim's size (that split leaves it whole)."""
+    d = getattr(placement, "dim", None)
+    if shape is not None and isinstance(d, int) and isinstance(val, torch.Tensor) and len(shape) == val.dim() \
+            and shape[d % val.dim()] != val.shape[d % val.dim()]:
+        return None
+    return _fraction(val, placement, p)
 
 
 def _block_ranges(prob, blocks) -> dict:
@@ -298,14 +329,8 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
                 f = _fraction(prob.val[k], s.inputs[slot] if moved else state.place[k], p)
             elif j is not None and saved.storage[j] == st:
                 k, moved, f = j, False, _fraction(prob.val[j], state.place[j], p)
-            else:                       # a tensor of the op's own: the share of its largest input
-                ins = [(prob.nbytes[k], q, k) for q, k in enumerate(prob.ins[i]) if isinstance(prob.val[k], torch.Tensor)
-                       and prob.kind[k] not in ("param", "buffer")]
-                if ins and s is not None:
-                    _, q, k = max(ins)
-                    f = _fraction(prob.val[k], s.inputs[q] or state.place[k], p)
-                else:
-                    f = _fraction(prob.val[i], state.place[i], p)
+            else:                       # a tensor of the op's own: split as the op's work is
+                f = _own_fraction(prob, state, i, s, p, (saved.shapes or {}).get(st))
                 j, moved = i, False
             key = (st, round(f, 9)) if moved else (st, "own")
             rec = keyed.setdefault(key, [int(nb * f), i if moved or j is None else j, [], module_of(prob, i)])
