@@ -96,14 +96,16 @@ def windows(prob: Problem) -> list[tuple[int, ...]]:
             if d > 0 and i in anchor_group and anchor_group[i] in primary:
                 for h in (siblings(anchor_group[i]) | {anchor_group[i]}) & primary:
                     dist[h] = min(dist.get(h, INF), d)
-        # a group no op names a dim for (a norm's weight) enters with the layers reading its output:
-        # splitting it pays only with their layouts changed too (Falcon-11B's shared norm kept split
-        # while the fused q/k/v reads it row-parallel, at one K/V group a rank)
+        # a group no op names a dim for (a norm's weight) enters with the layers reading its output,
+        # where their unit fits a window: splitting it pays only with their layouts changed too
+        # (Falcon-11B's shared norm kept split while the fused q/k/v reads it row-parallel)
         chosen, combos = ([], 1) if own else ([g], len(grp.choices))
         first = g if own else min(dist, key=lambda h: (dist[h], h), default=None)
         for h in sorted(dist, key=lambda h: (h != first, dist[h], h)):
             unit = [u for u in sorted((siblings(h) | {h}) & primary) if u not in chosen]
             n = math.prod(len(prob.groups[u].choices) for u in unit)
+            if h == first and not own and n > WINDOW_COMBOS:
+                break                         # its readers' unit alone fills a window: flipped alone
             if h == first or (len(chosen) + len(unit) <= WINDOW_GROUPS and combos * n <= WINDOW_COMBOS):
                 chosen += unit                # siblings enter a window together or not at all
                 combos *= n
