@@ -153,5 +153,5 @@ def test_a_shared_norm_is_decided_with_the_layers_reading_it(memory_weight):
     megatron = (2 * layers + 2) * ring_bytes("all_reduce", tokens * h * 4, p) + 3 * ring_bytes("all_reduce", tokens * 4, p)
     if memory_weight is None:
         assert got.comm_bytes == pytest.approx(megatron, rel=1e-12)
-    else:       # the fixed price of state splits the final norm: its output gathered, T x h / p more at most
+    else:       # the fixed price splits the final norm: its statistics all-reduced on top (4 of T floats)
         assert megatron <= got.comm_bytes <= megatron * 1.01
