@@ -176,14 +176,25 @@ class Served:
     def __init__(self, arrangement: Arrangement, check: InputCheck, holder: fx.GraphModule, fn, out_spec=None):
         self.arrangement, self.check, self.holder = arrangement, check, holder
         self.fn, self.out_spec = fn, out_spec        # fn(self, *inputs); out_spec: an export graph's outputs
+        self.compiled = {}                           # torch.compile options -> fn compiled with the module bound
 
-    def __call__(self, module: nn.Module, call: Call):
+    def __call__(self, module: nn.Module, call: Call, compile_options=None):
         args, kwargs = self.arrangement.split(call)
         self.check(self.holder, args, kwargs)
+        fn = self.fn if compile_options is None else self._compiled(module, compile_options)
         if self.out_spec is None:                    # the module's own graph, or a symbolic_trace one
-            return self.fn(module, *args, **kwargs)
+            return fn(module, *args, **kwargs)
         flat = placeholder_inputs(self.holder, "export", args, kwargs)
-        return pytree.tree_unflatten(list(self.fn(module, *flat)), self.out_spec)
+        return pytree.tree_unflatten(list(fn(module, *flat)), self.out_spec)
+
+    def _compiled(self, module: nn.Module, options: dict):
+        """This graph's function under `torch.compile(**options)`, made once per options (the
+        module is an argument dynamo guards on, as a compiled method's `self`)."""
+        key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+        fn = self.compiled.get(key)
+        if fn is None:
+            fn = self.compiled[key] = torch.compile(self.fn, **options)
+        return fn
 
 
 class Signatures:
@@ -204,17 +215,18 @@ class Signatures:
             served = self._add(module, call, key)
         return served(module, call)
 
-    def call_step(self, module: nn.Module, step, args: tuple, kwargs: dict):
+    def call_step(self, module: nn.Module, step, args: tuple, kwargs: dict, compile_options=None):
         """A call of another forward than the model's on this module's shards: `step`
-        (autoshard.io.generate: a causal LM's prefill or decode step) gives its `signature`, the
+        (autoshard.io.step: a causal LM's prefill or decode step) gives its `signature`, the
         model it is captured on (`step.module(model)`), the outputs kept as each rank holds them
-        (`step.held`) and the inputs that come in so (`step.localize`); served as any other call."""
+        (`step.held`) and the inputs that come in so (`step.localize`); served as any other call,
+        its graph run under `torch.compile(**compile_options)` where given."""
         call = bind(step.signature, args, kwargs)
         key = (module.training, call.key, precision(module), step.name)
         served = self.served.get(key)
         if served is None:
             served = self._add(module, call, key, step)
-        return served(module, call)
+        return served(module, call, compile_options)
 
     def prepare(self, module: nn.Module) -> None:
         """Build the example call's graph for the module's current mode now (a model parallelized in
