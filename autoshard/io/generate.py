@@ -25,6 +25,7 @@ import inspect
 import torch.nn as nn
 
 from ..errors import ShardingError
+from ..rewrite.signatures import precision
 from ..runtime import rng
 from .static import StaticStep, check_static, run_static
 from .step import Step, fill
@@ -45,6 +46,7 @@ class ParallelCausalLM(nn.Module):
         self.step = Step()                             # this module's step signature
         self.static = StaticStep(self.step)            # its static cache's decode step
         self.compile = None                            # gm.generate's compile=: None (HF's rule), True, False
+        self.recipe, self.checked = None, set()        # within one generate: see `call`
         self._cache_name = "cache" if "cache" in inspect.signature(model_class.forward).parameters \
             else "past_key_values"
 
@@ -90,12 +92,23 @@ class ParallelCausalLM(nn.Module):
         layers = [layer for layer in cache.layers if getattr(layer, "is_initialized", False)]
         call = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     keys=tuple(layer.keys for layer in layers), values=tuple(layer.values for layer in layers))
-        logits, keys, values = self.gm.__dict__["_autoshard_signatures"].call_step(self.gm, self.step, (), call)
+        logits, keys, values = self.call(self.step, call)
         if len(keys) != len(cache.layers) and len(keys) != len(layers):
             raise ShardingError(f"the step returned {len(keys)} cache layers for a cache of {len(cache.layers)}")
         for layer, k, v in zip(cache.layers, keys, values):
             fill(layer, k, v)
         return CausalLMOutputWithPast(logits=logits, **{self._cache_name: cache})
+
+    def call(self, step, kwargs: dict, compile_options=None):
+        """One call of `step` (prefill or decode step) on the module. Within a generate call the
+        module's precision recipe is read once (its parameters' dtypes do not change between
+        tokens) and each signature's inputs are checked on its first call only (the adapter
+        builds them alike every token; only the cache's length, a free dim, and values change)."""
+        seen = (step.name, bool(kwargs.get("keys")))
+        check = self.recipe is None or seen not in self.checked
+        self.checked.add(seen)
+        return self.gm.__dict__["_autoshard_signatures"].call_step(self.gm, step, (), kwargs, compile_options,
+                                                                   self.recipe, check)
 
     def create_masks_for_generate(self, attention_mask=None, **kwargs):
         """The 2-D mask as it is (HF builds a 4-D mask here for a compileable cache; the static
@@ -147,8 +160,12 @@ def generate(self, *args, **kwargs):
     adapter = _adapter(self, self.__dict__["_autoshard_hf"]["class"])
     adapter.generation_config = self.__dict__.get("generation_config", adapter.generation_config)
     adapter.compile = kwargs.pop("compile", None)
-    with rng.fork("replicated", adapter.device):
-        return adapter.generate(*args, **kwargs)
+    adapter.recipe, adapter.checked = precision(self), set()
+    try:
+        with rng.fork("replicated", adapter.device):
+            return adapter.generate(*args, **kwargs)
+    finally:
+        adapter.recipe = None
 
 
 def attach(gm, model) -> bool:

@@ -100,11 +100,9 @@ def run_static(adapter, cache, input_ids, attention_mask, position_ids, compile_
     """One forward of the adapter over a `StaticCache`: the prefill when its layers are empty,
     else a decode step (compiled with `compile_options`); writes the new K/V into the rank's
     buffers (HF's `StaticLayer.update`) and returns the logits."""
-    gm = adapter.gm
-    signatures = gm.__dict__["_autoshard_signatures"]
     first = cache.layers[0]
     if not first.is_initialized:
-        logits, keys, values = signatures.call_step(gm, adapter.step, (), dict(
+        logits, keys, values = adapter.call(adapter.step, dict(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, keys=(), values=()))
     else:
         if input_ids.shape[1] != 1:
@@ -117,7 +115,7 @@ def run_static(adapter, cache, input_ids, attention_mask, position_ids, compile_
         call = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     length=first.cumulative_length, keys=tuple(layer.keys for layer in cache.layers),
                     values=tuple(layer.values for layer in cache.layers))
-        logits, keys, values = signatures.call_step(gm, adapter.static, (), call, compile_options=compile_options)
+        logits, keys, values = adapter.call(adapter.static, call, compile_options)
     if len(keys) != len(cache.layers):
         raise ShardingError(f"the step returned {len(keys)} cache layers for a static cache of {len(cache.layers)}")
     for layer, k, v in zip(cache.layers, keys, values):

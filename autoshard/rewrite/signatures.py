@@ -178,9 +178,10 @@ class Served:
         self.fn, self.out_spec = fn, out_spec        # fn(self, *inputs); out_spec: an export graph's outputs
         self.compiled = {}                           # torch.compile options -> fn compiled with the module bound
 
-    def __call__(self, module: nn.Module, call: Call, compile_options=None):
+    def __call__(self, module: nn.Module, call: Call, compile_options=None, check=True):
         args, kwargs = self.arrangement.split(call)
-        self.check(self.holder, args, kwargs)
+        if check:
+            self.check(self.holder, args, kwargs)
         fn = self.fn if compile_options is None else self._compiled(module, compile_options)
         if self.out_spec is None:                    # the module's own graph, or a symbolic_trace one
             return fn(module, *args, **kwargs)
@@ -215,18 +216,21 @@ class Signatures:
             served = self._add(module, call, key)
         return served(module, call)
 
-    def call_step(self, module: nn.Module, step, args: tuple, kwargs: dict, compile_options=None):
+    def call_step(self, module: nn.Module, step, args: tuple, kwargs: dict, compile_options=None, recipe=None,
+                  check=True):
         """A call of another forward than the model's on this module's shards: `step`
         (autoshard.io.step: a causal LM's prefill or decode step) gives its `signature`, the
         model it is captured on (`step.module(model)`), the outputs kept as each rank holds them
         (`step.held`) and the inputs that come in so (`step.localize`); served as any other call,
-        its graph run under `torch.compile(**compile_options)` where given."""
+        its graph run under `torch.compile(**compile_options)` where given. A caller that calls
+        the step once a token may pass the precision `recipe` it read once (`precision`: a walk
+        of every parameter) and skip the input `check` of calls after the first."""
         call = bind(step.signature, args, kwargs)
-        key = (module.training, call.key, precision(module), step.name)
+        key = (module.training, call.key, precision(module) if recipe is None else recipe, step.name)
         served = self.served.get(key)
         if served is None:
-            served = self._add(module, call, key, step)
-        return served(module, call, compile_options)
+            served, check = self._add(module, call, key, step), True
+        return served(module, call, compile_options, check)
 
     def prepare(self, module: nn.Module) -> None:
         """Build the example call's graph for the module's current mode now (a model parallelized in

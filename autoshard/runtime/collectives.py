@@ -56,7 +56,7 @@ def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum",
         dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
     else:
         out = functional.wait_tensor(functional.all_reduce(x.contiguous(), reduce_op, _group_name(group)))
-    count_eager(op, "all_reduce", direction, out, dist.get_world_size(group), group)
+    count_eager(op, "all_reduce", direction, out, group.size(), group)
     return out
 
 
@@ -247,7 +247,13 @@ def _fx_leaf(fn):
 def resolve(group):
     """(ProcessGroup, size) of `group`; raises ProcessGroupError when there is none."""
     pg = get_group(group)
-    return pg, dist.get_world_size(pg)
+    return pg, pg.size()
+
+
+def _eager_no_grad() -> bool:
+    """Eager and without grad (a decode step): a collective then runs its forward directly, not
+    through its autograd function (whose `apply` costs more than a small collective's call)."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 @_fx_leaf
@@ -265,7 +271,11 @@ def reduce_from(x, group=None, inplace=False):
     as Megatron does): only for an intermediate that nothing else reads, such as the output of a
     row-parallel matmul; the rewriter sets it where the graph proves that."""
     pg, p = resolve(group)
-    return x if p == 1 else _ReduceFrom.apply(x, pg, inplace)
+    if p == 1:
+        return x
+    if _eager_no_grad():
+        return raw_all_reduce(x, pg, "reduce_from", "forward", inplace=inplace and x.is_contiguous())
+    return _ReduceFrom.apply(x, pg, inplace)
 
 
 def _cut(unit=1, parts=None, nest=1) -> tuple:
@@ -299,7 +309,11 @@ def gather_from(x, dim, chunks=1, group=None, size=None, unit=1, parts=None, nes
     `size`: the full size of `dim` when the pieces differ in size (torch.chunk's boundaries, in
     `unit`s of that many elements)."""
     pg, p = resolve(group)
-    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg, size, _cut(unit, parts, nest))
+    if p == 1:
+        return x
+    if _eager_no_grad():
+        return _gather(x, dim, chunks, pg, size, op="gather_from", **dict(_cut(unit, parts, nest)))
+    return _GatherFrom.apply(x, dim, chunks, pg, size, _cut(unit, parts, nest))
 
 
 @_fx_leaf
