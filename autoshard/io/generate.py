@@ -68,7 +68,7 @@ class ParallelCausalLM(nn.Module):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 use_cache=None, logits_to_keep=None, return_dict=None, autoshard_compile=None, **kwargs):
-        from transformers.cache_utils import Cache, DynamicCache, StaticCache
+        from transformers.cache_utils import DynamicCache, StaticCache
         from transformers.modeling_outputs import CausalLMOutputWithPast
         if inputs_embeds is not None:
             raise ShardingError("generate with inputs_embeds is not supported by the parallel module: pass input_ids")

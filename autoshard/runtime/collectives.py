@@ -250,12 +250,6 @@ def resolve(group):
     return pg, pg.size()
 
 
-def _eager_no_grad() -> bool:
-    """Eager and without grad (a decode step): a collective then runs its forward directly, not
-    through its autograd function (whose `apply` costs more than a small collective's call)."""
-    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-
-
 @_fx_leaf
 def copy_to(x, group=None):
     """fwd: identity; bwd: all-reduce (sum) of the gradient (none without grad: x itself)."""
@@ -271,11 +265,7 @@ def reduce_from(x, group=None, inplace=False):
     as Megatron does): only for an intermediate that nothing else reads, such as the output of a
     row-parallel matmul; the rewriter sets it where the graph proves that."""
     pg, p = resolve(group)
-    if p == 1:
-        return x
-    if _eager_no_grad():
-        return raw_all_reduce(x, pg, "reduce_from", "forward", inplace=inplace and x.is_contiguous())
-    return _ReduceFrom.apply(x, pg, inplace)
+    return x if p == 1 else _ReduceFrom.apply(x, pg, inplace)
 
 
 def _cut(unit=1, parts=None, nest=1) -> tuple:
@@ -309,11 +299,7 @@ def gather_from(x, dim, chunks=1, group=None, size=None, unit=1, parts=None, nes
     `size`: the full size of `dim` when the pieces differ in size (torch.chunk's boundaries, in
     `unit`s of that many elements)."""
     pg, p = resolve(group)
-    if p == 1:
-        return x
-    if _eager_no_grad():
-        return _gather(x, dim, chunks, pg, size, op="gather_from", **dict(_cut(unit, parts, nest)))
-    return _GatherFrom.apply(x, dim, chunks, pg, size, _cut(unit, parts, nest))
+    return x if p == 1 else _GatherFrom.apply(x, dim, chunks, pg, size, _cut(unit, parts, nest))
 
 
 @_fx_leaf
