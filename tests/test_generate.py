@@ -10,6 +10,10 @@ search equal, with return_dict_in_generate's scores. Every case asserts the cach
 holds: its own K/V heads only (the heads its queries read; K/V heads replicated where there are
 fewer than ranks), and the bytes counted in a decode step against its plan's prediction and,
 where the module's layouts are Megatron's, against Megatron's inference bytes.
+cache_implementation="static": tokens and scores equal one process's static generate, eager and
+with the decode step compiled (`compile=True`: one dynamo graph for every token, no graph
+break); each rank's static buffers hold its K/V heads at HF's max_cache_len; what the static
+path does not serve is a ShardingError.
 LLaMA and GPT-2 greedy at world 2 and one world-3 case run by default; the rest with -m slow.
 """
 import copy
@@ -288,12 +292,13 @@ def _static_case(rank, p, name, batch, compile_config, errors=False):
                    do_sample=False, cache_implementation="static")
     want = ref.generate(**prompts, **options)
     out = gm.generate(**prompts, **options)
+    served = gm._autoshard_signatures.served
+    static_key = next(k for k in served if len(k) == 4 and k[3] == "generate.static")
+    assert not served[static_key].compiled, "compiled without compile=True on the CPU (HF compiles on accelerators)"
     dynamo.reset()
     counters.clear()
     compiled = gm.generate(**prompts, **options, compile=True, compile_config=CompileConfig(**compile_config))
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    served = gm._autoshard_signatures.served
-    static_key = next(k for k in served if len(k) == 4 and k[3] == "generate.static")
     assert served[static_key].compiled, "the decode steps did not run the compiled graph"
     cache, full = _cache_of(out), _cache_of(want)
     assert isinstance(cache, StaticCache) and isinstance(full, StaticCache)

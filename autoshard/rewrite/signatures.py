@@ -176,21 +176,21 @@ class Served:
     def __init__(self, arrangement: Arrangement, check: InputCheck, holder: fx.GraphModule, fn, out_spec=None):
         self.arrangement, self.check, self.holder = arrangement, check, holder
         self.fn, self.out_spec = fn, out_spec        # fn(self, *inputs); out_spec: an export graph's outputs
-        self.compiled = {}                           # torch.compile options -> fn compiled with the module bound
+        self.compiled = {}                           # torch.compile's options -> fn under torch.compile
 
     def __call__(self, module: nn.Module, call: Call, compile_options=None, check=True):
         args, kwargs = self.arrangement.split(call)
         if check:
             self.check(self.holder, args, kwargs)
-        fn = self.fn if compile_options is None else self._compiled(module, compile_options)
+        fn = self.fn if compile_options is None else self.compile_with(compile_options)
         if self.out_spec is None:                    # the module's own graph, or a symbolic_trace one
             return fn(module, *args, **kwargs)
         flat = placeholder_inputs(self.holder, "export", args, kwargs)
         return pytree.tree_unflatten(list(fn(module, *flat)), self.out_spec)
 
-    def _compiled(self, module: nn.Module, options: dict):
+    def compile_with(self, options: dict):
         """This graph's function under `torch.compile(**options)`, made once per options (the
-        module is an argument dynamo guards on, as a compiled method's `self`)."""
+        module is its first argument, which dynamo guards on as a compiled method's `self`)."""
         key = tuple(sorted((k, repr(v)) for k, v in options.items()))
         fn = self.compiled.get(key)
         if fn is None:
