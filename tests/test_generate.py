@@ -276,7 +276,8 @@ def _static_case(rank, p, name, batch, compile_config, errors=False):
     """Greedy generation with cache_implementation="static" against one process's, eager and
     then with the decode step compiled (`compile_config`: HF CompileConfig options); the static
     cache each rank holds (its K/V heads, HF's max_cache_len), the compiled decode's graphs and
-    graph breaks, and one more eager decode step's bytes against its plan's."""
+    graph breaks, and the last decode step run again eagerly, its bytes against its plan's
+    (`errors`: then what the static path refuses, `_unsupported`)."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
     from transformers import CompileConfig, StaticCache
