@@ -15,7 +15,7 @@ Compiling the decode step follows HF: `generate` compiles the decode steps of a 
 with `generation_config.compile_config` (HF's `CompileConfig`) where HF would (on an
 accelerator, unless `disable_compile`); `gm.generate(..., compile=True)` asks for it on any
 device (the CPU included), `compile=False` never. What is compiled is the static decode step's
-graph, not the adapter.
+graph, not the adapter; HF compiles greedy search and sampling, not beam search.
 """
 from __future__ import annotations
 
