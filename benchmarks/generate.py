@@ -18,13 +18,19 @@ The module is planned with a fine-tuning batch (`--example train`: 4 x 256 token
 whose layouts then serve generation; `--example prompt` plans with the prompt itself (32 tokens:
 the memory term then shards the norms' weights, and the decode step gathers each norm's output).
 
+With `--cache static`, both sides generate with `cache_implementation="static"` (HF's StaticCache;
+at world > 1 each rank's buffers hold its own K/V heads); with `--compile` too, the decode step
+is compiled (the parallel module: `gm.generate(..., compile=True)`; one process: HF's own
+compiled forward, its `CompileConfig` allowed on the CPU). Compiling happens in the warm-up
+generate, outside the timed calls.
+
 With `--ceiling`, the machine's own limit: one process's matrix-vector product over a matrix of
 the model's parameter count against the slowest of `world` processes over 1/world of it each, at
 once (a decode step reads every weight once, so it is memory-bound on CPU; where the cores share
 the memory bandwidth, this ratio, not the plan, caps the decode speed-up).
 
 Usage: python benchmarks/generate.py [--worlds 1 2 4] [--rounds 5] [--example train|prompt] [--ceiling]
-       [--json out.json]
+       [--cache dynamic|static] [--compile] [--json out.json]
 """
 from __future__ import annotations
 
@@ -85,13 +91,28 @@ def _example(kind: str, ids) -> dict:
     return {"input_ids": batch, "labels": batch}
 
 
-def _run(world: int, rounds: int, example: str = "train") -> dict:
+def _options(world: int, cache: str, compiled: bool) -> dict:
+    """generate's options: greedy, the cache, and the decode step compiled (`compiled`)."""
+    opts = dict(do_sample=False, use_cache=True, pad_token_id=0)
+    if cache == "static":
+        opts["cache_implementation"] = "static"
+    if compiled and world > 1:
+        opts["compile"] = True
+    elif compiled:
+        from transformers import CompileConfig
+        config = CompileConfig()
+        config._compile_all_devices = True                 # HF compiles on accelerators only unless told
+        opts["compile_config"] = config
+    return opts
+
+
+def _run(world: int, rounds: int, example: str = "train", cache: str = "dynamic", compiled: bool = False) -> dict:
     import autoshard
     from autoshard.runtime.collectives import count_comm
     from autoshard.runtime.counters import ring_bytes, split_kind
     model = _model()
     ids = _prompt()
-    opts = dict(do_sample=False, use_cache=True, pad_token_id=0)
+    opts = _options(world, cache, compiled)
     if world == 1:
         gen = model
     else:
@@ -106,18 +127,25 @@ def _run(world: int, rounds: int, example: str = "train") -> dict:
             c1 = time.thread_time()
             many.append(_timed(lambda: gen.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, **opts), world))
             cpu.append((time.thread_time() - c1) - (c1 - c0))
-    cache = getattr(full, "cache", None) or full.past_key_values
+    kv = getattr(full, "cache", None) or full.past_key_values
     out = {"world": world, "prefill_s": statistics.median(one),
            "decode_tokens_per_s": (NEW - 1) / (statistics.median(many) - statistics.median(one)),
-           "cache_bytes_per_rank": _cache_bytes(cache), "tokens": full.sequences[0, -8:].tolist(),
+           "cache_bytes_per_rank": _cache_bytes(kv), "tokens": full.sequences[0, -8:].tolist(),
            "decode_cpu_ms_per_token": statistics.median(cpu) / (NEW - 1) * 1e3}
     if world > 1:
         adapter = gen.__dict__["_autoshard_generator"]
         sig = gen._autoshard_signatures
-        key = next(k for k in sig.served if len(k) == 4 and dict(k[1]).get("keys") != ("tuple", ()))
+        name = "generate.static" if cache == "static" else "generate.step"
+        key = next(k for k in sig.served if len(k) == 4 and k[3] == name and dict(k[1]).get("keys") != ("tuple", ()))
         plan = sig.plans[key]
+        last = full.sequences[:, -1:]
+        if cache == "static":                  # the static cache is full: the last decode step again
+            last = full.sequences[:, -2:-1]
+            for layer in kv.layers:
+                layer.crop(-1)
+        at = torch.tensor([[full.sequences.size(1) - (2 if cache == "static" else 1)]])
         with torch.no_grad(), count_comm() as c:
-            adapter(input_ids=full.sequences[:, -1:], use_cache=True, **{adapter._cache_name: cache})
+            adapter(input_ids=last, position_ids=at, use_cache=True, **{adapter._cache_name: kv})
         out["decode_bytes_counted"] = c.bytes
         out["decode_bytes_predicted"] = sum(ring_bytes(k, r.nbytes, world) for r in plan.redistributions
                                             for k in r.forward) + \
@@ -176,9 +204,15 @@ def main():
                     help="also time the weights' matrix-vector product in 1 and in `world` processes at once")
     ap.add_argument("--example", choices=("train", "prompt"), default="train",
                     help="plan with a fine-tuning batch (4 x 256 tokens, labels) or with the prompt itself")
+    ap.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
+                    help="generate's cache: HF's DynamicCache (default) or cache_implementation=\"static\"")
+    ap.add_argument("--compile", action="store_true", help="compile the decode step (with --cache static)")
     args = ap.parse_args()
+    if args.compile and args.cache != "static":
+        ap.error("--compile compiles the static cache's decode step: add --cache static")
     load = note_load()
-    results = [launch(_run, w, w, args.rounds, args.example, timeout_s=1800) for w in args.worlds]
+    results = [launch(_run, w, w, args.rounds, args.example, args.cache, args.compile, timeout_s=1800)
+               for w in args.worlds]
     after = os.getloadavg()[0]
     base = next((r for r in results if r["world"] == 1), None)
     print(f"{'world':>5} {'prefill ms':>10} {'decode tok/s':>12} {'x 1 proc':>8} {'cache/rank':>11} "
@@ -200,10 +234,12 @@ def main():
                       f"of {w} processes' over 1/{w} of them at once = {ceiling(w):.2f}")
     same = all(r["tokens"] == results[0]["tokens"] for r in results)
     print(f"the same tokens at every world size: {same}; planned with the {args.example!r} example; "
+          f"{args.cache} cache{', decode step compiled' if args.compile else ''}; "
           f"1-minute load average {load:.2f} before the run, {after:.2f} after it")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": CONFIG, "results": results, "load": load, "load_after": after,
-                                               "example": args.example}, indent=1))
+                                               "example": args.example, "cache": args.cache,
+                                               "compile": args.compile}, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ search equal, with return_dict_in_generate's scores. Every case asserts the cach
 holds: its own K/V heads only (the heads its queries read; K/V heads replicated where there are
 fewer than ranks), and the bytes counted in a decode step against its plan's prediction and,
 where the module's layouts are Megatron's, against Megatron's inference bytes.
+cache_implementation="static": tokens and scores equal one process's static generate, eager and
+with the decode step compiled (`compile=True`: one dynamo graph for every token, no graph
+break); each rank's static buffers hold its K/V heads at HF's max_cache_len; what the static
+path does not serve is a ShardingError.
 LLaMA and GPT-2 greedy at world 2 and one world-3 case run by default; the rest with -m slow.
 """
 import copy
@@ -130,7 +134,8 @@ def _generate_case(rank, p, name, batch, options):
     # one more decode step, its bytes counted against its plan
     sig = gm._autoshard_signatures
     adapter = gm.__dict__["_autoshard_generator"]
-    key = next(k for k in sig.served if len(k) == 4 and any(n == "keys" and v != ("tuple", ()) for n, v in k[1]))
+    key = next(k for k in sig.served if len(k) == 4 and k[3] == "generate.step"
+               and any(n == "keys" and v != ("tuple", ()) for n, v in k[1]))
     plan = sig.plans[key]
     rows = int(cache.layers[0].keys.shape[0])          # batch x beams: beam search keeps one row a beam
     nxt = out.sequences[:, -1:].repeat_interleave(rows // out.sequences.size(0), dim=0)
@@ -265,3 +270,134 @@ def test_from_pretrained_generates(dist2, tmp_path):
     model.save_pretrained(tmp_path)
     for got, want in dist2.run(_from_pretrained_case, str(tmp_path), timeout=600):
         assert got == want
+
+
+def _static_case(rank, p, name, batch, compile_config, errors=False, beams=1):
+    """Greedy generation with cache_implementation="static" against one process's, eager and
+    then with the decode step compiled (`compile_config`: HF CompileConfig options); the static
+    cache each rank holds (its K/V heads, HF's max_cache_len), the compiled decode's graphs and
+    graph breaks, and the last decode step run again eagerly, its bytes against its plan's
+    (`errors`: then what the static path refuses, `_unsupported`; `beams`: beam search)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig, StaticCache
+
+    import autoshard
+    from autoshard.runtime.collectives import count_comm
+    model, kw = MODELS[name]()
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export")
+    gm.eval()
+    prompts = _prompts(kw, batch)
+    options = dict(max_new_tokens=6, use_cache=True, return_dict_in_generate=True, output_scores=True, pad_token_id=0,
+                   do_sample=False, cache_implementation="static", num_beams=beams)
+    want = ref.generate(**prompts, **options)
+    out = gm.generate(**prompts, **options)
+    served = gm._autoshard_signatures.served
+    static_key = next(k for k in served if len(k) == 4 and k[3] == "generate.static")
+    assert not served[static_key].compiled, "compiled without compile=True on the CPU (HF compiles on accelerators)"
+    dynamo.reset()
+    counters.clear()
+    compiled = gm.generate(**prompts, **options, compile=True, compile_config=CompileConfig(**compile_config))
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    # HF compiles the decode steps of greedy search and sampling (`_sample`); its beam search
+    # calls the model uncompiled, and so does the parallel module's
+    assert bool(served[static_key].compiled) == (beams == 1), (beams, "compiled" if served[static_key].compiled else "")
+    expected_graphs = 1 if beams == 1 else 0
+    cache, full = _cache_of(out), _cache_of(want)
+    assert isinstance(cache, StaticCache) and isinstance(full, StaticCache)
+    heads = [tuple(layer.keys.shape) for layer in cache.layers]
+    expected = _query_kv_heads(gm, ref, rank, p)
+    for mine, whole in zip(heads, [tuple(layer.keys.shape) for layer in full.layers]):
+        assert mine == (whole[0], expected, whole[2], whole[3]), (name, rank, mine, whole, expected)
+    if _kv_heads(ref) >= p:
+        assert expected * p == _kv_heads(ref), (expected, _kv_heads(ref))
+    # the last decode step again, eager (HF's crop: the cache's length one less), its bytes counted
+    adapter = gm.__dict__["_autoshard_generator"]
+    rows = int(cache.layers[0].keys.shape[0])
+    mask = torch.ones(rows, out.sequences.size(1) - 1, dtype=torch.long)
+    if "attention_mask" in prompts:
+        mask[:, :prompts["attention_mask"].size(1)] = prompts["attention_mask"].repeat_interleave(beams, dim=0)
+    last = out.sequences[:, -2:-1].repeat_interleave(rows // out.sequences.size(0), dim=0)
+    for layer in cache.layers:
+        layer.crop(-1)
+    with count_comm() as c:
+        adapter(input_ids=last, attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+                use_cache=True, **{adapter._cache_name: cache})
+    plan = gm._autoshard_signatures.plans[static_key]
+    return (out.sequences.tolist(), compiled.sequences.tolist(), want.sequences.tolist(),
+            [s.tolist() for s in out.scores], [s.tolist() for s in compiled.scores],
+            [s.tolist() for s in want.scores], (graphs, expected_graphs), breaks, c.bytes, _forward_bytes(plan),
+            _megatron_bytes(gm, ref, plan, rows), _unsupported(gm, kw) if errors else None)
+
+
+def _check_static(results, name):
+    for r in results:
+        assert r[0] == r[2] and r[1] == r[2], f"{name}: eager {r[0]}, compiled {r[1]}, one process {r[2]}"
+        for mine in (r[3], r[4]):
+            for got, want in zip(mine, r[5]):
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
+        assert r[6][0] == r[6][1] and r[7] == 0, f"{name}: {r[6][0]} compiled graphs ({r[6][1]} expected), {r[7]} graph breaks"
+        assert r[8] == pytest.approx(r[9], rel=1e-9), (name, r[8], r[9])
+        if r[10] is not None:
+            assert r[8] == r[10], (name, "decode bytes against Megatron's", r[8], r[10])
+
+
+DYNAMO = dict(backend="eager", fullgraph=True)      # dynamo's graph capture only: seconds, not minutes
+
+
+def test_static_cache(dist2):
+    """cache_implementation="static" at 2 ranks, LLaMA, a left-padded batch: eager and with the
+    decode step compiled (dynamo, fullgraph, one graph for every token); what is not supported
+    is a ShardingError saying so."""
+    results = dist2.run(_static_case, "llama", 3, DYNAMO, True, timeout=600)
+    _check_static(results, "llama static")
+    for *_, errors in results:
+        assert errors[0] is not None and "compile=True" in errors[0] and "static" in errors[0], errors[0]
+        assert errors[1] is not None and "offloading" in errors[1], errors[1]
+        assert errors[2] is not None and "one token a step" in errors[2], errors[2]
+        assert errors[3] is not None and "StaticSlidingWindowLayer" in errors[3], errors[3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,batch,compile_config", [("gpt2", 1, DYNAMO), ("llama_mqa", 3, DYNAMO),
+                                                       ("llama", 1, dict(fullgraph=True)),
+                                                       ("gpt2", 3, dict(fullgraph=True))])
+def test_static_cache_more(name, batch, compile_config, dist2):
+    """More models, and inductor (HF's CompileConfig defaults, fullgraph)."""
+    _check_static(dist2.run(_static_case, name, batch, compile_config, timeout=900), f"{name} static")
+
+
+@pytest.mark.slow
+def test_static_cache_beam_search(dist2):
+    """Beam search (3 beams, a left-padded batch) over the static cache; with compile=True its
+    decode steps stay eager, as HF's beam search does."""
+    _check_static(dist2.run(_static_case, "llama", 3, DYNAMO, False, 3, timeout=900), "llama static beams")
+
+
+def _unsupported(gm, kw):
+    """The messages of what the parallel module's generate refuses (None where nothing raised):
+    compile=True without a static cache, an offloaded static cache, two tokens in a static
+    decode step, a sliding-window static cache (this changes gm's config: call it last)."""
+    from autoshard.errors import ShardingError
+    ids = kw["input_ids"][:1, :6]
+    options = dict(max_new_tokens=2, use_cache=True, pad_token_id=0, do_sample=False)
+    errors = []
+
+    def error(fn):
+        try:
+            fn()
+        except ShardingError as e:
+            return str(e)
+        return None
+    errors.append(error(lambda: gm.generate(ids, **options, compile=True)))
+    errors.append(error(lambda: gm.generate(ids, **options, cache_implementation="offloaded_static")))
+    out = gm.generate(ids, **options, cache_implementation="static", return_dict_in_generate=True)
+    adapter, cache = gm.__dict__["_autoshard_generator"], _cache_of(out)
+    for layer in cache.layers:
+        layer.crop(-2)
+    errors.append(error(lambda: adapter(input_ids=out.sequences[:, -3:-1], use_cache=True,
+                                        **{adapter._cache_name: cache})))   # two tokens a step
+    gm.config.sliding_window = 4                        # a sliding-window static cache: HF makes sliding layers
+    errors.append(error(lambda: gm.generate(ids, **options, cache_implementation="static")))
+    return errors

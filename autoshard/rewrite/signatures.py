@@ -176,14 +176,26 @@ class Served:
     def __init__(self, arrangement: Arrangement, check: InputCheck, holder: fx.GraphModule, fn, out_spec=None):
         self.arrangement, self.check, self.holder = arrangement, check, holder
         self.fn, self.out_spec = fn, out_spec        # fn(self, *inputs); out_spec: an export graph's outputs
+        self.compiled = {}                           # torch.compile's options -> fn under torch.compile
 
-    def __call__(self, module: nn.Module, call: Call):
+    def __call__(self, module: nn.Module, call: Call, compile_options=None, check=True):
         args, kwargs = self.arrangement.split(call)
-        self.check(self.holder, args, kwargs)
+        if check:
+            self.check(self.holder, args, kwargs)
+        fn = self.fn if compile_options is None else self.compile_with(compile_options)
         if self.out_spec is None:                    # the module's own graph, or a symbolic_trace one
-            return self.fn(module, *args, **kwargs)
+            return fn(module, *args, **kwargs)
         flat = placeholder_inputs(self.holder, "export", args, kwargs)
-        return pytree.tree_unflatten(list(self.fn(module, *flat)), self.out_spec)
+        return pytree.tree_unflatten(list(fn(module, *flat)), self.out_spec)
+
+    def compile_with(self, options: dict):
+        """This graph's function under `torch.compile(**options)`, made once per options (the
+        module is its first argument, which dynamo guards on as a compiled method's `self`)."""
+        key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+        fn = self.compiled.get(key)
+        if fn is None:
+            fn = self.compiled[key] = torch.compile(self.fn, **options)
+        return fn
 
 
 class Signatures:
@@ -204,17 +216,21 @@ class Signatures:
             served = self._add(module, call, key)
         return served(module, call)
 
-    def call_step(self, module: nn.Module, step, args: tuple, kwargs: dict):
+    def call_step(self, module: nn.Module, step, args: tuple, kwargs: dict, compile_options=None, recipe=None,
+                  check=True):
         """A call of another forward than the model's on this module's shards: `step`
-        (autoshard.io.generate: a causal LM's prefill or decode step) gives its `signature`, the
+        (autoshard.io.step: a causal LM's prefill or decode step) gives its `signature`, the
         model it is captured on (`step.module(model)`), the outputs kept as each rank holds them
-        (`step.held`) and the inputs that come in so (`step.localize`); served as any other call."""
+        (`step.held`) and the inputs that come in so (`step.localize`); served as any other call,
+        its graph run under `torch.compile(**compile_options)` where given. A caller that calls
+        the step once a token may pass the precision `recipe` it read once (`precision`: a walk
+        of every parameter) and skip the input `check` of calls after the first."""
         call = bind(step.signature, args, kwargs)
-        key = (module.training, call.key, precision(module), step.name)
+        key = (module.training, call.key, precision(module) if recipe is None else recipe, step.name)
         served = self.served.get(key)
         if served is None:
-            served = self._add(module, call, key, step)
-        return served(module, call)
+            served, check = self._add(module, call, key, step), True
+        return served(module, call, compile_options, check)
 
     def prepare(self, module: nn.Module) -> None:
         """Build the example call's graph for the module's current mode now (a model parallelized in

@@ -56,7 +56,7 @@ def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum",
         dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
     else:
         out = functional.wait_tensor(functional.all_reduce(x.contiguous(), reduce_op, _group_name(group)))
-    count_eager(op, "all_reduce", direction, out, dist.get_world_size(group), group)
+    count_eager(op, "all_reduce", direction, out, group.size(), group)
     return out
 
 
@@ -248,7 +248,7 @@ def _fx_leaf(fn):
 def resolve(group):
     """(ProcessGroup, size) of `group`; raises ProcessGroupError when there is none."""
     pg = get_group(group)
-    return pg, dist.get_world_size(pg)
+    return pg, pg.size()
 
 
 @_fx_leaf

@@ -185,6 +185,9 @@ def _from_mesh(mesh):
 def get_group(group=None):
     """Resolve `group` (a ProcessGroup, a 1-D DeviceMesh, a registered key, or None for the
     current TP group)."""
+    known = _GROUPS.get(group) if isinstance(group, str) else None
+    if known is not None and dist.is_initialized():   # a rewritten graph's key: every collective call asks
+        return known
     from torch.distributed.device_mesh import DeviceMesh
     if isinstance(group, DeviceMesh):
         return _from_mesh(group)
