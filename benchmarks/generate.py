@@ -53,6 +53,11 @@ from common import launch, note_load  # noqa: E402
 CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=8,
               num_hidden_layers=4, vocab_size=8192, max_position_embeddings=256, tie_word_embeddings=False,
               use_cache=True, attention_dropout=0.0)
+# --wide (set in the environment, so that the spawned ranks read it too): hidden 2048, 32 query / 8 K/V
+# heads, 214 M parameters (0.86 GB fp32), where the weights' reads outweigh a step's 10 collectives
+WIDE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=8)
+if os.environ.get("AUTOSHARD_GENERATE_WIDE") == "1":
+    CONFIG.update(WIDE)
 PROMPT, NEW = 32, 32
 
 
@@ -207,7 +212,12 @@ def main():
     ap.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                     help="generate's cache: HF's DynamicCache (default) or cache_implementation=\"static\"")
     ap.add_argument("--compile", action="store_true", help="compile the decode step (with --cache static)")
+    ap.add_argument("--wide", action="store_true",
+                    help="a wider LLaMA (hidden 2048, 32 / 8 heads: 214 M parameters) whose weights dominate a step")
     args = ap.parse_args()
+    if args.wide:
+        os.environ["AUTOSHARD_GENERATE_WIDE"] = "1"
+        CONFIG.update(WIDE)
     if args.compile and args.cache != "static":
         ap.error("--compile compiles the static cache's decode step: add --cache static")
     load = note_load()
@@ -235,6 +245,7 @@ def main():
     same = all(r["tokens"] == results[0]["tokens"] for r in results)
     print(f"the same tokens at every world size: {same}; planned with the {args.example!r} example; "
           f"{args.cache} cache{', decode step compiled' if args.compile else ''}; "
+          f"hidden {CONFIG['hidden_size']}; "
           f"1-minute load average {load:.2f} before the run, {after:.2f} after it")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": CONFIG, "results": results, "load": load, "load_after": after,
