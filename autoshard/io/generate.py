@@ -20,7 +20,6 @@ graph, not the adapter; HF compiles greedy search and sampling, not beam search.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch.nn as nn
 
@@ -28,7 +27,7 @@ from ..errors import ShardingError
 from ..rewrite.signatures import precision
 from ..runtime import rng
 from .static import StaticStep, check_static, run_static
-from .step import Step, fill
+from .step import Step, cache_name, fill
 
 __all__ = ["attach"]
 
@@ -47,8 +46,7 @@ class ParallelCausalLM(nn.Module):
         self.static = StaticStep(self.step)            # its static cache's decode step
         self.compile = None                            # gm.generate's compile=: None (HF's rule), True, False
         self.recipe, self.checked = None, set()        # within one generate: see `call`
-        self._cache_name = "cache" if "cache" in inspect.signature(model_class.forward).parameters \
-            else "past_key_values"
+        self._cache_name = cache_name(model_class)
 
     @staticmethod
     def is_remote_code() -> bool:

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from ..errors import LoadError
 from ..runtime.pieces import fill_boxes
-from ..runtime.placements import Replicate, Shard, local_shape
+from ..runtime.placements import Replicate, local_shape
 
 __all__ = ["open_source", "check_source", "check_initialisable", "materialize", "meta_model", "example_ids",
            "Source"]

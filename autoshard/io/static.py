@@ -52,7 +52,7 @@ def static_forward(self, input_ids, attention_mask=None, position_ids=None, leng
         layer.keys, layer.values, layer.cumulative_length = k, v, length
         layer.update = types.MethodType(_placed, layer)
     out = type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=True, logits_to_keep=1, return_dict=True, **{cache_name(self): cache})
+                             use_cache=True, logits_to_keep=1, return_dict=True, **{cache_name(type(self)): cache})
     return (out.logits, tuple(layer.written[0] for layer in cache.layers),
             tuple(layer.written[1] for layer in cache.layers))
 

@@ -29,7 +29,7 @@ from ..rewrite.held import local_check, localize
 from ..runtime.groups import get_group
 from ..runtime.placements import Shard
 
-__all__ = ["Step", "step_forward", "fill", "cache_name", "cache_heads"]
+__all__ = ["Step", "step_forward", "fill", "cache_name"]
 
 
 def step_forward(self, input_ids, attention_mask=None, position_ids=None, keys=(), values=()):
@@ -44,7 +44,7 @@ def step_forward(self, input_ids, attention_mask=None, position_ids=None, keys=(
         if type(layer) is DynamicLayer:
             layer.update = types.MethodType(_first_update, layer)
     out = type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=True, logits_to_keep=1, return_dict=True, **{cache_name(self): cache})
+                             use_cache=True, logits_to_keep=1, return_dict=True, **{cache_name(type(self)): cache})
     layers = [layer for layer in cache.layers if getattr(layer, "is_initialized", False)]
     return out.logits, tuple(layer.keys for layer in layers), tuple(layer.values for layer in layers)
 
@@ -66,10 +66,10 @@ def fill(layer, keys, values) -> None:
     layer.keys, layer.values = keys, values
 
 
-def cache_name(model) -> str:
-    """The name the model's forward takes its cache by ("cache" in transformers 5.x, else the
-    older "past_key_values")."""
-    params = inspect.signature(type(model).forward).parameters
+def cache_name(model_class) -> str:
+    """The name the forward of `model_class` takes its cache by ("cache" in transformers 5.x, else
+    the older "past_key_values")."""
+    params = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
@@ -150,7 +150,3 @@ def _split_size(node, placement) -> int | None:
     """The whole size of the split dim of output `node` (its captured shape), None when whole."""
     return int(node.meta["val"].shape[placement.dim]) if isinstance(placement, Shard) else None
 
-
-def cache_heads(cache) -> list:
-    """The number of key heads each layer of `cache` holds on this rank."""
-    return [int(layer.keys.shape[1]) for layer in cache.layers if getattr(layer, "is_initialized", False)]
