@@ -127,10 +127,12 @@ def block_steps_match(gm, ref, x_of, what, seeds=(1, 2)):
     return measured[0]
 
 
-def measured_step_peak(module, loss_of, optimizer=None):
+def measured_step_peak(module, loss_of, optimizer=None, steps=3):
     """Bytes of one training step's peak as torch's MemTracker sees it (parameters, buffers,
     gradients, optimizer state, activations, temporaries), in the steady state: a first step
     (outside the tracker) makes the optimizer's state, gradients are set to None before each.
+    The smallest peak of `steps` tracked steps: now and then (2 steps in 32 of a 2-rank LLaMA)
+    MemTracker's peak of one step comes out 4-10% higher than the same step's before and after.
     `loss_of(module)` runs forward and returns the loss. -> (peak, {category: bytes at the peak})."""
     from torch.distributed._tools.mem_tracker import MemTracker
     opt = optimizer or torch.optim.AdamW(module.parameters(), lr=1e-3)
@@ -140,15 +142,19 @@ def measured_step_peak(module, loss_of, optimizer=None):
         loss_of(module).backward()
         opt.step()
     step()
-    tracker = MemTracker()
-    tracker.track_external(module, opt)
-    with tracker:
-        step()
-    opt.zero_grad(set_to_none=True)
-    snap = tracker.get_tracker_snapshot("peak")
-    parts = {}
-    for per_device in snap.values():
-        for k, v in per_device.items():
-            name = str(k).rpartition(".")[2].lower()
-            parts[name] = parts.get(name, 0) + v
+    best = None
+    for _ in range(steps):
+        tracker = MemTracker()
+        tracker.track_external(module, opt)
+        with tracker:
+            step()
+        opt.zero_grad(set_to_none=True)
+        parts = {}
+        for per_device in tracker.get_tracker_snapshot("peak").values():
+            for k, v in per_device.items():
+                name = str(k).rpartition(".")[2].lower()
+                parts[name] = parts.get(name, 0) + v
+        if best is None or parts["total"] < best["total"]:
+            best = parts
+    parts = best
     return parts.pop("total"), parts
