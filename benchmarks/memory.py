@@ -15,6 +15,8 @@ the captured graph, and the model's own eager step beside it).
     python benchmarks/memory.py --full     # T = 512, 1024, 2048, 4096
     python benchmarks/memory.py --sequence-parallel both --tokens 512 1024   # each plan also with
                                            # sequence parallelism (`sequence_parallel=True`)
+    python benchmarks/memory.py --outputs sharded   # the module returns what each rank holds (the
+                                           # logits split over the vocabulary, the loss vocab-parallel)
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def build(name: str, tokens: int):
     return model, kw, lambda m: m(**kw).loss
 
 
-def measure(name: str, tokens: int, sequence_parallel: bool = False):
+def measure(name: str, tokens: int, sequence_parallel: bool = False, outputs: str = "full"):
     """On every rank: (predicted memory, measured peak, measured parts), gathered to rank 0."""
     import torch.distributed as dist
 
@@ -54,7 +56,7 @@ def measure(name: str, tokens: int, sequence_parallel: bool = False):
     import refs
     p = dist.get_world_size()
     model, example, loss_of = build(name, tokens)
-    plan = autoshard.plan(model, p, example, sequence_parallel=sequence_parallel)
+    plan = autoshard.plan(model, p, example, sequence_parallel=sequence_parallel, outputs=outputs)
     assert bool(plan.sequence_parallel) == sequence_parallel, (name, plan.sequence_parallel)
     gm = autoshard.parallelize(model, p, example, plan=plan)
     gm.train()
@@ -87,6 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", nargs="+", type=int, help="sequence lengths (overrides --full)")
     ap.add_argument("--sequence-parallel", choices=("off", "on", "both"), default="off",
                     help="plan without sequence parallelism (default), with it, or both")
+    ap.add_argument("--outputs", choices=("full", "sharded"), default="full",
+                    help="the module returns its outputs whole (default: the logits gathered, B x T x vocab "
+                         "on every rank) or as each rank holds them (outputs='sharded')")
     args = ap.parse_args(argv)
     load = note_load()
     sizes = args.tokens or ((512, 1024, 2048, 4096) if args.full else (512, 2048))
@@ -99,19 +104,20 @@ def main(argv=None) -> int:
                          one["activations"] / 2 ** 20, 1.0, one_at, own / 2 ** 20])
             for p in args.worlds:
                 for sp in modes:
-                    ranks = launch(measure, p, name, tokens, sp, timeout_s=1200)
+                    ranks = launch(measure, p, name, tokens, sp, args.outputs, timeout_s=1200)
                     mem, at, measured, parts = max(ranks, key=lambda r: r[2])
                     predicted = max(r[0]["peak"] for r in ranks)
                     share = mem["activations"] / (one["activations"] / p)
                     rows.append([name, tokens, p, "yes" if sp else "no", predicted / 2 ** 20, measured / 2 ** 20,
                                  predicted / measured, mem["activations"] / 2 ** 20, share, at, ""])
-                    records.append(dict(model=name, tokens=tokens, world=p, sequence_parallel=sp, predicted=mem,
+                    records.append(dict(model=name, tokens=tokens, world=p, sequence_parallel=sp, outputs=args.outputs,
+                                        predicted=mem,
                                         peak_at=at, measured_peak=measured, measured_parts=parts, single=one,
                                         single_measured_peak=one_measured, model_measured_peak=own))
     print_table(rows, ["model", "tokens", "ranks", "seq. parallel", "predicted peak MiB", "measured MiB", "pred/meas",
                        "activations/rank MiB", "act / (one process / p)", "predicted peak at",
                        "model's own step MiB"],
-                title="memory of one AdamW step per rank (MemTracker, gloo CPU ranks)", floatfmt=".3f")
+                title=f"memory of one AdamW step per rank (MemTracker, gloo CPU ranks, outputs={args.outputs!r})", floatfmt=".3f")
     ratios = [r[6] for r in rows]
     print(f"\npred/meas: min {min(ratios):.3f}, max {max(ratios):.3f} over {len(ratios)} configurations")
     write_json("memory", dict(load_before=load, rows=records))

@@ -322,3 +322,53 @@ def regroup_blocks(gm: fx.GraphModule) -> int:
         gm.graph.erase_node(view)
         done += 1
     return done
+
+
+def _size_arg(gm: fx.GraphModule, x: fx.Node, d: int, before: fx.Node):
+    """Dim `d` of `x` as a graph argument: the int where it is static, else a `sym_size` node."""
+    size = x.meta["val"].shape[d]
+    if isinstance(size, int) and d not in dynamic_dims(x):
+        return size
+    with gm.graph.inserting_before(before):
+        node = gm.graph.call_function(aten.sym_size.int, (x, d))
+    node.meta["val"] = size
+    return node
+
+
+def ungroup_kv_heads(gm: fx.GraphModule) -> int:
+    """Rewrite, in place, each `scaled_dot_product_attention(q, k, v, enable_gqa=True)` whose K/V
+    have fewer heads than q (transformers' call when it builds no mask) into the explicit form it
+    uses with a mask (`repeat_kv`): K and V unsqueezed, expanded over each group and reshaped to
+    q's heads, the sdpa without `enable_gqa`. Same values (sdpa repeats the K/V heads so itself);
+    the rules split that form (K/V heads gathered or replicated where ranks outnumber them).
+    Returns how many were rewritten (the caller recompiles)."""
+    done = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default \
+                or not n.kwargs.get("enable_gqa", False):
+            continue
+        q, k, v = n.args[:3]
+        qv, kv = q.meta.get("val"), k.meta.get("val")
+        if qv is None or kv is None or qv.dim() != 4 or not all(isinstance(t.shape[1], int) for t in (qv, kv)):
+            continue
+        hq, hkv = qv.shape[1], kv.shape[1]
+        if hkv == hq or hq % hkv:
+            continue
+        g = hq // hkv
+        repeated = []
+        for t in (k, v):
+            b, s, d = (_size_arg(gm, t, i, n) for i in (0, 2, 3))
+            with gm.graph.inserting_before(n):
+                u = gm.graph.call_function(aten.unsqueeze.default, (t, 2))
+                e = gm.graph.call_function(aten.expand.default, (u, [b, hkv, g, s, d]))
+                r = gm.graph.call_function(aten.reshape.default, (e, [b, hq, s, d]))
+            dyn = dynamic_dims(t)
+            _set_meta(u, n, aten.unsqueeze.default(t.meta["val"], 2), frozenset(i + (i >= 2) for i in dyn))
+            _set_meta(e, n, aten.expand.default(u.meta["val"], list(u.meta["val"].shape[:2]) + [g]
+                                                + list(u.meta["val"].shape[3:])), frozenset(i + (i >= 2) for i in dyn))
+            _set_meta(r, n, aten.reshape.default(e.meta["val"], [*qv.shape[:2], *t.meta["val"].shape[2:]]), dyn)
+            repeated.append(r)
+        n.args = (q, *repeated, *n.args[3:])
+        n.kwargs = {key: val for key, val in n.kwargs.items() if key != "enable_gqa"}
+        done += 1
+    return done

@@ -24,7 +24,8 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError, first_line
 from . import repeats
 from .dynamic import export_dynamic, mark_by_probes
-from .normalize import constant_list_indices, regroup_blocks, unfuse_head_views, unmerge_batch_heads
+from .masks import eager_masks
+from .normalize import constant_list_indices, regroup_blocks, unfuse_head_views, ungroup_kv_heads, unmerge_batch_heads
 from .shapes import placeholder_inputs
 
 
@@ -209,14 +210,17 @@ def _retarget_meta_device(gm: fx.GraphModule, device: torch.device) -> None:
             sub.recompile()
 
 
+def _passed(model: nn.Module, args: tuple, kwargs: dict) -> set:
+    """The names of forward's arguments the example inputs give (by keyword or position)."""
+    try:
+        return set(kwargs) | set(inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return set(kwargs)
+
+
 def _passes(model: nn.Module, args: tuple, kwargs: dict, name: str) -> bool:
     """Whether the example inputs give forward's argument `name` (by keyword or position)."""
-    if name in kwargs:
-        return True
-    try:
-        return name in inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
-    except (TypeError, ValueError):
-        return False
+    return name in _passed(model, args, kwargs)
 
 
 @contextlib.contextmanager
@@ -292,7 +296,7 @@ def _normalised(gm: fx.GraphModule, run_on, expanded: bool = False) -> fx.GraphM
     written, when `expanded`), then the normal forms."""
     if run_on is not None and not expanded:
         _retarget_meta_device(gm, run_on)
-    if unfuse_head_views(gm) + unmerge_batch_heads(gm) + regroup_blocks(gm) or expanded:
+    if unfuse_head_views(gm) + unmerge_batch_heads(gm) + regroup_blocks(gm) + ungroup_kv_heads(gm) or expanded:
         gm.recompile()
     return gm
 
@@ -345,6 +349,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
     order = ["symbolic_trace", "export"] if tracer == "auto" else [tracer]
     on_meta, run_on = _meta_inputs(model, args, kwargs)
     with apart(), _without_kv_cache(model, args, kwargs, notes), _in_mode(model, train), \
+            eager_masks(_passed(model, args, kwargs)), \
             constant_list_indices() if on_meta else contextlib.nullcontext():
         for name in order:
             try:

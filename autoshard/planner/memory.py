@@ -28,8 +28,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..capture.ops import LOSS_OPS
 from ..capture.shapes import fetch_attr, reads_scalar, stand_in_scalar
-from ..runtime.placements import local_numel
+from ..runtime.placements import Shard, local_numel
 from .sequence import regathered, regathered_layers
 
 # optimizer -> moments held per trainable element, in the parameter's dtype (torch.optim's)
@@ -360,11 +361,11 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
     # other outputs and gathered copies while forward reads them
     own = {st for st, tag in keyed if tag == "own"}
     last_read: dict = {}
-    for i in range(n):
+    for i in range(n):      # the output node too: the caller keeps the loss and drops the rest
         for k in prob.ins[i]:
             st = saved.storage[k]
             if st is not None:
-                last_read[st] = max(last_read.get(st, 0), end if prob.kind[i] == "output" else i)
+                last_read[st] = max(last_read.get(st, 0), i)
     for i in range(n):
         st = saved.storage[i]
         if prob.kind[i] == "op" and st is not None and saved.producer.get(st) == i and st not in own:
@@ -379,6 +380,14 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
                     and (saved.storage[k], round(_fraction(prob.val[k], req, p), 9)) not in keyed:
                 items.append([int(prob.nbytes[k] * _fraction(prob.val[k], req, p)), i, i,
                               f"{prob.nodes[k].name} redistributed", "temporary"])
+
+    for i in range(n):      # torch's cross entropy backward: the log-softmax's gradient beside the logits'
+        s = strat(i)        # (not the vocabulary-parallel loss's, which makes the logits' gradient only)
+        if _is_loss(prob, i) and prob.ins[i]:
+            k = prob.ins[i][0]
+            pl = s.inputs[0] if s is not None and s.inputs[0] is not None else state.place[k]
+            if not isinstance(pl, Shard):
+                items.append([prob.nbytes[k], bwd(i), bwd(i), f"backward of {module_of(prob, i)}", "temporary"])
 
     for k, readers in gathered.items():     # gathered again where the readers' one backward runs
         items.append([prob.nbytes[k], bwd(min(readers)), bwd(min(readers)), f"{prob.nodes[k].name} gathered again",
@@ -424,6 +433,14 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
     largest = tuple(sorted(at_peak.items(), key=lambda kv: -kv[1])[:6])
     return Memory(parameters=params, gradients=grads, optimizer=opt, activations=activations, peak=held + best,
                   buffers=buffers, peak_at=where, largest=largest, exact=saved.exact)
+
+
+def _is_loss(prob, i: int) -> bool:
+    """Whether node i is a cross entropy (a function of LOSS_OPS or an nn.CrossEntropyLoss module)."""
+    node = prob.nodes[i]
+    if node.op == "call_module":
+        return isinstance(prob.gm.get_submodule(node.target), nn.CrossEntropyLoss)
+    return node.op == "call_function" and node.target in LOSS_OPS
 
 
 def memory_of(prob, state, checkpointed=()) -> Memory:
