@@ -89,10 +89,10 @@ def _build(name, seq):
     return model, kw, lambda m: m(**kw).loss
 
 
-def _measure(rank, p, name, seq, optimizer):
+def _measure(rank, p, name, seq, optimizer, outputs="full"):
     import refs
     model, example, loss_of = _build(name, seq)
-    plan = autoshard.plan(model, p, example, optimizer=optimizer)
+    plan = autoshard.plan(model, p, example, optimizer=optimizer, outputs=outputs)
     gm = autoshard.parallelize(model, p, example, plan=plan)
     gm.train()
     opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)(gm.parameters(), lr=1e-3)
@@ -100,13 +100,17 @@ def _measure(rank, p, name, seq, optimizer):
     return plan.memory.peak, peak, plan.memory.activations
 
 
-@pytest.mark.parametrize("name,seq,optimizer", [("gpt", 256, "adamw"), ("llama", 128, "adamw"),
-                                                ("llama+attention_dropout", 256, "adamw"),
-                                                ("bert", 128, "adamw"), ("gpt", 256, "sgd")])
-def test_predicted_peak_is_measured_peak(dist2, name, seq, optimizer):
+@pytest.mark.parametrize("name,seq,optimizer,outputs", [
+    ("gpt", 256, "adamw", "full"), ("llama", 128, "adamw", "full"), ("llama+attention_dropout", 256, "adamw", "full"),
+    ("bert", 128, "adamw", "full"), ("gpt", 256, "sgd", "full"),
+    # the logits returned split on the vocabulary: their gradient (the loss's only) is split too
+    # (predicted at 1.08x measured when it was counted whole: held to 5% here)
+    ("llama", 512, "adamw", "sharded")])
+def test_predicted_peak_is_measured_peak(dist2, name, seq, optimizer, outputs):
     single = autoshard.plan(_build(name, seq)[0], 1, _build(name, seq)[1]).memory
-    for predicted, measured, activations in dist2.run(_measure, name, seq, optimizer, timeout=240):
-        assert abs(predicted - measured) <= TOLERANCE * measured, (name, predicted, measured)
+    tolerance = TOLERANCE if outputs == "full" else TOLERANCE / 2
+    for predicted, measured, activations in dist2.run(_measure, name, seq, optimizer, outputs, timeout=240):
+        assert abs(predicted - measured) <= tolerance * measured, (name, predicted, measured)
         assert activations < single.activations
 
 

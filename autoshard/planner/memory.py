@@ -410,7 +410,8 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
             continue
         f = max([_fraction(prob.val[i], state.place[i], p)] +
                 [_fraction(prob.val[m], strat(u).inputs[q], p) for m in members.get(i, ()) for u in prob.users[m]
-                 if strat(u) is not None for q, k in enumerate(prob.ins[u]) if k == m and strat(u).inputs[q] is not None])
+                 if strat(u) is not None and prob.kind[u] != "output"     # no gradient comes back through
+                 for q, k in enumerate(prob.ins[u]) if k == m and strat(u).inputs[q] is not None])  # a dropped output
         items.append([int(prob.nbytes[i] * f), bwd(reader[i]), bwd(i), f"grad of {module_of(prob, i)}", "gradients"])
 
     held = params + buffers + opt
