@@ -20,6 +20,14 @@ aten = torch.ops.aten
 LOSS_OPS = (F.cross_entropy, aten.cross_entropy_loss.default, nn.CrossEntropyLoss)
 
 
+def is_loss(node: fx.Node, modules: dict) -> bool:
+    """Whether `node` is a cross entropy: a function of LOSS_OPS, or a call of a module of one of
+    its classes (`modules`: the graph module's named modules)."""
+    if node.op == "call_module":
+        return isinstance(modules.get(node.target), tuple(op for op in LOSS_OPS if isinstance(op, type)))
+    return node.op == "call_function" and node.target in LOSS_OPS
+
+
 def node_arg(node: fx.Node, pos: int, name: str, default=None):
     """The argument `name` of a call node, given at position `pos` or by keyword (else `default`)."""
     return node.args[pos] if pos < len(node.args) else node.kwargs.get(name, default)

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..capture.ops import LOSS_OPS
+from ..capture.ops import is_loss
 from ..capture.shapes import fetch_attr, reads_scalar, stand_in_scalar
 from ..runtime.placements import Shard, local_numel
 from .sequence import regathered, regathered_layers
@@ -381,9 +381,10 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
                 items.append([int(prob.nbytes[k] * _fraction(prob.val[k], req, p)), i, i,
                               f"{prob.nodes[k].name} redistributed", "temporary"])
 
+    modules = dict(prob.gm.named_modules())
     for i in range(n):      # torch's cross entropy backward: the log-softmax's gradient beside the logits'
         s = strat(i)        # (not the vocabulary-parallel loss's, which makes the logits' gradient only)
-        if _is_loss(prob, i) and prob.ins[i]:
+        if is_loss(prob.nodes[i], modules) and prob.ins[i]:
             k = prob.ins[i][0]
             pl = s.inputs[0] if s is not None and s.inputs[0] is not None else state.place[k]
             if not isinstance(pl, Shard):
@@ -434,14 +435,6 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
     largest = tuple(sorted(at_peak.items(), key=lambda kv: -kv[1])[:6])
     return Memory(parameters=params, gradients=grads, optimizer=opt, activations=activations, peak=held + best,
                   buffers=buffers, peak_at=where, largest=largest, exact=saved.exact)
-
-
-def _is_loss(prob, i: int) -> bool:
-    """Whether node i is a cross entropy (a function of LOSS_OPS or an nn.CrossEntropyLoss module)."""
-    node = prob.nodes[i]
-    if node.op == "call_module":
-        return isinstance(prob.gm.get_submodule(node.target), nn.CrossEntropyLoss)
-    return node.op == "call_function" and node.target in LOSS_OPS
 
 
 def memory_of(prob, state, checkpointed=()) -> Memory:

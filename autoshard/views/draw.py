@@ -15,7 +15,7 @@ import os
 import re
 from collections import Counter
 
-from ..capture.ops import LOSS_OPS
+from ..capture.ops import is_loss
 from ..runtime.placements import Shard, maybe_local_shape
 from .layout import layers, order, skip_lanes
 from .report import fmt_bytes
@@ -71,11 +71,6 @@ def _condense(plan, G):
     modules = dict(plan.graph_module.named_modules())
     fx_nodes = {n.name: n for n in plan.graph_module.graph.nodes}
 
-    def is_loss(n):                           # a loss op (the rules' loss family), sharded or not
-        node = fx_nodes[n]
-        if node.op == "call_module":
-            return isinstance(modules.get(node.target), tuple(op for op in LOSS_OPS if isinstance(op, type)))
-        return node.target in LOSS_OPS
     unit: dict[str, str] = {}                  # fx node -> visible key
     info: dict[str, dict] = {}
     for n, d in G.nodes(data=True):
@@ -88,7 +83,7 @@ def _condense(plan, G):
         elif d["kind"] == "op":
             params = [u for u in G.predecessors(n) if G.nodes[u]["kind"] == "param"]
             leaf = d["fx_op"] == "call_module" and d["target"] in owners
-            if not (params or leaf or d["dim"] is not None or is_loss(n)):
+            if not (params or leaf or d["dim"] is not None or is_loss(fx_nodes[n], modules)):
                 continue
             key = d["module"] if (params or leaf) and d["module"] else n
             if key not in info:
