@@ -156,5 +156,4 @@ def measured_step_peak(module, loss_of, optimizer=None, steps=3):
                 parts[name] = parts.get(name, 0) + v
         if best is None or parts["total"] < best["total"]:
             best = parts
-    parts = best
-    return parts.pop("total"), parts
+    return best.pop("total"), best

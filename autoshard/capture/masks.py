@@ -6,10 +6,10 @@ bidirectional attention), which runs the fused kernel and saves only the log-sum
 same call materialises the whole B x 1 x T x T mask instead (transformers cannot read a traced
 padding mask, so it never skips), and sdpa converts it to a float copy per layer, saved for
 backward: the captured step held 59 MiB where the model's own held 26 (LLaMA, 2048 tokens). While
-the example call passes neither input, `eager_masks` makes the tracer take eager's branch: what
-transformers decides when nothing is padded, no window or chunk applies and the query and key
-lengths are one size, the same decision eager takes for every such call. A call that passes
-either input is traced as before (its mask depends on the data).
+the example call passes none of MASK_INPUTS, `eager_masks` makes the tracer take eager's branch:
+what transformers decides when nothing is padded, no window or chunk applies and the query and key
+lengths are one size, the same decision eager takes for every such call. A call that passes one
+is traced as before (its mask depends on the data).
 """
 from __future__ import annotations
 

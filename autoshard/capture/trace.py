@@ -218,11 +218,6 @@ def _passed(model: nn.Module, args: tuple, kwargs: dict) -> set:
         return set(kwargs)
 
 
-def _passes(model: nn.Module, args: tuple, kwargs: dict, name: str) -> bool:
-    """Whether the example inputs give forward's argument `name` (by keyword or position)."""
-    return name in _passed(model, args, kwargs)
-
-
 @contextlib.contextmanager
 def _without_kv_cache(model: nn.Module, args: tuple, kwargs: dict, notes: list):
     """A Hugging Face config with `use_cache` on (its default) makes forward return a key/value
@@ -230,7 +225,7 @@ def _without_kv_cache(model: nn.Module, args: tuple, kwargs: dict, notes: list):
     every config the model holds (T5's stacks keep their own copies) for the duration, unless the
     inputs pass use_cache themselves."""
     configs = {}
-    if not _passes(model, args, kwargs, "use_cache"):
+    if "use_cache" not in _passed(model, args, kwargs):
         for m in model.modules():
             config = getattr(m, "config", None)
             if getattr(config, "use_cache", None) is True and id(config) not in configs:

@@ -28,7 +28,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..capture.ops import is_loss
 from ..capture.shapes import fetch_attr, reads_scalar, stand_in_scalar
 from ..runtime.placements import Shard, local_numel
 from .sequence import regathered, regathered_layers
@@ -381,10 +380,9 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
                 items.append([int(prob.nbytes[k] * _fraction(prob.val[k], req, p)), i, i,
                               f"{prob.nodes[k].name} redistributed", "temporary"])
 
-    modules = dict(prob.gm.named_modules())
-    for i in range(n):      # torch's cross entropy backward: the log-softmax's gradient beside the logits'
+    for i in prob.losses:   # torch's cross entropy backward: the log-softmax's gradient beside the logits'
         s = strat(i)        # (not the vocabulary-parallel loss's, which makes the logits' gradient only)
-        if is_loss(prob.nodes[i], modules) and prob.ins[i]:
+        if prob.ins[i]:
             k = prob.ins[i][0]
             pl = s.inputs[0] if s is not None and s.inputs[0] is not None else state.place[k]
             if not isinstance(pl, Shard):

@@ -24,6 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..capture.dynamic import DYNAMIC
+from ..capture.ops import is_loss
 from ..capture.shapes import fetch_attr
 from ..runtime.placements import (REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, held_by_groups, is_even,
                                   local_numel, shares)
@@ -59,6 +60,7 @@ class Problem:
         self.nodes = list(gm.graph.nodes)
         self.idx = {n: i for i, n in enumerate(self.nodes)}
         modules = dict(gm.named_modules())
+        self.losses = [i for i, n in enumerate(self.nodes) if is_loss(n, modules)]    # cross entropies
         self.ins = [[self.idx[a] for a in n.all_input_nodes] for n in self.nodes]
         self.users: list[list[int]] = [[] for _ in self.nodes]
         for i, ins in enumerate(self.ins):
