@@ -126,3 +126,32 @@ def test_incremental_trial_matches_full_evaluation():
         fresh.set_choices(dict(enumerate(state.choice)))
         assert fresh.place == state.place and fresh.sidx == state.sidx
         assert math.isclose(fresh.total, state.total, rel_tol=1e-9, abs_tol=1e-15)
+
+
+@pytest.mark.parametrize("memory_weight", [None, 1e-9])
+def test_a_shared_norm_is_decided_with_the_layers_reading_it(memory_weight):
+    """Falcon-11B's shape of block (parallel attention and MLP reading one norm, q/k/v fused per K/V
+    group, one group a rank): splitting the norm pays only with the fused projection's layout changed
+    too, so neither flips alone; the search enumerates the norm with the layers it feeds and finds
+    Megatron's layout (q/k/v column-parallel by groups, the norm replicated) and Megatron's bytes."""
+    transformers = pytest.importorskip("transformers")
+    from autoshard.api import plan
+    from autoshard.runtime.collectives import ring_bytes
+    from autoshard.runtime.placements import Replicate, Shard
+    h, p, layers, batch, seq = 2048, 4, 2, 2, 512
+    cfg = transformers.FalconConfig(vocab_size=4096, hidden_size=h, num_hidden_layers=layers, num_attention_heads=16,
+                                    num_kv_heads=p, new_decoder_architecture=True, num_ln_in_parallel_attn=1,
+                                    parallel_attn=True, bias=False, alibi=False)
+    with torch.device("meta"):
+        model = transformers.FalconForCausalLM(cfg)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    got = plan(model, p, {"input_ids": ids, "labels": ids}, outputs="sharded", memory_weight=memory_weight)
+    for i in range(layers):
+        assert got.layouts[f"transformer.h.{i}.self_attention.query_key_value.weight"] == Shard(0)
+        assert isinstance(got.layouts[f"transformer.h.{i}.input_layernorm.weight"], Replicate)
+    tokens = batch * seq
+    megatron = (2 * layers + 2) * ring_bytes("all_reduce", tokens * h * 4, p) + 3 * ring_bytes("all_reduce", tokens * 4, p)
+    if memory_weight is None:
+        assert got.comm_bytes == pytest.approx(megatron, rel=1e-12)
+    else:       # the fixed price splits the final norm: its statistics all-reduced on top (4 of T floats)
+        assert megatron <= got.comm_bytes <= megatron * 1.01

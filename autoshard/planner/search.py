@@ -59,7 +59,7 @@ def acting(prob: Problem, grp) -> list[int]:
 
 def primary_groups(prob: Problem) -> set:
     """The groups whose ops name a TorchShard dim (linears, embeddings): those the windows are
-    built around; the others (a norm's weight) are decided by flips."""
+    built around; the others (a norm's weight) are enumerated with the nearest of them they feed."""
     return {g for g, grp in enumerate(prob.groups)
             if any(s.dim is not None for a in acting(prob, grp) for s in prob.strats[a])}
 
@@ -67,7 +67,8 @@ def primary_groups(prob: Problem) -> set:
 def windows(prob: Problem) -> list[tuple[int, ...]]:
     """For each group, the groups it is enumerated with: its siblings (anchors reading the same
     activation: q, k and v; fc1 and a gate), the groups it feeds before the next anchors (the
-    out-projection after q/k/v, fc2 after fc1) and their siblings, nearest first."""
+    out-projection after q/k/v, fc2 after fc1) and their siblings, nearest first. A group that is
+    not primary (a norm's weight) is enumerated with the nearest primary groups it feeds."""
     anchor_group = {}
     for g, grp in enumerate(prob.groups):
         for a in acting(prob, grp):
@@ -89,19 +90,23 @@ def windows(prob: Problem) -> list[tuple[int, ...]]:
     primary = primary_groups(prob)
     out = []
     for g, grp in enumerate(prob.groups):
-        if g not in primary:       # e.g. a norm's weight: left to the single-flip pass
-            out.append((g,))
-            continue
-        dist = {h: 0 for h in (siblings(g) | {g}) & primary}
+        own = g in primary
+        dist = {h: 0 for h in (siblings(g) | {g}) & primary} if own else {}
         for i, d in _reach(prob, acting(prob, grp), anchor_set).items():
             if d > 0 and i in anchor_group and anchor_group[i] in primary:
                 for h in (siblings(anchor_group[i]) | {anchor_group[i]}) & primary:
                     dist[h] = min(dist.get(h, INF), d)
-        chosen, combos = [], 1
-        for h in sorted(dist, key=lambda h: (h != g, dist[h], h)):
+        # a group no op names a dim for (a norm's weight) enters with the layers reading its output,
+        # where their unit fits a window: splitting it pays only with their layouts changed too
+        # (Falcon-11B's shared norm kept split while the fused q/k/v reads it row-parallel)
+        chosen, combos = ([], 1) if own else ([g], len(grp.choices))
+        first = g if own else min(dist, key=lambda h: (dist[h], h), default=None)
+        for h in sorted(dist, key=lambda h: (h != first, dist[h], h)):
             unit = [u for u in sorted((siblings(h) | {h}) & primary) if u not in chosen]
             n = math.prod(len(prob.groups[u].choices) for u in unit)
-            if h == g or (len(chosen) + len(unit) <= WINDOW_GROUPS and combos * n <= WINDOW_COMBOS):
+            if h == first and not own and n > WINDOW_COMBOS:
+                break                         # its readers' unit alone fills a window: flipped alone
+            if h == first or (len(chosen) + len(unit) <= WINDOW_GROUPS and combos * n <= WINDOW_COMBOS):
                 chosen += unit                # siblings enter a window together or not at all
                 combos *= n
         out.append(tuple(sorted(chosen)))
