@@ -64,11 +64,13 @@ def primary_groups(prob: Problem) -> set:
             if any(s.dim is not None for a in acting(prob, grp) for s in prob.strats[a])}
 
 
-def windows(prob: Problem) -> list[tuple[int, ...]]:
-    """For each group, the groups it is enumerated with: its siblings (anchors reading the same
-    activation: q, k and v; fc1 and a gate), the groups it feeds before the next anchors (the
-    out-projection after q/k/v, fc2 after fc1) and their siblings, nearest first. A group that is
-    not primary (a norm's weight) is enumerated with the nearest primary groups it feeds."""
+def windows(prob: Problem) -> tuple[list, list]:
+    """(windows, joint). `windows`: for each group, the groups it is enumerated with: its siblings
+    (anchors reading the same activation: q, k and v; fc1 and a gate), the groups it feeds before
+    the next anchors (the out-projection after q/k/v, fc2 after fc1) and their siblings, nearest
+    first; a group that is not primary (a norm's weight) alone. `joint`: for each group that is not
+    primary, itself with the nearest primary groups it feeds and their siblings, where that unit
+    fits a window (`greedy` searches these after the others)."""
     anchor_group = {}
     for g, grp in enumerate(prob.groups):
         for a in acting(prob, grp):
@@ -88,7 +90,7 @@ def windows(prob: Problem) -> list[tuple[int, ...]]:
         return out
 
     primary = primary_groups(prob)
-    out = []
+    out, joint = [], []
     for g, grp in enumerate(prob.groups):
         own = g in primary
         dist = {h: 0 for h in (siblings(g) | {g}) & primary} if own else {}
@@ -109,8 +111,13 @@ def windows(prob: Problem) -> list[tuple[int, ...]]:
             if h == first or (len(chosen) + len(unit) <= WINDOW_GROUPS and combos * n <= WINDOW_COMBOS):
                 chosen += unit                # siblings enter a window together or not at all
                 combos *= n
-        out.append(tuple(sorted(chosen)))
-    return out
+        if own:
+            out.append(tuple(sorted(chosen)))
+        else:
+            out.append((g,))
+            if len(chosen) > 1:
+                joint.append(tuple(sorted(chosen)))
+    return out, joint
 
 
 def _window_shape(prob: Problem, win, reach_nodes):
@@ -146,46 +153,77 @@ def _signature(prob: Problem, win, reach_nodes, state: State):
     return shape, tuple(state.place[j] for j in boundary)
 
 
-def greedy(prob: Problem, max_sweeps: int = 4) -> State:
-    """Windowed greedy search from all-Replicate; see the module docstring."""
-    state = State(prob)
-    wins = windows(prob)
-    anchor_set = {a for grp in prob.groups for a in grp.anchors}
-    regions, shapes = {}, {}
-    cache: dict = {}
-    for sweep in range(max_sweeps):
-        improved = False
-        done = set()
-        for win in wins:
-            if win in done:
-                continue
-            done.add(win)
-            if win not in regions:      # (structure id, boundary nodes): the structure is fixed
-                nodes = set()
-                for g in win:
-                    nodes |= set(_reach(prob, prob.groups[g].anchors, anchor_set, SIGNATURE_DEPTH))
-                shape, boundary = _window_shape(prob, win, nodes)
-                regions[win] = (shapes.setdefault(shape, len(shapes)), boundary)
-            shape_id, boundary = regions[win]
-            key = (shape_id, tuple(state.place[j] for j in boundary))
-            best = cache.get(key)
-            if best is None:
-                best, best_d = tuple(state.choice[g] for g in win), 0.0
-                for combo in itertools.product(*(range(len(prob.groups[g].choices)) for g in win)):
-                    d, _ = state.trial({g: c for g, c in zip(win, combo) if c != state.choice[g]})
-                    if d < best_d - 1e-15:
-                        best, best_d = combo, d
-                cache[key] = best
-            d, ov = state.trial({g: c for g, c in zip(win, best) if c != state.choice[g]})
-            if d < -1e-12 * max(1.0, abs(state.total)):
-                state.commit(d, ov)
-                improved = True
-        if not improved:
-            break
+class _Sweeper:
+    """Sweeps windows over a State: each window enumerated exhaustively, its best combination
+    committed where the total drops. Answers are cached by (window structure, boundary
+    placements), shared by every sweep of one search."""
+
+    def __init__(self, prob: Problem):
+        self.prob = prob
+        self.anchor_set = {a for grp in prob.groups for a in grp.anchors}
+        self.regions, self.shapes, self.cache = {}, {}, {}
+
+    def _key(self, state: State, win):
+        prob = self.prob
+        if win not in self.regions:      # (structure id, boundary nodes): the structure is fixed
+            nodes = set()
+            for g in win:
+                nodes |= set(_reach(prob, prob.groups[g].anchors, self.anchor_set, SIGNATURE_DEPTH))
+            shape, boundary = _window_shape(prob, win, nodes)
+            self.regions[win] = (self.shapes.setdefault(shape, len(self.shapes)), boundary)
+        shape_id, boundary = self.regions[win]
+        return shape_id, tuple(state.place[j] for j in boundary)
+
+    def sweep(self, state: State, wins, max_sweeps: int) -> bool:
+        """Visit `wins` in order until a sweep commits nothing; returns whether anything was."""
+        prob, changed = self.prob, False
+        for _ in range(max_sweeps):
+            improved = False
+            for win in dict.fromkeys(wins):
+                key = self._key(state, win)
+                best = self.cache.get(key)
+                if best is None:
+                    best, best_d = tuple(state.choice[g] for g in win), 0.0
+                    for combo in itertools.product(*(range(len(prob.groups[g].choices)) for g in win)):
+                        d, _ = state.trial({g: c for g, c in zip(win, combo) if c != state.choice[g]})
+                        if d < best_d - 1e-15:
+                            best, best_d = combo, d
+                    self.cache[key] = best
+                d, ov = state.trial({g: c for g, c in zip(win, best) if c != state.choice[g]})
+                if d < -1e-12 * max(1.0, abs(state.total)):
+                    state.commit(d, ov)
+                    improved = changed = True
+            if not improved:
+                break
+        return changed
+
+
+def _descend(state: State, sweeper: _Sweeper, wins, max_sweeps: int) -> None:
+    """Windows until none improves, then the polishing passes (single flips, whole layers, the
+    first layer made like the others)."""
+    sweeper.sweep(state, wins, max_sweeps)
     improve_single(state)
     if improve_by_layers(state):
         improve_single(state)
     uniform_layers(state)
+
+
+def greedy(prob: Problem, max_sweeps: int = 4) -> State:
+    """Windowed greedy search from all-Replicate; see the module docstring. The joint windows (a
+    norm's weight with the layers reading it) refine the plan the others end at, and the
+    refinement is kept only where the total ends lower: a window that pays when tried can still
+    steer the later sweeps to a worse end, so the result is never costlier than without them."""
+    state = State(prob)
+    wins, joint = windows(prob)
+    sweeper = _Sweeper(prob)
+    _descend(state, sweeper, wins, max_sweeps)
+    if joint:
+        before, total = dict(enumerate(state.choice)), state.total
+        if sweeper.sweep(state, joint, 1):
+            _descend(state, sweeper, joint + wins, max_sweeps)
+            if state.total >= total - 1e-12 * max(1.0, abs(total)):
+                state.set_choices(before)
+                state.total = total
     return state
 
 
