@@ -9,6 +9,8 @@ re-propagating only the nodes whose inputs changed (`assignment.State`).
 `greedy` visits windows (a group, the groups meeting it within a few ops, the groups it feeds),
 tries every combination in the window and keeps the best, sweeping until nothing improves;
 windows with the same structure and boundary reuse their answer (identical blocks solve once).
+Where a norm's weight can be enumerated with the layers reading it, those joint windows then
+refine the plan, kept only where cheaper.
 `exact` enumerates every combination of every group: the reference for tests and benchmarks.
 """
 from __future__ import annotations
@@ -64,13 +66,12 @@ def primary_groups(prob: Problem) -> set:
             if any(s.dim is not None for a in acting(prob, grp) for s in prob.strats[a])}
 
 
-def windows(prob: Problem) -> tuple[list, list]:
-    """(windows, joint). `windows`: for each group, the groups it is enumerated with: its siblings
-    (anchors reading the same activation: q, k and v; fc1 and a gate), the groups it feeds before
-    the next anchors (the out-projection after q/k/v, fc2 after fc1) and their siblings, nearest
-    first; a group that is not primary (a norm's weight) alone. `joint`: for each group that is not
-    primary, itself with the nearest primary groups it feeds and their siblings, where that unit
-    fits a window (`greedy` searches these after the others)."""
+def windows(prob: Problem) -> tuple[list, dict]:
+    """(windows, joint). `windows[g]`: the groups group g is enumerated with: its siblings (anchors
+    reading the same activation: q, k and v; fc1 and a gate), the groups it feeds before the next
+    anchors (the out-projection after q/k/v, fc2 after fc1) and their siblings, nearest first; a
+    group that is not primary (a norm's weight) alone. `joint[g]`, for such a group: itself with the
+    nearest primary groups it feeds and their siblings, where that unit fits a window."""
     anchor_group = {}
     for g, grp in enumerate(prob.groups):
         for a in acting(prob, grp):
@@ -90,7 +91,7 @@ def windows(prob: Problem) -> tuple[list, list]:
         return out
 
     primary = primary_groups(prob)
-    out, joint = [], []
+    out, joint = [], {}
     for g, grp in enumerate(prob.groups):
         own = g in primary
         dist = {h: 0 for h in (siblings(g) | {g}) & primary} if own else {}
@@ -111,12 +112,9 @@ def windows(prob: Problem) -> tuple[list, list]:
             if h == first or (len(chosen) + len(unit) <= WINDOW_GROUPS and combos * n <= WINDOW_COMBOS):
                 chosen += unit                # siblings enter a window together or not at all
                 combos *= n
-        if own:
-            out.append(tuple(sorted(chosen)))
-        else:
-            out.append((g,))
-            if len(chosen) > 1:
-                joint.append(tuple(sorted(chosen)))
+        out.append(tuple(sorted(chosen)) if own else (g,))
+        if not own and len(chosen) > 1:
+            joint[g] = tuple(sorted(chosen))
     return out, joint
 
 
@@ -153,78 +151,71 @@ def _signature(prob: Problem, win, reach_nodes, state: State):
     return shape, tuple(state.place[j] for j in boundary)
 
 
-class _Sweeper:
-    """Sweeps windows over a State: each window enumerated exhaustively, its best combination
-    committed where the total drops. Answers are cached by (window structure, boundary
-    placements), shared by every sweep of one search."""
-
-    def __init__(self, prob: Problem):
-        self.prob = prob
-        self.anchor_set = {a for grp in prob.groups for a in grp.anchors}
-        self.regions, self.shapes, self.cache = {}, {}, {}
-
-    def _key(self, state: State, win):
-        prob = self.prob
-        if win not in self.regions:      # (structure id, boundary nodes): the structure is fixed
-            nodes = set()
-            for g in win:
-                nodes |= set(_reach(prob, prob.groups[g].anchors, self.anchor_set, SIGNATURE_DEPTH))
-            shape, boundary = _window_shape(prob, win, nodes)
-            self.regions[win] = (self.shapes.setdefault(shape, len(self.shapes)), boundary)
-        shape_id, boundary = self.regions[win]
-        return shape_id, tuple(state.place[j] for j in boundary)
-
-    def sweep(self, state: State, wins, max_sweeps: int) -> bool:
-        """Visit `wins` in order until a sweep commits nothing; returns whether anything was."""
-        prob, changed = self.prob, False
-        for _ in range(max_sweeps):
-            improved = False
-            for win in dict.fromkeys(wins):
-                key = self._key(state, win)
-                best = self.cache.get(key)
-                if best is None:
-                    best, best_d = tuple(state.choice[g] for g in win), 0.0
-                    for combo in itertools.product(*(range(len(prob.groups[g].choices)) for g in win)):
-                        d, _ = state.trial({g: c for g, c in zip(win, combo) if c != state.choice[g]})
-                        if d < best_d - 1e-15:
-                            best, best_d = combo, d
-                    self.cache[key] = best
-                d, ov = state.trial({g: c for g, c in zip(win, best) if c != state.choice[g]})
-                if d < -1e-12 * max(1.0, abs(state.total)):
-                    state.commit(d, ov)
-                    improved = changed = True
-            if not improved:
-                break
-        return changed
+def _sweep(prob: Problem, state: State, wins, max_sweeps: int) -> bool:
+    """Visit each window in turn, enumerate it exhaustively and commit its best combination where
+    the total drops, until a sweep commits nothing; returns whether anything was. Answers are
+    cached by (window structure, boundary placements): identical blocks are solved once."""
+    anchor_set = {a for grp in prob.groups for a in grp.anchors}
+    regions, shapes = {}, {}
+    cache: dict = {}
+    changed = False
+    for _ in range(max_sweeps):
+        improved = False
+        for win in dict.fromkeys(wins):
+            if win not in regions:      # (structure id, boundary nodes): the structure is fixed
+                nodes = set()
+                for g in win:
+                    nodes |= set(_reach(prob, prob.groups[g].anchors, anchor_set, SIGNATURE_DEPTH))
+                shape, boundary = _window_shape(prob, win, nodes)
+                regions[win] = (shapes.setdefault(shape, len(shapes)), boundary)
+            shape_id, boundary = regions[win]
+            key = (shape_id, tuple(state.place[j] for j in boundary))
+            best = cache.get(key)
+            if best is None:
+                best, best_d = tuple(state.choice[g] for g in win), 0.0
+                for combo in itertools.product(*(range(len(prob.groups[g].choices)) for g in win)):
+                    d, _ = state.trial({g: c for g, c in zip(win, combo) if c != state.choice[g]})
+                    if d < best_d - 1e-15:
+                        best, best_d = combo, d
+                cache[key] = best
+            d, ov = state.trial({g: c for g, c in zip(win, best) if c != state.choice[g]})
+            if d < -1e-12 * max(1.0, abs(state.total)):
+                state.commit(d, ov)
+                improved = changed = True
+        if not improved:
+            break
+    return changed
 
 
-def _descend(state: State, sweeper: _Sweeper, wins, max_sweeps: int) -> None:
-    """Windows until none improves, then the polishing passes (single flips, whole layers, the
-    first layer made like the others)."""
-    sweeper.sweep(state, wins, max_sweeps)
+def _descend(prob: Problem, state: State, wins, max_sweeps: int) -> None:
+    """The windows until none improves, then single flips, whole layers, and the first layer made
+    like the others."""
+    _sweep(prob, state, wins, max_sweeps)
     improve_single(state)
     if improve_by_layers(state):
         improve_single(state)
     uniform_layers(state)
 
 
-def greedy(prob: Problem, max_sweeps: int = 4) -> State:
-    """Windowed greedy search from all-Replicate; see the module docstring. The joint windows (a
-    norm's weight with the layers reading it) refine the plan the others end at, and the
-    refinement is kept only where the total ends lower: a window that pays when tried can still
-    steer the later sweeps to a worse end, so the result is never costlier than without them."""
+def greedy(prob: Problem, max_sweeps: int = 4, joint: bool = True) -> State:
+    """Windowed greedy search from all-Replicate; see the module docstring. With `joint`, the plan
+    the windows and flips end at is then refined with the joint windows (`windows`: a norm's
+    weight with the layers reading it): one sweep of them and, where one pays, the search again
+    from there with them in place of the norms' own; the refined plan is kept only where its
+    total is lower. So the joint windows find what no single flip reaches (Falcon-11B's shared
+    norm with its fused q/k/v) and the search never ends costlier than without them, which
+    enumerating them from the start did not ensure: a move that pays when tried can lead the later
+    sweeps to a costlier end (Falcon-40B's norms at the fixed price)."""
+    wins, joints = windows(prob)
     state = State(prob)
-    wins, joint = windows(prob)
-    sweeper = _Sweeper(prob)
-    _descend(state, sweeper, wins, max_sweeps)
-    if joint:
-        before, total = dict(enumerate(state.choice)), state.total
-        if sweeper.sweep(state, joint, 1):
-            _descend(state, sweeper, joint + wins, max_sweeps)
-            if state.total >= total - 1e-12 * max(1.0, abs(total)):
-                state.set_choices(before)
-                state.total = total
-    return state
+    _descend(prob, state, wins, max_sweeps)
+    if not (joint and joints):
+        return state
+    refined = state.copy()
+    if not _sweep(prob, refined, list(joints.values()), 1):
+        return state
+    _descend(prob, refined, [joints.get(g, w) for g, w in enumerate(wins)], max_sweeps)
+    return refined if refined.total < state.total - 1e-12 * max(1.0, abs(state.total)) else state
 
 
 def _layer_key(name: str):
