@@ -61,7 +61,8 @@ def acting(prob: Problem, grp) -> list[int]:
 
 def primary_groups(prob: Problem) -> set:
     """The groups whose ops name a TorchShard dim (linears, embeddings): those the windows are
-    built around; the others (a norm's weight) are enumerated with the nearest of them they feed."""
+    built around; the others (a norm's weight) are flipped alone, then refined with the nearest of
+    them they feed (`greedy`)."""
     return {g for g, grp in enumerate(prob.groups)
             if any(s.dim is not None for a in acting(prob, grp) for s in prob.strats[a])}
 
