@@ -126,3 +126,59 @@ def test_incremental_trial_matches_full_evaluation():
         fresh.set_choices(dict(enumerate(state.choice)))
         assert fresh.place == state.place and fresh.sidx == state.sidx
         assert math.isclose(fresh.total, state.total, rel_tol=1e-9, abs_tol=1e-15)
+
+
+def _falcon(h, heads, kv_heads, norms, layers=2, batch=2, seq=512):
+    """A Falcon of the new decoder architecture built on meta (parallel attention and MLP reading
+    `norms` norms, q/k/v fused per K/V group), and its keyword inputs."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.FalconConfig(vocab_size=4096, hidden_size=h, num_hidden_layers=layers,
+                                    num_attention_heads=heads, num_kv_heads=kv_heads, new_decoder_architecture=True,
+                                    num_ln_in_parallel_attn=norms, parallel_attn=True, bias=False, alibi=False)
+    with torch.device("meta"):
+        model = transformers.FalconForCausalLM(cfg)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("memory_weight", [None, 1e-9])
+def test_a_shared_norm_is_decided_with_the_layers_reading_it(memory_weight, monkeypatch):
+    """Falcon-11B's shape of block (parallel attention and MLP reading one norm, q/k/v fused per K/V
+    group, one group a rank): splitting the norm pays only with the fused projection's layout changed
+    too, so neither flips alone; the search refines its plan with the norm enumerated with the layers
+    it feeds and finds Megatron's layout (q/k/v column-parallel by groups, the norm replicated) and
+    Megatron's bytes, where the search without that window does not."""
+    import functools
+    from autoshard.api import plan
+    from autoshard.runtime.collectives import ring_bytes
+    from autoshard.runtime.placements import Replicate, Shard
+    h, p, layers, batch, seq = 2048, 4, 2, 2, 512
+    model, kw = _falcon(h, 16, p, 1, layers, batch, seq)
+    got = plan(model, p, kw, outputs="sharded", memory_weight=memory_weight)
+    for i in range(layers):
+        assert got.layouts[f"transformer.h.{i}.self_attention.query_key_value.weight"] == Shard(0)
+        assert isinstance(got.layouts[f"transformer.h.{i}.input_layernorm.weight"], Replicate)
+    tokens = batch * seq
+    megatron = ((2 * layers + 2) * ring_bytes("all_reduce", tokens * h * 4, p)
+                + 3 * ring_bytes("all_reduce", tokens * 4, p))
+    if memory_weight is None:
+        assert got.comm_bytes == pytest.approx(megatron, rel=1e-12)
+    else:       # the fixed price splits the final norm: its statistics all-reduced on top (4 of T floats)
+        assert megatron <= got.comm_bytes <= megatron * 1.01
+    monkeypatch.setattr(S, "greedy", functools.partial(S.greedy, joint=False))
+    without = plan(model, p, kw, outputs="sharded", memory_weight=memory_weight)
+    assert without.comm_bytes > megatron * 1.1 and without.step_time > got.step_time
+
+
+def test_the_norms_windows_never_end_costlier_than_the_search_without(monkeypatch):
+    """The joint windows (a norm's weight with the layers reading it) refine the plan the search ends
+    at, kept only where cheaper: on a Falcon-40B-shaped block (two norms per layer) at the fixed
+    price, enumerating them from the start ended at a higher total than the search without them;
+    refined, the plan is never costlier than that search's."""
+    import functools
+    from autoshard.api import plan
+    model, inputs = _falcon(1024, 8, 4, 2)
+    got = plan(model, 2, inputs, outputs="sharded", memory_weight=1e-9)
+    monkeypatch.setattr(S, "greedy", functools.partial(S.greedy, joint=False))
+    without = plan(model, 2, inputs, outputs="sharded", memory_weight=1e-9)
+    assert got.objective <= without.objective

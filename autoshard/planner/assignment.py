@@ -275,6 +275,14 @@ class State:
             seen.update(s.inputs[k] for k, j in enumerate(self.prob.ins[u]) if j == i)
         return seen.pop() if len(seen) == 1 else None
 
+    def copy(self) -> "State":
+        """An independent copy: a search refines it and keeps whichever of the two is cheaper."""
+        new = object.__new__(State)
+        new.prob, new.total, new.param_place = self.prob, self.total, dict(self.param_place)
+        new.choice, new.sidx = list(self.choice), list(self.sidx)
+        new.place, new.tcost = list(self.place), list(self.tcost)
+        return new
+
     def set_choices(self, choices: dict[int, int]) -> float:
         delta, ov = self.trial({g: c for g, c in choices.items() if c != self.choice[g]})
         self.commit(delta, ov)

@@ -9,6 +9,8 @@ re-propagating only the nodes whose inputs changed (`assignment.State`).
 `greedy` visits windows (a group, the groups meeting it within a few ops, the groups it feeds),
 tries every combination in the window and keeps the best, sweeping until nothing improves;
 windows with the same structure and boundary reuse their answer (identical blocks solve once).
+Where a norm's weight can be enumerated with the layers reading it, those joint windows then
+refine the plan, kept only where cheaper.
 `exact` enumerates every combination of every group: the reference for tests and benchmarks.
 """
 from __future__ import annotations
@@ -59,15 +61,18 @@ def acting(prob: Problem, grp) -> list[int]:
 
 def primary_groups(prob: Problem) -> set:
     """The groups whose ops name a TorchShard dim (linears, embeddings): those the windows are
-    built around; the others (a norm's weight) are decided by flips."""
+    built around; the others (a norm's weight) are flipped alone, then refined with the nearest of
+    them they feed (`greedy`)."""
     return {g for g, grp in enumerate(prob.groups)
             if any(s.dim is not None for a in acting(prob, grp) for s in prob.strats[a])}
 
 
-def windows(prob: Problem) -> list[tuple[int, ...]]:
-    """For each group, the groups it is enumerated with: its siblings (anchors reading the same
-    activation: q, k and v; fc1 and a gate), the groups it feeds before the next anchors (the
-    out-projection after q/k/v, fc2 after fc1) and their siblings, nearest first."""
+def windows(prob: Problem) -> tuple[list, dict]:
+    """(windows, joint). `windows[g]`: the groups group g is enumerated with: its siblings (anchors
+    reading the same activation: q, k and v; fc1 and a gate), the groups it feeds before the next
+    anchors (the out-projection after q/k/v, fc2 after fc1) and their siblings, nearest first; a
+    group that is not primary (a norm's weight) alone. `joint[g]`, for such a group: itself with the
+    nearest primary groups it feeds and their siblings, where that unit fits a window."""
     anchor_group = {}
     for g, grp in enumerate(prob.groups):
         for a in acting(prob, grp):
@@ -87,25 +92,31 @@ def windows(prob: Problem) -> list[tuple[int, ...]]:
         return out
 
     primary = primary_groups(prob)
-    out = []
+    out, joint = [], {}
     for g, grp in enumerate(prob.groups):
-        if g not in primary:       # e.g. a norm's weight: left to the single-flip pass
-            out.append((g,))
-            continue
-        dist = {h: 0 for h in (siblings(g) | {g}) & primary}
+        own = g in primary
+        dist = {h: 0 for h in (siblings(g) | {g}) & primary} if own else {}
         for i, d in _reach(prob, acting(prob, grp), anchor_set).items():
             if d > 0 and i in anchor_group and anchor_group[i] in primary:
                 for h in (siblings(anchor_group[i]) | {anchor_group[i]}) & primary:
                     dist[h] = min(dist.get(h, INF), d)
-        chosen, combos = [], 1
-        for h in sorted(dist, key=lambda h: (h != g, dist[h], h)):
+        # a group no op names a dim for (a norm's weight) enters with the layers reading its output,
+        # where their unit fits a window: splitting it pays only with their layouts changed too
+        # (Falcon-11B's shared norm kept split while the fused q/k/v reads it row-parallel)
+        chosen, combos = ([], 1) if own else ([g], len(grp.choices))
+        first = g if own else min(dist, key=lambda h: (dist[h], h), default=None)
+        for h in sorted(dist, key=lambda h: (h != first, dist[h], h)):
             unit = [u for u in sorted((siblings(h) | {h}) & primary) if u not in chosen]
             n = math.prod(len(prob.groups[u].choices) for u in unit)
-            if h == g or (len(chosen) + len(unit) <= WINDOW_GROUPS and combos * n <= WINDOW_COMBOS):
+            if h == first and not own and n > WINDOW_COMBOS:
+                break                         # its readers' unit alone fills a window: flipped alone
+            if h == first or (len(chosen) + len(unit) <= WINDOW_GROUPS and combos * n <= WINDOW_COMBOS):
                 chosen += unit                # siblings enter a window together or not at all
                 combos *= n
-        out.append(tuple(sorted(chosen)))
-    return out
+        out.append(tuple(sorted(chosen)) if own else (g,))
+        if not own and len(chosen) > 1:
+            joint[g] = tuple(sorted(chosen))
+    return out, joint
 
 
 def _window_shape(prob: Problem, win, reach_nodes):
@@ -141,20 +152,17 @@ def _signature(prob: Problem, win, reach_nodes, state: State):
     return shape, tuple(state.place[j] for j in boundary)
 
 
-def greedy(prob: Problem, max_sweeps: int = 4) -> State:
-    """Windowed greedy search from all-Replicate; see the module docstring."""
-    state = State(prob)
-    wins = windows(prob)
+def _sweep(prob: Problem, state: State, wins, max_sweeps: int) -> bool:
+    """Visit each window in turn, enumerate it exhaustively and commit its best combination where
+    the total drops, until a sweep commits nothing; returns whether anything was. Answers are
+    cached by (window structure, boundary placements): identical blocks are solved once."""
     anchor_set = {a for grp in prob.groups for a in grp.anchors}
     regions, shapes = {}, {}
     cache: dict = {}
-    for sweep in range(max_sweeps):
+    changed = False
+    for _ in range(max_sweeps):
         improved = False
-        done = set()
-        for win in wins:
-            if win in done:
-                continue
-            done.add(win)
+        for win in dict.fromkeys(wins):
             if win not in regions:      # (structure id, boundary nodes): the structure is fixed
                 nodes = set()
                 for g in win:
@@ -174,14 +182,41 @@ def greedy(prob: Problem, max_sweeps: int = 4) -> State:
             d, ov = state.trial({g: c for g, c in zip(win, best) if c != state.choice[g]})
             if d < -1e-12 * max(1.0, abs(state.total)):
                 state.commit(d, ov)
-                improved = True
+                improved = changed = True
         if not improved:
             break
+    return changed
+
+
+def _descend(prob: Problem, state: State, wins, max_sweeps: int) -> None:
+    """The windows until none improves, then single flips, whole layers, and the first layer made
+    like the others."""
+    _sweep(prob, state, wins, max_sweeps)
     improve_single(state)
     if improve_by_layers(state):
         improve_single(state)
     uniform_layers(state)
-    return state
+
+
+def greedy(prob: Problem, max_sweeps: int = 4, joint: bool = True) -> State:
+    """Windowed greedy search from all-Replicate; see the module docstring. With `joint`, the plan
+    the windows and flips end at is then refined with the joint windows (`windows`: a norm's
+    weight with the layers reading it): one sweep of them and, where one pays, the search again
+    from there with them in place of the norms' own; the refined plan is kept only where its
+    total is lower. So the joint windows find what no single flip reaches (Falcon-11B's shared
+    norm with its fused q/k/v) and the search never ends costlier than without them, which
+    enumerating them from the start did not ensure: a move that pays when tried can lead the later
+    sweeps to a costlier end (Falcon-40B's norms at the fixed price)."""
+    wins, joints = windows(prob)
+    state = State(prob)
+    _descend(prob, state, wins, max_sweeps)
+    if not (joint and joints):
+        return state
+    refined = state.copy()
+    if not _sweep(prob, refined, list(joints.values()), 1):
+        return state
+    _descend(prob, refined, [joints.get(g, w) for g, w in enumerate(wins)], max_sweeps)
+    return refined if refined.total < state.total - 1e-12 * max(1.0, abs(state.total)) else state
 
 
 def _layer_key(name: str):
