@@ -25,12 +25,6 @@ pytest.importorskip("accelerate")
 import hf_models  # noqa: E402
 import refs  # noqa: E402
 
-# Plans here are made without a price of state: at the fixed default price (1e-9 s a byte) the tiny
-# LLaMA family (hidden 64) is cheaper with its final norm split and the head row-parallel (half the
-# norm's state a rank outweighs 12% more bytes), which the engines cannot express (docs/design.md,
-# "Search"); without a price the search keeps Megatron's layout, which these tests export.
-LEAST_COMM = {"memory_weight": None}
-
 
 class MLP(nn.Module):
     """Embedding -> Linear -> GELU -> Linear -> vocabulary head -> cross entropy."""
@@ -95,7 +89,7 @@ def _dtensor_case(rank, p, name):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     model, kw = _build(name, p)
-    plan = autoshard.plan(model, p, kw, **LEAST_COMM)
+    plan = autoshard.plan(model, p, kw)
     exported = plan.export("dtensor", model=model)
     ref, par = copy.deepcopy(model), parallelize_module(copy.deepcopy(model), init_device_mesh("cpu", (p,)),
                                                         exported.plan)
@@ -150,7 +144,7 @@ def _hf_case(rank, p, name, path, base):
     import transformers
     from torch.distributed.tensor import DTensor
     model, kw = _build(name, p)
-    plan = autoshard.plan(model, p, kw, **LEAST_COMM)
+    plan = autoshard.plan(model, p, kw)
     if rank == 0:
         model.save_pretrained(path)
     dist.barrier()
@@ -192,12 +186,12 @@ def test_gpt2_hf_export_says_what_it_leaves():
     """GPT-2 (no tp_plan in transformers): what the export can and cannot express, in one process."""
     import autoshard
     model, kw = hf_models.gpt2()
-    exported = autoshard.plan(model, 2, kw, **LEAST_COMM).export("hf")
+    exported = autoshard.plan(model, 2, kw).export("hf")
     assert exported.styles == {} and set(exported.plan.values()) == {"replicate"}
     assert "strided" in exported.dropped["transformer.h.1.attn.c_attn"]
     assert exported.comm_bytes == 0 and exported.autoshard_bytes > 0
     with pytest.warns(UserWarning, match="leaves 11 modules replicated"):
-        autoshard.plan(model, 2, kw, **LEAST_COMM).to_hf_tp_plan()
+        autoshard.plan(model, 2, kw).to_hf_tp_plan()
     assert "c_attn" in str(exported)
 
 
@@ -208,8 +202,7 @@ def _loss_parallel_case(rank, p):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     model, kw = _build("llama", p)
-    exported = autoshard.plan(model, p, kw, outputs="sharded", **LEAST_COMM).export("dtensor", model=model,
-                                                                                 loss_parallel=True)
+    exported = autoshard.plan(model, p, kw, outputs="sharded").export("dtensor", model=model, loss_parallel=True)
     ref, par = copy.deepcopy(model), parallelize_module(copy.deepcopy(model), init_device_mesh("cpu", (p,)),
                                                         exported.plan)
     want = _loss(ref, kw)
@@ -248,6 +241,6 @@ def test_cli_prints_the_exported_plans(tmp_path, capsys):
     model, _ = hf_models.llama(num_hidden_layers=2)
     model.save_pretrained(tmp_path / "llama")
     assert cli.main(["plan", "--from-pretrained", str(tmp_path / "llama"), "-n", "2", "--tokens", "16",
-                     "--memory-weight", "none", "--export", "hf", "--base-model-prefix", "model"]) == 0
+                     "--export", "hf", "--base-model-prefix", "model"]) == 0
     tp_plan = json.loads(capsys.readouterr().out)
     assert tp_plan["layers.*.self_attn.o_proj"] == "rowwise" and tp_plan["embed_tokens"] == "embedding_rowwise"

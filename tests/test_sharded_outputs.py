@@ -94,11 +94,9 @@ def test_llama_gathers_its_logits_once_in_either_mode(sizes):
     reuses the output's gather; with outputs="sharded" nothing gathers them for the output."""
     import hf_models
     model, kw = hf_models.llama(**sizes)
-    # without a price of state: at the fixed one the 256-token vocabulary's head runs row-parallel
-    # beside a split final norm, its logits reduced whole (docs/design.md, "Search")
-    full = autoshard.plan(model, 2, kw, tracer="export", memory_weight=None)
+    full = autoshard.plan(model, 2, kw, tracer="export")
     assert _made_whole_twice(full) == [], full.report()
-    sharded = autoshard.plan(model, 2, kw, tracer="export", outputs="sharded", memory_weight=None)
+    sharded = autoshard.plan(model, 2, kw, tracer="export", outputs="sharded")
     assert full.outputs == "full" and sharded.outputs == "sharded"
     assert _made_whole_twice(sharded) == [], sharded.report()
     logits = _logits_node(full)
