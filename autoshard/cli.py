@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="return outputs whole (default) or leave split ones split (DTensors at run time)")
     pp.add_argument("--bandwidth", type=float, help="bytes/s a rank sends (cost model)")
     pp.add_argument("--latency", type=float, help="seconds per ring step (cost model)")
-    pp.add_argument("--memory-weight", type=_weight, help="seconds per byte of training state (cost model; default "
-                    "1e-9), or 'none': no price, the fastest plan within about 1/p of the least state")
+    pp.add_argument("--memory-weight", type=_weight, help="seconds per byte of training state (cost model), or 'none' "
+                    "(default): no price, the fastest plan within about 1/p of the least state")
     pp.add_argument("--memory-budget", help="peak bytes of a training step per rank, e.g. 30GB (the fastest plan "
                     "that fits; an error names the smallest reachable peak)")
     pp.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",

@@ -133,7 +133,7 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     checkpointed = ()
     if not budgeted:
         if layouts is None and cost.memory_weight is None:
-            state = least_comm(prob, lambda pr: _searched(pr, search))
+            state = least_comm(prob, lambda pr: _run(pr, search))
             state.reduce_early()
         else:
             state = _run(prob, search)

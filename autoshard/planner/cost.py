@@ -1,13 +1,13 @@
 """Alpha-beta cost model: ring collectives, compute divided by the degree, memory per rank.
 
 Everything is in seconds so one number can be minimised: communication and compute time per
-training step, plus a price in seconds per byte of training state (parameter, gradient and
-optimizer moments) a rank holds: by default `memory_weight` = 1e-9 s a byte (a GB of state ~ one
-second), which makes sharding worth its communication at every realistic size. With
-`memory_weight=None` no constant price decides: the planner takes the fastest plan whose state per
-rank exceeds the least reachable by at most `STATE_TOLERANCE` of the model's state
-(`budget.least_comm`), state priced only to break ties. `memory_budget` (the peak bytes of a step
-per rank, `planner.memory`) takes the fastest plan that fits.
+training step, plus a term for the training state (parameter, gradient and optimizer moments) a
+rank holds. By default (`memory_weight=None`) no constant price decides: the planner takes the
+fastest plan whose state per rank exceeds the least reachable by at most `STATE_TOLERANCE` of the
+model's state (`budget.least_comm`), state priced only to break ties. A `memory_weight` in seconds
+per byte (1e-9: a GB of state ~ one second) prices state at that constant instead.
+`memory_budget` (the peak bytes of a step per rank, `planner.memory`) takes the fastest plan that
+fits.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class CostModel:
     bandwidth: float = 50e9          # bytes/s a rank sends
     latency: float = 1e-6            # seconds per ring step (NVLink-class)
     flops: float = 50e12             # flop/s of one rank
-    memory_weight: float | None = 1e-9   # seconds per byte of training state per rank; None: no price
+    memory_weight: float | None = None   # seconds per byte of training state per rank; None: no price
     state_factor: float = 4.0        # parameter + gradient + two Adam moments
     memory_budget: float | str | None = None   # peak bytes per rank of a training step ("30GB"), or None
     optimizer: str | int = "adamw"   # what holds state per parameter (planner.memory.OPTIMIZER_STATES)
