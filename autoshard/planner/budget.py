@@ -22,10 +22,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import MemoryBudgetError
-from ..runtime.placements import REPLICATE, local_numel
+from ..runtime.placements import REPLICATE, Replicate, Shard, local_numel
 from .cost import STATE_TOLERANCE, TIE_PRICE, flops
 from .memory import memory_of
-from .sequence import regather_seconds, with_sequence_parallel
+from .problem import IMBALANCE
+from .search import layer_key
+from .sequence import EPS, activation_bytes, regather_seconds, token_dim, with_sequence_parallel
 
 # prices of a byte of training state (seconds) the search is run at; the cost model's own is added
 WEIGHTS = (0.0, 1e-12, 1e-10, 1e-8, 1e-6, 1e-3)
@@ -46,18 +48,23 @@ def step_seconds(prob, state) -> float:
     return state.total - sum(prob.param_cost(k, state.placement_of_param(k)) for k in prob.param_obj)
 
 
-def _param_bytes(prob, key, placement) -> int:
+def _param_bytes(prob, key, placement) -> float:
+    """Bytes of a parameter a rank holds as the cost model counts them: the ranks' mean plus IMBALANCE
+    of the largest rank's excess over it (a split in whole heads that do not divide, 2, 1 and 1 of 4
+    heads on 3 ranks, weighs what the ranks hold together, as in `Problem.param_cost`)."""
     obj = prob.param_obj[key]
-    return local_numel(obj.shape, placement, prob.p) * obj.element_size()
+    mean = obj.numel() / (prob.p if isinstance(placement, Shard) else 1)
+    largest = local_numel(obj.shape, placement, prob.p)
+    return (mean + IMBALANCE * (largest - mean)) * obj.element_size()
 
 
-def _group_bytes(prob, params, placements) -> int:
-    """Bytes the largest rank holds of `params` at `placements` (one decision group's choice)."""
+def _group_bytes(prob, params, placements) -> float:
+    """Bytes a rank holds of `params` at `placements` (one decision group's choice, `_param_bytes`)."""
     return sum(_param_bytes(prob, k, pl) for k, pl in zip(params, placements))
 
 
-def state_bytes(prob, state) -> int:
-    """Bytes of parameters the largest rank holds under `state` (its training state / state_factor)."""
+def state_bytes(prob, state) -> float:
+    """Bytes of parameters a rank holds under `state` (`_param_bytes`; its training state / state_factor)."""
     return sum(_param_bytes(prob, k, state.placement_of_param(k)) for k in prob.param_obj)
 
 
@@ -105,24 +112,46 @@ def least_comm(prob, run):
     return state
 
 
+def _families(prob) -> list:
+    """The decision groups as families flipped together: a group with its namesakes of every other
+    numbered layer (`search.layer_key`; alike layers stay alike: one block graph, one compile), a
+    group outside numbered layers alone."""
+    by_key: dict = {}
+    for g, grp in enumerate(prob.groups):
+        key = layer_key(grp.names[0])
+        by_key.setdefault(g if key is None else key[0], []).append(g)
+    out = []
+    for fam in by_key.values():
+        if len({len(prob.groups[g].choices) for g in fam}) == 1:
+            out.append(fam)
+        else:
+            out.extend([g] for g in fam)
+    return out
+
+
 def _relax(prob, state, bound, held) -> None:
-    """Flip one group at a time where the step gets faster (or as fast with less state) and the state
-    stays within `bound`: the prices move whole families of layers at once, the bound is per byte."""
+    """Flip one family of groups at a time (`_families`) where the step gets faster (or as fast with
+    less state) and the state stays within `bound`: the prices move whole kinds of layers at once,
+    the bound is per byte."""
+    families = _families(prob)
     for _ in range(3):
         improved = False
-        for g, grp in enumerate(prob.groups):
-            now = state.choice[g]
-            old_b = _group_bytes(prob, grp.params, [state.placement_of_param(k) for k in grp.params])
-            old_c = sum(prob.param_cost(k, state.placement_of_param(k)) for k in grp.params)
+        for fam in families:
+            now = [state.choice[g] for g in fam]
+            old_b = sum(_group_bytes(prob, prob.groups[g].params, [state.placement_of_param(k)
+                                                                   for k in prob.groups[g].params]) for g in fam)
+            old_c = sum(prob.param_cost(k, state.placement_of_param(k)) for g in fam for k in prob.groups[g].params)
             best = None
-            for c, ch in enumerate(grp.choices):
-                if c == now:
+            for c in range(len(prob.groups[fam[0]].choices)):
+                if all(n == c for n in now):
                     continue
-                new_b = _group_bytes(prob, grp.params, ch)
+                new_b = sum(_group_bytes(prob, prob.groups[g].params, prob.groups[g].choices[c]) for g in fam)
                 if held + new_b - old_b > bound:
                     continue
-                d, ov = state.trial({g: c})
-                step = d - (sum(prob.param_cost(k, pl) for k, pl in zip(grp.params, ch)) - old_c)
+                d, ov = state.trial({g: c for g in fam})
+                new_c = sum(prob.param_cost(k, pl) for g in fam
+                            for k, pl in zip(prob.groups[g].params, prob.groups[g].choices[c]))
+                step = d - (new_c - old_c)
                 tol = 1e-12 * max(1.0, abs(state.total))
                 if step < -tol or (step <= tol and new_b < old_b):
                     if best is None or (step, new_b) < best[:2]:
@@ -133,6 +162,61 @@ def _relax(prob, state, bound, held) -> None:
                 improved = True
         if not improved:
             return
+
+
+def _gathering_groups(twin) -> list:
+    """The decision groups of the layers that gather a token-split tensor of `twin` whole (a small
+    column layer after the stream: BERT's masked-LM transform), in graph order."""
+    prob = twin.prob
+    group_of = {k: g for g, grp in enumerate(prob.groups) for k in grp.params}
+    out = []
+    for j in range(len(prob.nodes)):
+        d = token_dim(prob.val[j])
+        if d is None or prob.kind[j] == "param" or twin.place[j] != Shard(d):
+            continue
+        for u in prob.users[j]:
+            if prob.kind[u] != "op" or not prob.strats[u]:
+                continue
+            s = prob.strats[u][twin.sidx[u]]
+            if not any(k == j and isinstance(req, Replicate) for req, k in zip(s.inputs, prob.ins[u])):
+                continue
+            for k in prob.ins[u]:
+                g = group_of.get(prob.param_key.get(k))
+                if g is not None and g not in out:
+                    out.append(g)
+    return out
+
+
+def sequence_twin(state, tokens):
+    """`state` with sequence parallelism (`sequence.with_sequence_parallel` on `tokens`, the graph's
+    Problem with token splits), or None where nothing moves. Then each layer that gathers the
+    token-split stream whole is tried whole (its weight replicated, run on each rank's tokens), the
+    move made again: kept where the activations move no more bytes and the predicted peak is lower
+    (or as high, with fewer bytes of activations).
+    Megatron's sequence-parallel BERT runs its masked-LM transform so, where the plan without
+    sequence parallelism splits it (less compute there) and gathers its output whole. Like the
+    norms', the weight's gradient is then all-reduced (a sum over each rank's tokens)."""
+    twin = with_sequence_parallel(state, tokens)
+    if twin is None:
+        return None
+    def held(t):
+        mem = memory_of(tokens, t)
+        return mem.peak, mem.activations
+
+    sent, peak = activation_bytes(twin), held(twin)
+    for g in _gathering_groups(twin):
+        for c, ch in enumerate(state.prob.groups[g].choices):
+            if c == state.choice[g] or not all(type(pl) is Replicate for pl in ch):
+                continue
+            trial = state.copy()
+            trial.set_choices({g: c})
+            other = with_sequence_parallel(trial, tokens)
+            if other is None:
+                continue
+            b, mem = activation_bytes(other), held(other)
+            if b <= sent * (1 + EPS) and mem < peak:
+                twin, state, sent, peak = other, trial, b, mem
+    return twin
 
 
 def _block_nodes(prob, blocks) -> dict:
@@ -203,7 +287,7 @@ def fit_budget(make_problem, run, cost, blocks=(), sequence_parallel=False):
         tokens.saved = saved
         split = [(seconds + regather_seconds(tokens, state), True, state, tokens)
                  for seconds, _, _, plain, _ in candidates
-                 if (state := with_sequence_parallel(plain, tokens)) is not None]
+                 if (state := sequence_twin(plain, tokens)) is not None]
         split = [(seconds, sp, memory_of(prob, state), state, prob) for seconds, sp, state, prob in split]
         candidates = split + (candidates if sequence_parallel is None or not split else [])
     fits = [c for c in candidates if c[2].peak <= budget]

@@ -25,7 +25,7 @@ from . import search as _search
 from . import sequence as _sequence
 from .cost import CostModel, flops
 from .decisions import module_of
-from .budget import fit_budget, least_comm
+from .budget import fit_budget, least_comm, sequence_twin
 from .memory import memory_of
 from .rules.registry import PARALLEL_LAYERS, family_of
 from .rules.shape import view_groups
@@ -138,7 +138,7 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
         else:
             state = _run(prob, search)
         if sequence_parallel is True:
-            moved = _sequence.with_sequence_parallel(state, make(cost, tokens=True))
+            moved = sequence_twin(state, make(cost, tokens=True))
             if moved is None:
                 notes = (*notes, "sequence_parallel: no activation between row and column layers can be split on "
                                  "tokens at the same bytes; planned without")

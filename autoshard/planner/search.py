@@ -219,7 +219,7 @@ def greedy(prob: Problem, max_sweeps: int = 4, joint: bool = True) -> State:
     return refined if refined.total < state.total - 1e-12 * max(1.0, abs(state.total)) else state
 
 
-def _layer_key(name: str):
+def layer_key(name: str):
     """(the name with its first layer index blanked, that index), or None outside numbered layers."""
     m = re.search(r"\.(\d+)\.", name)
     return None if m is None else ((name[:m.start()], name[m.end():]), int(m.group(1)))
@@ -234,7 +234,7 @@ def improve_by_layers(state: State) -> bool:
     prob = state.prob
     layers: dict = {}
     for g, grp in enumerate(prob.groups):
-        key = _layer_key(grp.names[0])
+        key = layer_key(grp.names[0])
         if key is not None:
             layers.setdefault(key[1], {})[key[0]] = g
     changed = False
@@ -282,7 +282,7 @@ def uniform_layers(state: State) -> bool:
     layer_groups: dict[str, dict] = {}
     runs: dict[str, list[str]] = {}
     for g, grp in enumerate(prob.groups):
-        key = _layer_key(grp.names[0])
+        key = layer_key(grp.names[0])
         if key is not None:
             (prefix, rest), index = key
             layer = f"{prefix}.{index}"

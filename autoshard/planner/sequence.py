@@ -251,6 +251,14 @@ def regathered_layers(prob, j: int, readers) -> tuple:
     return tuple(index[n] for n in found[0])
 
 
+def activation_bytes(state) -> float:
+    """Ring bytes a rank sends a step for the activations of `state` (the parameters' gradients
+    aside), its backward re-gathers included."""
+    prob = state.prob
+    return _activation_bytes(prob, state.place, state.sidx) + sum(
+        ring_bytes("all_gather", prob.nbytes[j], prob.p) for j in regathered(prob, state))
+
+
 def regather_seconds(prob, state) -> float:
     """Predicted seconds of the backward all-gathers of `regathered` inputs."""
     return sum(prob.cost.comm_time("all_gather", prob.nbytes[j], prob.p) for j in regathered(prob, state))

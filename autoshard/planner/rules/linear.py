@@ -60,8 +60,9 @@ def matmul_family(info: NodeInfo, x, w, b, *, w_out_dim: int, w_in_dim: int):
     found = column_row(info, x, w, b, x_dim=len(info.shape(x)) - 1, out_dim=out_nd - 1,
                        w_out_dim=w_out_dim, w_in_dim=w_in_dim)
     for d in range(out_nd - 1):              # batch dims pass through with a replicated weight
-        if info.out_shape[d] > 1:
-            found.append(info.req({x: Shard(d)}, f"shard({d})", Shard(d), compute=1 / p))
+        if info.out_shape[d] > 1:            # (on the tokens of a sequence-parallel stream at any size)
+            found.append(info.req({x: Shard(d)}, f"shard({d})", Shard(d), compute=1 / p,
+                                  uneven=info.tokens and d == out_nd - 2))
     if info.fewer_units(info.shape(w)[w_out_dim]):
         found += whole_heads(info, x, w, b, w_out_dim)
     return found
