@@ -9,7 +9,7 @@ all-reduces and those backward gathers; the activations per rank are predicted b
 without it and the peak measured (MemTracker) within 10% of the prediction; the re-gather lowers
 the predicted activations by (p - 1)/p of the column inputs' bytes and the measured peak by about
 as much; a memory budget that only sequence parallelism meets picks it, and without one the plan is
-the default.
+the default; BERT's masked-LM transform runs whole on each rank's tokens (Megatron's layout), exact.
 """
 import copy
 import os
@@ -204,3 +204,47 @@ def test_a_budget_that_needs_it_picks_it():
         (never.comm_time, tight.comm_time)
     with pytest.raises(ValueError, match="sequence_parallel must be True, False or None"):
         autoshard.plan(model, 2, kw, sequence_parallel="yes")
+
+
+def _bert_case(rank, p, seq):
+    """BERT (masked LM, dropout on) with sequence parallelism: the masked-LM transform, split on
+    columns without it, runs whole on each rank's tokens (its weight replicated, its gradient
+    summed), as Megatron runs it; loss and every gradient equal one process's, the bytes counted the
+    plan's, and the predicted activations and peak below the plan's with the transform kept split."""
+    from unittest import mock
+
+    import hf_models
+    import refs
+    from autoshard.runtime.collectives import count_comm
+    from autoshard.runtime.placements import Replicate
+    model, kw = hf_models.bert(batch=2, seq=seq, max_position_embeddings=seq, hidden_dropout_prob=0.1,
+                               attention_probs_dropout_prob=0.1)
+    model.train()
+    ref = copy.deepcopy(model)
+    key = "cls.predictions.transform.dense.weight"
+    plain = autoshard.plan(model, p, kw, outputs="sharded")
+    plan = autoshard.plan(model, p, kw, outputs="sharded", sequence_parallel=True)
+    with mock.patch("autoshard.planner.budget._gathering_groups", lambda twin: []):
+        kept = autoshard.plan(model, p, kw, outputs="sharded", sequence_parallel=True)
+    assert not isinstance(plain.layouts[key], Replicate) and not isinstance(kept.layouts[key], Replicate)
+    assert isinstance(plan.layouts[key], Replicate), plan.report()
+    assert plan.memory.activations < kept.memory.activations and plan.memory.peak < kept.memory.peak
+    gm = autoshard.parallelize(model, p, kw, plan=plan, outputs="sharded", dropout_masks="single_process")
+    gm.train()
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        want = ref(**kw).loss
+        autoshard.manual_seed(seed)
+        with count_comm() as counted:
+            got = gm(**kw).loss
+            got.backward()
+        want.backward()
+        refs.close_to_scale(got, want, f"bert loss (seed {seed})")
+        refs.grads_match(gm, ref, f"bert sequence parallel (seed {seed})")
+        gm.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
+        assert counted.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (counted.bytes, plan.comm_bytes)
+    return True
+
+
+def test_bert_transform_runs_on_tokens(dist2):
+    assert all(dist2.run(_bert_case, 256, timeout=300))
