@@ -147,8 +147,8 @@ def test_in_place_sum_never_shares_its_own_input():
 
 def _bloom_stream_case(rank, p):
     """A tiny BLOOM whose plan holds the residual stream split on hidden between the layer norms
-    (split norms, reduce-scatter and all-gather: Megatron's sequence parallelism on features), in
-    train mode with residual dropout on and single-process masks."""
+    (split norms, reduce-scatter and all-gather: Megatron's sequence parallelism on features) at a
+    price of state of 1e-9 s a byte, in train mode with residual dropout on and single-process masks."""
     import transformers
     from hf_models import build_model, example_kwargs
     cfg = dict(vocab_size=256, hidden_size=512, n_layer=2, n_head=4, hidden_dropout=0.1, attention_dropout=0.0)
@@ -156,7 +156,8 @@ def _bloom_stream_case(rank, p):
     model.train()
     ref = copy.deepcopy(model)
     kw = example_kwargs(256, batch=2, seq=128)
-    gm = autoshard.parallelize(model, p, kw, tracer="export", dropout_masks="single_process")
+    # (a price of state: without one the norms stay whole, the stream with them)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", dropout_masks="single_process", memory_weight=1e-9)
     torch.manual_seed(11)
     want = ref(**kw)
     autoshard.manual_seed(11)

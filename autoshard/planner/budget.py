@@ -5,7 +5,8 @@ training state per rank exceeds the least reachable by at most `cost.STATE_TOLER
 model's state, of those the smallest. With a budget: the fastest plan whose predicted peak per
 rank fits (`planner.memory`).
 
-The trades: the search is run at several prices of training-state memory (`memory_weight` from 0,
+The trades: the plan without a budget is a candidate (`least_comm`'s, or the search at the user's
+price), and the search is run at several prices of training-state memory (`memory_weight` from 0,
 where a small layer stays whole and Gemma's K/V weights are replicated whenever that moves fewer
 bytes, up to prices where every layer that can split does and K/V are gathered), each plan's peak
 is predicted, and the fastest (communication + compute, `CostModel`) that fits is taken. Where none
@@ -270,11 +271,12 @@ def fit_budget(make_problem, run, cost, blocks=(), sequence_parallel=False):
     (`sequence.regather_seconds`) and taken only where the plan itself does not fit."""
     budget = cost.memory_budget
     candidates, seen, saved = [], set(), None
-    own = () if cost.memory_weight is None else (cost.memory_weight,)
+    # the plan without a budget first (the default objective's, or the user's price), then the prices
+    own = (None,) if cost.memory_weight is None else (cost.memory_weight,)
     for weight in dict.fromkeys((*own, TIE_PRICE, *WEIGHTS)):
         prob = make_problem(replace(cost, memory_weight=weight))
         prob.saved = saved
-        state = run(prob)
+        state = run(prob) if weight is not None else least_comm(prob, run)
         mem = memory_of(prob, state)          # reads the saved tensors once, kept for the next problems
         saved = prob.saved
         layout = tuple(sorted((k, str(state.placement_of_param(k))) for k in prob.param_obj))
