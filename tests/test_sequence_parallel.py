@@ -53,9 +53,26 @@ def _modules(gm):
     return [gm, *autoshard.blocks_of(gm).values()]
 
 
-def _exact_case(rank, p, name, seq, world_kw, compiled=False):
+def _steps_match(gm, ref, kw, name, run=None):
+    """Two train steps (seeds 3 and 4) of `run` (default `gm`) against `ref`: loss and every gradient
+    equal; the collectives counted in the last."""
     import refs
     from autoshard.runtime.collectives import count_comm
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        want = ref(**kw).loss
+        autoshard.manual_seed(seed)
+        with count_comm() as counted:
+            got = (run or gm)(**kw).loss
+            got.backward()
+        want.backward()
+        refs.close_to_scale(got, want, f"{name} loss (seed {seed})")
+        refs.grads_match(gm, ref, f"{name} sequence parallel (seed {seed})")
+        gm.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
+    return counted
+
+
+def _exact_case(rank, p, name, seq, world_kw, compiled=False):
     from autoshard.runtime.sequence import gathered_linears
     dropout = {"attention_dropout": 0.1} if name == "llama" and not compiled else {}
     model, kw = _build(name, seq, **world_kw, **dropout)
@@ -70,18 +87,7 @@ def _exact_case(rank, p, name, seq, world_kw, compiled=False):
     fused = sum(n.target is gathered_linears for m in _modules(gm) for n in m.graph.nodes)
     layers = model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else model.config.n_layer
     assert fused >= 2 * layers, fused                  # attention's and the MLP's input in every layer
-    run = torch.compile(gm, fullgraph=True) if compiled else gm
-    for seed in (3, 4):
-        torch.manual_seed(seed)
-        want = ref(**kw).loss
-        autoshard.manual_seed(seed)
-        with count_comm() as counted:
-            got = run(**kw).loss
-            got.backward()
-        want.backward()
-        refs.close_to_scale(got, want, f"{name} loss (seed {seed})")
-        refs.grads_match(gm, ref, f"{name} sequence parallel (seed {seed})")
-        gm.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
+    counted = _steps_match(gm, ref, kw, name, torch.compile(gm, fullgraph=True) if compiled else gm)
     if compiled:
         return None
     kinds = counted.by_kind
@@ -214,8 +220,6 @@ def _bert_case(rank, p, seq):
     from unittest import mock
 
     import hf_models
-    import refs
-    from autoshard.runtime.collectives import count_comm
     from autoshard.runtime.placements import Replicate
     model, kw = hf_models.bert(batch=2, seq=seq, max_position_embeddings=seq, hidden_dropout_prob=0.1,
                                attention_probs_dropout_prob=0.1)
@@ -231,18 +235,8 @@ def _bert_case(rank, p, seq):
     assert plan.memory.activations < kept.memory.activations and plan.memory.peak < kept.memory.peak
     gm = autoshard.parallelize(model, p, kw, plan=plan, outputs="sharded", dropout_masks="single_process")
     gm.train()
-    for seed in (3, 4):
-        torch.manual_seed(seed)
-        want = ref(**kw).loss
-        autoshard.manual_seed(seed)
-        with count_comm() as counted:
-            got = gm(**kw).loss
-            got.backward()
-        want.backward()
-        refs.close_to_scale(got, want, f"bert loss (seed {seed})")
-        refs.grads_match(gm, ref, f"bert sequence parallel (seed {seed})")
-        gm.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
-        assert counted.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (counted.bytes, plan.comm_bytes)
+    counted = _steps_match(gm, ref, kw, "bert")
+    assert counted.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (counted.bytes, plan.comm_bytes)
     return True
 
 
