@@ -288,7 +288,7 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-COST = {}          # cost-model knobs of every plan (--least-comm: {"memory_weight": None})
+COST = {}          # cost-model knobs of every plan (--memory-weight W: {"memory_weight": W})
 
 
 def timed_plan(model, p: int, mode: str):
@@ -444,11 +444,12 @@ def main(argv=None) -> int:
     ap.add_argument("--flag", type=float, default=1.25,
                     help="print the largest collectives of rows whose comm/Megatron or layers' share exceeds this")
     ap.add_argument("--list", action="store_true", help="list the configurations and exit")
-    ap.add_argument("--least-comm", action="store_true", help="plan with memory_weight=None: no price of state, "
-                    "the fastest plan within about 1/p of the least state (planner.budget.least_comm)")
+    ap.add_argument("--memory-weight", type=float, default=None,
+                    help="plan at this fixed price of training state, seconds a byte (e.g. 1e-9); default: the "
+                         "planner's objective without a price (the fastest plan within about 1/p of the least state)")
     args = ap.parse_args(argv)
-    if args.least_comm:
-        COST["memory_weight"] = None
+    if args.memory_weight is not None:
+        COST["memory_weight"] = args.memory_weight
     if args.list:
         for k, s in CONFIGS.items():
             print(f"{k:14s} {s.hf_id:36s} {s.remark}")
