@@ -32,7 +32,7 @@ LATENCY_FREE = CostModel(latency=0.0)     # tiny sizes: bytes, not the number of
 
 def _ways(way, layers=2):
     """(plan options, batch) that make `way` the cheapest for K/V."""
-    if way in ("column_gather_pg", "column_gather_groups"):
+    if way in ("column_gather_pg", "column_gather_groups", "column_gather_cover"):
         return dict(cost_model=LATENCY_FREE), 2
     pins = {}
     for i in range(layers):
@@ -96,7 +96,8 @@ def _step_matches(gm, ref, kw, what, seed=None):
 @pytest.mark.parametrize("world,heads,kv_heads,way", [
     (2, 8, 1, "column_gather_pg"), (4, 8, 1, "column_gather_pg"), (4, 8, 2, "column_gather_groups"),
     (4, 4, 2, "column_gather_groups"), (4, 6, 2, "column_gather_groups"),
-    (4, 8, 1, "replicate_pg"), (3, 6, 2, "replicate_pg"),
+    (4, 8, 1, "replicate_pg"), (3, 6, 2, "replicate_cover"), (3, 6, 2, "column_gather_cover"),
+    (3, 8, 2, "column_gather_cover"),
 ])
 def test_fewer_kv_heads_than_ranks(world, heads, kv_heads, way, request):
     assert all(request.getfixturevalue(f"dist{world}").run(_case, heads, kv_heads, way, timeout=300))
