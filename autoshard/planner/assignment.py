@@ -31,9 +31,9 @@ class State:
         n = len(prob.nodes)
         self.choice = [0] * len(prob.groups)
         self.param_place: dict[int, object] = {}
-        for grp in prob.groups:       # choice 0: all-Replicate, unless a pin removed that option
+        for grp in prob.groups:       # choice 0: all-Replicate, unless a pin or a fixed layout removed that option
             for key, pl in zip(grp.params, grp.choices[0]):
-                if not isinstance(pl, Replicate):
+                if pl != REPLICATE:           # (an Rp layout is a Replicate of its own)
                     self.param_place[key] = pl
         self.sidx = [0] * n
         self.place = [None] * n
