@@ -8,7 +8,10 @@ Gloo ranks at world 2, 3 and 4 against the single-process model of tiny Hugging 
 configurations (8 heads / 1 kv head, 6 / 2, 7 / 1): the loss and every gradient, and the bytes
 counted at run time against the plan's. The default cost model splits the weights; with memory
 free and the query heads pinned split, replication is cheaper (fewer bytes than the gathers);
-the test asserts the plan took each.
+the test asserts the plan took each. Where no groups of ranks can hold the kv heads (2 kv heads
+on 3 ranks), K and V are held by the ranks whose queries read them (`Shard(d, cover=g)`:
+1, 2 and 1 heads), computed from whole weights or gathered from split ones, exact with
+dropout on too.
 """
 import copy
 import math
@@ -101,6 +104,35 @@ def _step_matches(gm, ref, kw, what, seed=None):
 ])
 def test_fewer_kv_heads_than_ranks(world, heads, kv_heads, way, request):
     assert all(request.getfixturevalue(f"dist{world}").run(_case, heads, kv_heads, way, timeout=300))
+
+
+def _readers_case(rank, p, way):
+    """Qwen2 (biases on q, k and v) with 6 query heads over 2 kv heads at 3 ranks, attention
+    dropout on: each rank's K and V hold only the kv heads its query heads read (1, 2, 1: no
+    groups of ranks exist), made either way (`_ways`); the loss and every gradient equal one
+    process's under the same dropout masks (masks="single_process"), bytes as planned, and other
+    masks under another seed (dropout is on)."""
+    import hf_models
+    options, batch = _ways(way)
+    model, kw = hf_models.qwen2(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=96,
+                                vocab_size=128, batch=batch, seq=16, attention_dropout=0.2)
+    model.train()
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", dropout_masks="single_process", **options)
+    plan = gm._autoshard_plan
+    assert _kv_strategies(plan) == {way}, (way, plan.report())
+    held = [d.output for d in plan.nodes.values() if d.module and d.module.endswith(("k_proj", "v_proj"))]
+    assert held and all(pl == Shard(2, unit=8, cover=3) for pl in held), held
+    loss = _step_matches(gm, ref, kw, f"6/2 heads at {p}, {way}, dropout", seed=5)
+    autoshard.manual_seed(6)
+    with torch.no_grad():
+        assert gm(**kw).loss.item() != loss          # other masks: dropout is on
+    return True
+
+
+@pytest.mark.parametrize("way", ["column_gather_cover", "replicate_cover"])
+def test_kv_heads_held_by_their_readers_train_exactly_with_dropout(dist3, way):
+    assert all(dist3.run(_readers_case, way, timeout=300))
 
 
 def _nest_save(rank, p, path, root):
