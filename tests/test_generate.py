@@ -389,6 +389,13 @@ def test_static_cache_more(name, batch, compile_config, dist2):
 
 
 @pytest.mark.slow
+def test_static_cache_world3_kv_heads_held_by_readers(dist3):
+    """The static cache at 3 ranks with 2 K/V heads (6 query heads): each rank's buffers hold the
+    K/V heads its queries read (1, 2, 1) at HF's max_cache_len, eager and compiled."""
+    _check_static(dist3.run(_static_case, "llama6_2", 3, DYNAMO, timeout=900), "llama 6/2 at 3 static")
+
+
+@pytest.mark.slow
 def test_static_cache_beam_search(dist2):
     """Beam search (3 beams, a left-padded batch) over the static cache; with compile=True its
     decode steps stay eager, as HF's beam search does."""
