@@ -29,8 +29,8 @@ from .groups import get_group, is_initialized, tensor_parallel_mesh
 from .pieces import cat_along, checked_dim, pad_along, split_along
 from .placements import block_sizes, blocks_of, piece_sizes
 
-__all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "slice_held", "gather_from", "reduce_scatter", "all_gather",
-           "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]
+__all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "slice_held", "gather_from", "reduce_scatter",
+           "all_gather", "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]
 
 # ----------------------------------------------------------------------------- raw communication
 

@@ -80,7 +80,8 @@ def checked_dim(dim: int, ndim: int, what: str = "tensor") -> int:
 
 
 def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = "tensor",
-                uneven: bool = False, unit: int = 1, parts=None, nest: int = 1, groups: int = 1, cover: int = 1) -> list:
+                uneven: bool = False, unit: int = 1, parts=None, nest: int = 1, groups: int = 1,
+                cover: int = 1) -> list:
     """Split `x` along `dim` into the `n` rank pieces of Shard(dim, chunks): views when chunks=1.
 
     With chunks > 1 the dim is `chunks` equal blocks, each split over the ranks, and piece r is

@@ -121,7 +121,8 @@ class Shard:
             raise ValueError(f"Shard parts {self.parts} must be {self.chunks} positive block sizes")
         if self.parts is not None and len(set(self.parts)) == 1:
             object.__setattr__(self, "parts", None)          # equal blocks: the plain strided shard
-        if self.cover < 1 or (self.cover > 1 and (self.chunks, self.parts, self.replicas, self.nest) != (1, None, 1, 1)):
+        if self.cover < 1 or (self.cover > 1 and (self.chunks, self.parts, self.replicas, self.nest)
+                              != (1, None, 1, 1)):
             raise ValueError(f"Shard cover={self.cover} holds one contiguous dim, not blocks or groups of ranks")
 
     def __str__(self) -> str:

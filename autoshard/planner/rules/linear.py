@@ -108,7 +108,7 @@ def whole_heads(info: NodeInfo, x, w, b, w_out_dim: int) -> list:
 
 def cover_heads(info: NodeInfo, x, w, b, w_out_dim: int, gathered: float) -> list:
     """K/V of fewer heads than ranks with no groups of ranks to hold them (2 kv heads on 3 ranks:
-    query heads 0-1, 2-3, 4-5 read kv heads 0, 0 and 1, 1): the output held by the ranks whose
+    query heads 0-1, 2-3 and 4-5 read kv head 0, both, and 1): the output held by the ranks whose
     queries read each head (`Shard(d, unit=head, cover=g)`, g query heads a kv head), each rank
     computing, caching and reading only those, in two ways:
     - "replicate_cover": the weight replicated (`ReplicatePartialGrad(cut=g)`), each rank's

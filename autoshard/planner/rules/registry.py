@@ -80,7 +80,8 @@ def group_sizes(nodes, vals, units, part_candidates, world_size: int) -> tuple:
     one, offers (K and V of fewer heads than ranks): the shards held by groups of ranks the rules
     may pass on."""
     sizes = {q for parts in part_candidates for q in parts}
-    sizes.update(int(v.shape[-1]) for n, v in zip(nodes, vals) if isinstance(v, torch.Tensor) and v.dim() and family_of(n) == "matmul")
+    sizes.update(int(v.shape[-1]) for n, v in zip(nodes, vals)
+                 if isinstance(v, torch.Tensor) and v.dim() and family_of(n) == "matmul")
     return tuple(sorted({m for m in (group_size(q, units, world_size) for q in sizes) if m is not None}))
 
 
@@ -92,9 +93,10 @@ def reader_counts(nodes, vals, units, world_size: int) -> tuple:
     found = set()
     for n, v in zip(nodes, vals):
         src = n.all_input_nodes[0].meta.get("val") if n.all_input_nodes else None
-        if not (isinstance(v, torch.Tensor) and isinstance(src, torch.Tensor) and n.op in ("call_function", "call_method") and
-                getattr(n.target, "__name__", str(n.target)).split(".")[0] in ("expand", "broadcast_to")) or \
-                src.dim() != v.dim() or src.dim() < 3:
+        op = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        if n.op not in ("call_function", "call_method") or op not in ("expand", "broadcast_to") or \
+                not isinstance(v, torch.Tensor) or not isinstance(src, torch.Tensor) or src.dim() != v.dim() or \
+                v.dim() < 3:
             continue
         grown = [d for d in range(1, v.dim()) if src.shape[d] == 1 < v.shape[d]]
         if len(grown) == 1:
@@ -365,11 +367,11 @@ def token_shard(placement, ndim: int) -> bool:
         placement == Shard(ndim - 2)
 
 
-def _replicas(placement) -> set:
+def _holders(placement) -> set:
     """How the shards of a placement (or tuple of them) that every rank of a group holds are held:
     ("replicas", m) for groups of m ranks, ("cover", g) for the ranks that read them."""
     if isinstance(placement, tuple):
-        return set().union(*(_replicas(pl) for pl in placement))
+        return set().union(*(_holders(pl) for pl in placement))
     if not isinstance(placement, Shard):
         return set()
     return {("replicas", placement.replicas)} if placement.replicas > 1 else \
@@ -386,9 +388,9 @@ def closed_groups(s: OpStrategy) -> bool:
     kv part cut out of a fused one) starts groups from other placements; a piece held by its
     readers starts from whole inputs whose gradients go back Partial (each rank's backward of
     its piece's summand) or weights the op gathers itself (`ShardGathered`)."""
-    ins = set().union(*(_replicas(pl) for pl in s.inputs))
+    ins = set().union(*(_holders(pl) for pl in s.inputs))
     if not ins:
-        made = _replicas(s.output)
+        made = _holders(s.output)
         gathered = {("replicas", split_kind(k)[1]) for k, _ in s.comm if split_kind(k)[0] == "all_gather"}
         covered = all(r is None or isinstance(r, ShardGathered) or (isinstance(r, Replicate) and
                                                                   isinstance(s.grad(i), Partial))
@@ -396,7 +398,7 @@ def closed_groups(s: OpStrategy) -> bool:
         return {k for k in made if k[0] == "replicas"} <= gathered and \
             (covered or not any(k[0] == "cover" for k in made))
     outs = s.output if isinstance(s.output, tuple) else (s.output,)
-    return len(ins) == 1 and all(o is None or _replicas(o) == ins for o in outs)
+    return len(ins) == 1 and all(o is None or _holders(o) == ins for o in outs)
 
 
 def valid(info: NodeInfo, s: OpStrategy) -> bool:
@@ -405,7 +407,7 @@ def valid(info: NodeInfo, s: OpStrategy) -> bool:
     size follows the inputs (batch, sequence) is split: the plan must hold for every size; a
     shard held by groups of ranks stays exact (`closed_groups`)."""
     p = info.world_size
-    if not closed_groups(s) or any(_replicas(pl) and n.op == "get_attr" for pl, n in zip(s.inputs, info.inputs)):
+    if not closed_groups(s) or any(_holders(pl) and n.op == "get_attr" for pl, n in zip(s.inputs, info.inputs)):
         return False                 # (a parameter is held split or whole, never by groups of ranks or readers)
     if not _fits(s.output, info.val(info.node), p, dynamic_dims(info.node), s.uneven, info.tokens):
         return False
