@@ -135,6 +135,25 @@ def test_kv_heads_held_by_their_readers_train_exactly_with_dropout(dist3, way):
     assert all(dist3.run(_readers_case, way, timeout=300))
 
 
+def test_kv_heads_held_by_their_readers_pieces_and_cuts():
+    """`Shard(d, unit=u, cover=g)`: each rank holds the kv heads its share of the query heads reads
+    (overlapping pieces), cut locally to its query heads only where they lie inside."""
+    from autoshard.runtime.placements import cover_cut, cover_ranges, local_shape
+    assert cover_ranges(2, 3, 1, 3) == ((0, 1), (0, 2), (1, 2))            # 6 query heads over 2 kv heads
+    assert cover_ranges(16, 3, 8, 3) == ((0, 8), (0, 16), (8, 16))         # the same in features of 8
+    assert cover_ranges(2, 3, 1, 2) == ((0, 1), (1, 2), (1, 2))            # 4 query heads (2, 1, 1): no overlap
+    assert cover_ranges(2, 4, 1, 1) is None                                 # a rank would read nothing
+    expanded = Shard(1, unit=3, cover=3)                                    # K expanded to the 6 query heads
+    assert [local_shape((2, 6, 5, 8), expanded, 3, r)[1] for r in (0, 1, 2, None)] == [3, 6, 3, 6]
+    assert cover_cut(6, expanded, Shard(1), 3) == ((0, 2), (2, 2), (1, 2))  # rank 1's heads 2-3 of its 0-5
+    # 6 query heads over 3 kv heads at 4 ranks (2, 2, 1, 1): split pair by pair instead (2, 1 | 2, 1),
+    # rank 2's query heads 3-4 read kv heads 1 and 2, of which it holds only 2
+    assert cover_cut(6, Shard(1, unit=2, cover=2), Shard(1, nest=2), 4) is None
+    assert cover_cut(6, Shard(1, unit=2, cover=2), Shard(1), 4) == ((0, 2), (0, 2), (0, 1), (1, 1))
+    with pytest.raises(ValueError):
+        Shard(1, 2, cover=3)                                                # one contiguous dim only
+
+
 def _nest_save(rank, p, path, root):
     """Qwen2 with 6 query heads and 2 kv heads at 4 ranks: the query heads split pair by pair (2, 1
     | 2, 1: each pair's 3 read the kv head it gathers); collected and relocated, saved with DCP

@@ -25,8 +25,8 @@ from ..nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, Trai
 from ..nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from ..runtime import collectives as C
 from ..runtime.groups import subgroup
-from ..runtime.placements import (Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, cover_ranges, groups_of,
-                                  held_by_groups, layout_of, piece_sizes, shares)
+from ..runtime.placements import (Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, cover_ranges,
+                                  groups_of, held_by_groups, layout_of, piece_sizes, shares)
 
 aten = torch.ops.aten
 

@@ -103,7 +103,7 @@ class Shard:
     replicas: int = 1            # consecutive ranks holding the same piece (an activation only)
     nest: int = 1                # split over p / nest groups of ranks first, then within each group
     groups: int = 1              # the `chunks` blocks in this many consecutive groups, one per group of ranks
-    cover: int = 1               # held by the ranks whose share of g = cover units a unit reads it (an activation only)
+    cover: int = 1               # held by every rank that reads it, g = cover readers' units a unit (an activation only)
 
     def __post_init__(self):
         if self.dim < 0:
