@@ -8,7 +8,10 @@ Gloo ranks at world 2, 3 and 4 against the single-process model of tiny Hugging 
 configurations (8 heads / 1 kv head, 6 / 2, 7 / 1): the loss and every gradient, and the bytes
 counted at run time against the plan's. The default cost model splits the weights; with memory
 free and the query heads pinned split, replication is cheaper (fewer bytes than the gathers);
-the test asserts the plan took each.
+the test asserts the plan took each. Where no groups of ranks can hold the kv heads (2 kv heads
+on 3 ranks), K and V are held by the ranks whose queries read them (`Shard(d, cover=g)`:
+1, 2 and 1 heads), computed from whole weights or gathered from split ones, exact with
+dropout on too.
 """
 import copy
 import math
@@ -32,7 +35,7 @@ LATENCY_FREE = CostModel(latency=0.0)     # tiny sizes: bytes, not the number of
 
 def _ways(way, layers=2):
     """(plan options, batch) that make `way` the cheapest for K/V."""
-    if way in ("column_gather_pg", "column_gather_groups"):
+    if way in ("column_gather_pg", "column_gather_groups", "column_gather_cover"):
         return dict(cost_model=LATENCY_FREE), 2
     pins = {}
     for i in range(layers):
@@ -96,10 +99,59 @@ def _step_matches(gm, ref, kw, what, seed=None):
 @pytest.mark.parametrize("world,heads,kv_heads,way", [
     (2, 8, 1, "column_gather_pg"), (4, 8, 1, "column_gather_pg"), (4, 8, 2, "column_gather_groups"),
     (4, 4, 2, "column_gather_groups"), (4, 6, 2, "column_gather_groups"),
-    (4, 8, 1, "replicate_pg"), (3, 6, 2, "replicate_pg"),
+    (4, 8, 1, "replicate_pg"), (3, 6, 2, "replicate_cover"), (3, 6, 2, "column_gather_cover"),
+    (3, 8, 2, "column_gather_cover"),
 ])
 def test_fewer_kv_heads_than_ranks(world, heads, kv_heads, way, request):
     assert all(request.getfixturevalue(f"dist{world}").run(_case, heads, kv_heads, way, timeout=300))
+
+
+def _readers_case(rank, p, way):
+    """Qwen2 (biases on q, k and v) with 6 query heads over 2 kv heads at 3 ranks, attention
+    dropout on: each rank's K and V hold only the kv heads its query heads read (1, 2, 1: no
+    groups of ranks exist), made either way (`_ways`); the loss and every gradient equal one
+    process's under the same dropout masks (masks="single_process"), bytes as planned, and other
+    masks under another seed (dropout is on)."""
+    import hf_models
+    options, batch = _ways(way)
+    model, kw = hf_models.qwen2(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=96,
+                                vocab_size=128, batch=batch, seq=16, attention_dropout=0.2)
+    model.train()
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", dropout_masks="single_process", **options)
+    plan = gm._autoshard_plan
+    assert _kv_strategies(plan) == {way}, (way, plan.report())
+    held = [d.output for d in plan.nodes.values() if d.module and d.module.endswith(("k_proj", "v_proj"))]
+    assert held and all(pl == Shard(2, unit=8, cover=3) for pl in held), held
+    loss = _step_matches(gm, ref, kw, f"6/2 heads at {p}, {way}, dropout", seed=5)
+    autoshard.manual_seed(6)
+    with torch.no_grad():
+        assert gm(**kw).loss.item() != loss          # other masks: dropout is on
+    return True
+
+
+@pytest.mark.parametrize("way", ["column_gather_cover", "replicate_cover"])
+def test_kv_heads_held_by_their_readers_train_exactly_with_dropout(dist3, way):
+    assert all(dist3.run(_readers_case, way, timeout=300))
+
+
+def test_kv_heads_held_by_their_readers_pieces_and_cuts():
+    """`Shard(d, unit=u, cover=g)`: each rank holds the kv heads its share of the query heads reads
+    (overlapping pieces), cut locally to its query heads only where they lie inside."""
+    from autoshard.runtime.placements import cover_cut, cover_ranges, local_shape
+    assert cover_ranges(2, 3, 1, 3) == ((0, 1), (0, 2), (1, 2))            # 6 query heads over 2 kv heads
+    assert cover_ranges(16, 3, 8, 3) == ((0, 8), (0, 16), (8, 16))         # the same in features of 8
+    assert cover_ranges(2, 3, 1, 2) == ((0, 1), (1, 2), (1, 2))            # 4 query heads (2, 1, 1): no overlap
+    assert cover_ranges(2, 4, 1, 1) is None                                 # a rank would read nothing
+    expanded = Shard(1, unit=3, cover=3)                                    # K expanded to the 6 query heads
+    assert [local_shape((2, 6, 5, 8), expanded, 3, r)[1] for r in (0, 1, 2, None)] == [3, 6, 3, 6]
+    assert cover_cut(6, expanded, Shard(1), 3) == ((0, 2), (2, 2), (1, 2))  # rank 1's heads 2-3 of its 0-5
+    # 6 query heads over 3 kv heads at 4 ranks (2, 2, 1, 1): split pair by pair instead (2, 1 | 2, 1),
+    # rank 2's query heads 3-4 read kv heads 1 and 2, of which it holds only 2
+    assert cover_cut(6, Shard(1, unit=2, cover=2), Shard(1, nest=2), 4) is None
+    assert cover_cut(6, Shard(1, unit=2, cover=2), Shard(1), 4) == ((0, 2), (0, 2), (0, 1), (1, 1))
+    with pytest.raises(ValueError):
+        Shard(1, 2, cover=3)                                                # one contiguous dim only
 
 
 def _nest_save(rank, p, path, root):

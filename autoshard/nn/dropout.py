@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..runtime import rng
 from ..runtime.pieces import split_along
-from ..runtime.placements import Shard, global_shape, groups_of
+from ..runtime.placements import Shard, global_shape, groups_of, held_by_groups, held_by_readers
 
 MASKS = ("independent", "single_process")
 
@@ -26,7 +26,9 @@ class ParallelDropout(nn.Module):
     (identical on every rank); a sharded one (`shard` = its Shard placement) from the sharded
     stream (independent per rank), or, with `masks="single_process"`, takes its slice of the
     full mask drawn from the replicated stream: the mask a single process would draw (torch's
-    dropout is `bernoulli_(1 - p)` of the input's shape, then scaled by 1 / (1 - p))."""
+    dropout is `bernoulli_(1 - p)` of the input's shape, then scaled by 1 / (1 - p)). A piece
+    several ranks hold (K/V heads held by groups of ranks or by the ranks that read them) always
+    takes its slice of the full mask, so that they hold the same values."""
 
     def __init__(self, p: float, shard: Shard | None = None, world_size: int = 1, rank: int = 0,
                  masks: str = "independent"):
@@ -47,7 +49,7 @@ class ParallelDropout(nn.Module):
         if self.p == 1.0:
             return x * 0.0
         sharded = self.shard is not None and self.world_size > 1
-        if sharded and self.masks == "single_process":
+        if sharded and (self.masks == "single_process" or held_by_groups(self.shard) or held_by_readers(self.shard)):
             full = list(global_shape(x.shape, self.shard, self.world_size))
             noise = x.new_empty(full).bernoulli_(1.0 - self.p, generator=rng.generator("replicated", x.device))
             groups, m = groups_of(self.shard, self.world_size)        # (the ranks of a group: one piece)

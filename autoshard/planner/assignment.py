@@ -13,14 +13,15 @@ import math
 
 import torch
 
-from ..runtime.placements import REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups
+from ..runtime.placements import (REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups,
+                                  held_by_readers)
 from .problem import INF, Problem
 
 
 def _whole_in_group(placement) -> bool:
-    """Rp (whole on every rank) or a shard held by groups of ranks: a tensor every rank of a group
-    holds whole, its gradient a summand per rank."""
-    return isinstance(placement, ReplicatePartialGrad) or held_by_groups(placement)
+    """Rp (whole on every rank) or a shard held by groups of ranks or by the ranks that read it: a
+    tensor every rank of a group holds whole, its gradient a summand per rank."""
+    return isinstance(placement, ReplicatePartialGrad) or held_by_groups(placement) or held_by_readers(placement)
 
 class State:
     """A labelling: the group choices and every node's strategy and output placement."""
@@ -30,9 +31,9 @@ class State:
         n = len(prob.nodes)
         self.choice = [0] * len(prob.groups)
         self.param_place: dict[int, object] = {}
-        for grp in prob.groups:       # choice 0: all-Replicate, unless a pin removed that option
+        for grp in prob.groups:       # choice 0: all-Replicate, unless a pin or a fixed layout removed that option
             for key, pl in zip(grp.params, grp.choices[0]):
-                if not isinstance(pl, Replicate):
+                if pl != REPLICATE:           # (an Rp layout is a Replicate of its own)
                     self.param_place[key] = pl
         self.sidx = [0] * n
         self.place = [None] * n
@@ -79,7 +80,7 @@ class State:
         # shows only later, which a node-by-node choice cannot see
         # (so is a shard held by groups of ranks, cut to each rank's own piece)
         rp = any(_whole_in_group(place[j]) for j in prob.ins[i])
-        split_in = rp and any(isinstance(place[j], Shard) and not held_by_groups(place[j]) for j in prob.ins[i])
+        split_in = rp and any(isinstance(place[j], Shard) and not _whole_in_group(place[j]) for j in prob.ins[i])
         for si, s in enumerate(prob.strats[i]):
             if rp and not split_in and any(_whole_in_group(place[j]) and isinstance(s.inputs[slot], Shard) and
                                            s.inputs[slot] != place[j] for slot, j in enumerate(prob.ins[i])):

@@ -26,14 +26,14 @@ import torch.nn as nn
 from ..capture.dynamic import DYNAMIC
 from ..capture.ops import is_loss
 from ..capture.shapes import fetch_attr
-from ..runtime.placements import (REPLICATE, Partial, Replicate, Shard, dtensor_boundaries, held_by_groups, is_even,
-                                  local_numel, shares)
+from ..runtime.placements import (REPLICATE, Partial, Replicate, Shard, cover_cut, dtensor_boundaries, held_by_groups,
+                                  held_by_readers, is_even, local_numel, shares)
 from ..runtime.transitions import fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
 from . import rules
 from .aliases import ViewClasses
 from .cost import CostModel, flops
 from .decisions import decision_groups, fix_layouts
-from .rules.registry import NodeInfo, OpStrategy, family_of, group_size, regroup_readers
+from .rules.registry import NodeInfo, OpStrategy, group_sizes, reader_counts, regroup_readers
 
 INF = math.inf
 # the weight of the largest rank's excess state over the ranks' mean in the memory term: small, so
@@ -73,7 +73,8 @@ class Problem:
         self.param_obj: dict[int, nn.Parameter] = {}
         self.param_names: dict[int, list] = {}
         memo: dict = {}           # identical nodes (every block of a stack) share their strategies
-        replica_candidates = _group_sizes(self.nodes, self.val, unit_candidates, part_candidates, world_size)
+        replica_candidates = group_sizes(self.nodes, self.val, unit_candidates, part_candidates, world_size)
+        cover_candidates = reader_counts(self.nodes, self.val, unit_candidates, world_size)
         for i, n in enumerate(self.nodes):
             self.strats.append([])
             if n.op == "placeholder":
@@ -103,7 +104,8 @@ class Problem:
                     hit = rules.strategies(NodeInfo(n, world_size, module, tuple(chunk_candidates),
                                                     unit_candidates=tuple(unit_candidates),
                                                     part_candidates=tuple(part_candidates),
-                                                    replica_candidates=replica_candidates, tokens=tokens))
+                                                    replica_candidates=replica_candidates,
+                                                    cover_candidates=cover_candidates, tokens=tokens))
                     if key is not None:
                         memo[key] = hit
                 found, covered = hit
@@ -191,6 +193,11 @@ class Problem:
         r = redistribute(src, req)
         if r == ((), ()) and held_by_groups(src) and src != req and not self.nested(j, src, req):
             return None
+        if r == ((), ()) and held_by_readers(src) and src != req and \
+                cover_cut(int(self.val[j].shape[src.dim]), src, req, self.p) is None:
+            return None              # a rank's piece of `req` must lie inside the heads it holds
+        if held_by_readers(req) and not held_by_readers(src) and self.kind[j] != "input":
+            return None              # made only by K/V projections, or cut from an input (a held cache)
         if r == (("all_to_all",), ("all_to_all",)) and not self.even(j, src, req):
             return ("all_gather",), ("all_gather",)
         return r
@@ -204,7 +211,7 @@ class Problem:
         shared = shared and isinstance(req, Replicate)
         param = self.kind[j] == "param"
         key = (src, req, grad, self.nbytes[j], self.needs_grad[j], shared, param, self.even(j, src, req),
-               int(self.val[j].shape[src.dim]) if held_by_groups(src) else None)      # (`nested` reads it)
+               int(self.val[j].shape[src.dim]) if held_by_groups(src) or held_by_readers(src) else None)   # (`nested`)
         c = self._edge_cache.get(key)
         if c is None:
             rp = partial_grad_edge(src, req, grad, param)
@@ -425,14 +432,3 @@ def _held_nodes(nodes, idx, positions) -> frozenset:
     out = next(n for n in nodes if n.op == "output")
     flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     return frozenset(idx[flat[k]] for k in positions if isinstance(flat[k], fx.Node))
-
-
-def _group_sizes(nodes, vals, units, part_candidates, world_size: int) -> tuple:
-    """Every group size of `rules.group_size` that a projection of the graph, or a part of a fused
-    one, offers (K and V of fewer heads than ranks): the shards held by groups of ranks the rules
-    may pass on."""
-    sizes = {q for parts in part_candidates for q in parts}
-    sizes.update(int(v.shape[-1]) for n, v in zip(nodes, vals) if _tensor(v) and v.dim() and family_of(n) == "matmul")
-    return tuple(sorted({m for m in (group_size(q, units, world_size) for q in sizes) if m is not None}))
-
-

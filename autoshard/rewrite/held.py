@@ -2,11 +2,11 @@
 
 A decode step takes the cache its previous step returned; each rank keeps only its own heads of
 it (autoshard.io.generate). The planner sees such an input as a whole tensor, which costs nothing
-to cut to the heads its consumers need (a `scatter_to` / `slice_partial` slice, no collective);
-`localize` takes those slices out of the rank's graph, so the input is read as the piece the
-rank already holds, and reports each input's placement (what the rank holds of it). The rank's
-input check then expects that piece's local shape (`local_check`), in place of torch.export's
-guards, which would check the whole shape.
+to cut to the heads its consumers need (a `scatter_to` / `slice_partial` / `slice_held` slice,
+no collective); `localize` takes those slices out of the rank's graph, so the input is read as
+the piece the rank already holds, and reports each input's placement (what the rank holds of
+it). The rank's input check then expects that piece's local shape (`local_check`), in place of
+torch.export's guards, which would check the whole shape.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..runtime import collectives as C
 from ..runtime.placements import Replicate, Shard, local_shape
 from .rewriter import InputCheck
 
-_SLICES = (C.scatter_to, C.slice_partial)
+_SLICES = (C.scatter_to, C.slice_partial, C.slice_held)
 
 
 def _slice_placement(plan, name: str):

@@ -25,8 +25,8 @@ from ..nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, Trai
 from ..nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from ..runtime import collectives as C
 from ..runtime.groups import subgroup
-from ..runtime.placements import (Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, groups_of,
-                                  held_by_groups, layout_of, piece_sizes, shares)
+from ..runtime.placements import (Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, cover_ranges,
+                                  groups_of, held_by_groups, layout_of, piece_sizes, shares)
 
 aten = torch.ops.aten
 
@@ -64,10 +64,12 @@ def global_size(x, dim: int, world_size: int, d=None, full=None):
 
 
 @fx.wrap
-def local_size(size: int, rank: int, world_size: int, unit: int = 1, chunks: int = 1, parts=None, nest: int = 1) -> int:
+def local_size(size: int, rank: int, world_size: int, unit: int = 1, chunks: int = 1, parts=None, nest: int = 1,
+               cover: int = 1) -> int:
     """This rank's share of a size computed at run time (torch.chunk's boundaries, in `unit`s, in
-    each of `chunks` blocks, equal or of the sizes `parts`, in groups of `nest` ranks)."""
-    return piece_sizes(size, world_size, chunks, unit, parts, nest)[rank]
+    each of `chunks` blocks, equal or of the sizes `parts`, in groups of `nest` ranks, or the
+    units its readers' share reads: `cover`)."""
+    return piece_sizes(size, world_size, chunks, unit, parts, nest, cover=cover)[rank]
 
 
 def shard_kw(placement) -> dict:
@@ -117,6 +119,10 @@ class LocalOps:
                 self._gathered_heads(n)
             elif d.strategy == "column_gather_groups":
                 self._gathered_heads(n, replicas=groups_of(d.output, self.p)[1])
+            elif d.strategy == "column_gather_cover":
+                self._gathered_heads(n, cut=d.output)
+            elif d.strategy == "replicate_cover":
+                self._own_rows(n, t, d.output)
             if t in DROPOUT_OPS or (n.op == "call_module" and type(self.gm.get_submodule(n.target)) is nn.Dropout):
                 self._mode_dropout(n, t, d.output)
             elif t in SDPA_OPS and node_arg(n, 4, "dropout_p", 0.0):
@@ -133,17 +139,48 @@ class LocalOps:
             elif d.strategy.startswith("blocks("):
                 self._local_blocks(n)
 
-    def _gathered_heads(self, n, dim=None, replicas=1):
+    def _gathered_heads(self, n, dim=None, replicas=1, cut=None):
         """K/V of fewer heads than ranks, computed split: the output all-gathered whole along `dim`
         (the last by default; its gradient reduce-scattered back), to be sliced by the heads this
         rank's queries read; with `replicas` = m, gathered within this rank's group of m ranks
-        only (`Shard(dim, replicas=m)`: the heads the group's queries read)."""
+        only (`Shard(dim, replicas=m)`: the heads the group's queries read); with `cut` (a shard
+        held by the ranks that read it), cut to this rank's heads at once."""
         dim = self.val(n.name).dim() - 1 if dim is None else dim
         size = self.uneven_size(n.name, Shard(dim))
         group = self.key if replicas == 1 else subgroup(self.key, replicas)
         with self.graph.inserting_after(n):
-            y = self.call(C.all_gather, (n, dim, 1), {"group": group, **({"size": size} if size else {})})
-        n.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
+            y = last = self.call(C.all_gather, (n, dim, 1), {"group": group, **({"size": size} if size else {})})
+            if cut is not None:
+                with self.graph.inserting_after(y):
+                    last = self.call(C.slice_held, (y, dim, *self._own_range(n.name, cut)))
+        n.replace_all_uses_with(last, delete_user_cb=lambda u: u not in (y, last))
+
+    def _own_range(self, name, held: Shard) -> tuple[int, int]:
+        """(start, length) of this rank's piece of tensor `name` held by the ranks that read it."""
+        lo, hi = cover_ranges(int(self.val(name).shape[held.dim]), self.p, held.unit, held.cover)[self.rank]
+        return lo, hi - lo
+
+    def _own_rows(self, n, t, out: Shard):
+        """A K/V projection of replicated weights computing only the heads this rank's queries read
+        ("replicate_cover"): the weight's rows and the bias's entries of those heads, sliced
+        (`C.slice_held`: their gradients zero-padded, summands the weight's all-reduce sums)."""
+        if t in LINEAR_OPS:
+            slots = ((1, "weight", 0), (2, "bias", 0))
+        elif t in (aten.addmm.default, torch.addmm):
+            slots = ((2, "mat2", 1), (0, "input", 0))
+        else:
+            raise ShardingError(f"{n.format_node()}: no form computing only this rank's K/V heads")
+        start, length = self._own_range(n.name, out)
+        for pos, name, dim in slots:
+            q = node_arg(n, pos, name)
+            if not isinstance(q, fx.Node):
+                continue
+            with self.graph.inserting_before(n):
+                piece = self.call(C.slice_held, (q, dim, start, length))
+            if pos < len(n.args):
+                n.update_arg(pos, piece)
+            else:
+                n.update_kwarg(name, piece)
 
     def mode_ops(self):
         """Batch norm (and its num_batches_tracked += 1) as modules that follow train()/eval()."""
@@ -333,7 +370,8 @@ class LocalOps:
         groups, m = groups_of(out, self.p)          # a shard held by groups of m ranks: the group's piece
         if isinstance(s, fx.Node):
             with self.graph.inserting_before(n):
-                sizes[d] = self.call(local_size, (s, self.rank // m, groups, out.unit, out.chunks, out.parts, out.nest))
+                sizes[d] = self.call(local_size, (s, self.rank // m, groups, out.unit, out.chunks, out.parts, out.nest,
+                                                  out.cover))
         elif s != -1:
             try:
                 sizes[d] = piece_sizes(s, groups, **out.blocking)[self.rank // m]

@@ -24,7 +24,8 @@ from ..errors import ShardingError
 from ..runtime import collectives as C
 from ..runtime.groups import subgroup
 from ..runtime.pieces import split_along
-from ..runtime.placements import Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups, layout_of, stored
+from ..runtime.placements import (Partial, Replicate, ReplicatePartialGrad, Shard, cover_cut, cover_ranges,
+                                  held_by_groups, held_by_readers, layout_of, stored)
 from ..runtime.sequence import REGATHERED
 from ..runtime.state_dict import register_parallel_attribute
 from ..runtime.transitions import fused_backward, redistribute
@@ -147,6 +148,8 @@ class Rewriter(LocalOps, Outputs):
             if isinstance(dst, Shard):
                 return self.call(C.slice_partial, (x, dst.dim, dst.chunks), {"group": key, **shard_kw(dst)})
             return x
+        if held_by_readers(src) or held_by_readers(dst):
+            return self._cut_held(x, src, dst)
         if held_by_groups(src):          # the group's piece, cut to this rank's own within the group
             if dst == src:
                 return x
@@ -169,6 +172,21 @@ class Rewriter(LocalOps, Outputs):
         if isinstance(src, Replicate) and isinstance(dst, Shard):
             return self.call(C.scatter_to, (x, dst.dim, dst.chunks), {"group": key, **shard_kw(dst)})
         return x
+
+    def _cut_held(self, x: fx.Node, src, dst, name: str | None = None) -> fx.Node:
+        """A shard held by the ranks that read it, cut to this rank's piece of `dst` (its query
+        heads), or a whole tensor cut to this rank's piece of it (`dst`): a local slice whose
+        gradient is zero-padded (`C.slice_held`). `name`: the captured tensor (default `x`)."""
+        if src == dst:
+            return x
+        held = src if held_by_readers(src) else dst
+        n = int(self.val(name or x.name).shape[held.dim])
+        if held_by_readers(src):
+            start, length = cover_cut(n, src, dst, self.p)[self.rank]
+        else:
+            lo, hi = cover_ranges(n, self.p, dst.unit, dst.cover)[self.rank]
+            start, length = lo, hi - lo
+        return self.call(C.slice_held, (x, held.dim, start, length))
 
     def insert_redistributions(self):
         """One forward redistribution per (tensor, placement), before its first consumer; a
@@ -200,6 +218,10 @@ class Rewriter(LocalOps, Outputs):
                                       {"group": self.key, **({"size": size} if size else {}), **shard_kw(src)})
                     if entries[0].backward == REGATHERED:  # fused with its linear readers (after rewrite_ops)
                         self.regathered.append(moved)
+                elif via is None and held_by_readers(dst) and "all_reduce" in entries[0].backward:
+                    # a whole tensor cut to the heads this rank's queries read: the summands of
+                    # its gradient all-reduced whole
+                    moved = self._cut_held(self.call(C.copy_to, (x,), {"group": self.key}), entries[0].src, dst, name)
                 elif via is None:
                     moved = self.forward(x, entries[0].src, dst)
                 elif isinstance(dst, Shard):             # a slice of the all-reduced sum of it (or of its view parent)

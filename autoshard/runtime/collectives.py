@@ -29,8 +29,8 @@ from .groups import get_group, is_initialized, tensor_parallel_mesh
 from .pieces import cat_along, checked_dim, pad_along, split_along
 from .placements import block_sizes, blocks_of, piece_sizes
 
-__all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "gather_from", "reduce_scatter", "all_gather",
-           "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]
+__all__ = ["copy_to", "reduce_from", "scatter_to", "slice_partial", "slice_held", "gather_from", "reduce_scatter",
+           "all_gather", "all_to_all", "to_dtensor", "ring_bytes", "count_comm", "CommCounter"]
 
 # ----------------------------------------------------------------------------- raw communication
 
@@ -295,6 +295,14 @@ def slice_partial(x, dim, chunks=1, group=None, unit=1, parts=None, nest=1):
 
 
 @_fx_leaf
+def slice_held(x, dim, start, length):
+    """fwd: the piece [start, start + length) of `dim` of a tensor this rank holds whole or in a
+    larger piece (K/V heads held by the ranks that read them, cut to its own query heads; a whole
+    cache input cut to those heads); bwd: the gradient zero-padded, a summand (no communication)."""
+    return x.narrow(dim, start, length)
+
+
+@_fx_leaf
 def gather_from(x, dim, chunks=1, group=None, size=None, unit=1, parts=None, nest=1):
     """fwd: all-gather Shard(dim, chunks) pieces; bwd: keep this rank's piece of the gradient.
     `size`: the full size of `dim` when the pieces differ in size (torch.chunk's boundaries, in
@@ -356,7 +364,7 @@ def to_dtensor(x, dim, group=None, size=None):
     return DTensor.from_local(x, mesh, (DShard(dim),), run_check=False, shape=shape, stride=stride)
 
 
-for _name in ("copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter",
+for _name in ("copy_to", "reduce_from", "scatter_to", "slice_held", "gather_from", "reduce_scatter",
               "all_gather", "all_to_all", "to_dtensor"):
     torch.fx.wrap(_name)
 del _name

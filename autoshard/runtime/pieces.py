@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ShardingError
-from .placements import Partial, Placement, Shard, block_sizes, blocks_of, local_shape, shares
+from .placements import Partial, Placement, Shard, block_sizes, blocks_of, cover_ranges, local_shape, shares
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def boxes(shape, placement: Placement, rank: int, world_size: int) -> tuple[Box,
         raise ValueError("a Partial tensor has no boxes: its ranks hold summands, not pieces")
     if not isinstance(placement, Shard):
         return (Box(zeros, shape, zeros),)
-    if placement.replicas > 1:
+    if placement.replicas > 1 or placement.cover > 1:
         raise ValueError(f"{placement} is an activation's layout, never a stored tensor's")
     local = local_shape(shape, placement, world_size, rank)
     d = placement.dim
@@ -80,15 +80,23 @@ def checked_dim(dim: int, ndim: int, what: str = "tensor") -> int:
 
 
 def split_along(x: torch.Tensor, dim: int, n: int, chunks: int = 1, what: str = "tensor",
-                uneven: bool = False, unit: int = 1, parts=None, nest: int = 1, groups: int = 1) -> list:
+                uneven: bool = False, unit: int = 1, parts=None, nest: int = 1, groups: int = 1,
+                cover: int = 1) -> list:
     """Split `x` along `dim` into the `n` rank pieces of Shard(dim, chunks): views when chunks=1.
 
     With chunks > 1 the dim is `chunks` equal blocks, each split over the ranks, and piece r is
     the concatenation of rank r's part of every block. With `uneven` a size that does not divide
     is cut at `block_sizes`' boundaries (torch.chunk's, in `unit`s, in every block); `parts`
-    gives blocks of unequal sizes (always cut so)."""
+    gives blocks of unequal sizes (always cut so); `cover` the overlapping pieces of a dim held by
+    the ranks that read it (`placements.cover_ranges`)."""
     dim = checked_dim(dim, x.dim(), what)
     size = x.size(dim)
+    if cover > 1:
+        ranges = cover_ranges(size, n, unit, cover) if chunks == 1 and parts is None else None
+        if ranges is None:
+            raise ShardingError(f"{what} of shape {tuple(x.shape)}: size {size} of dim {dim} is not held by the "
+                                f"ranks that read it in units of {unit}, {cover} readers a unit, on {n} ranks")
+        return [x.narrow(dim, a, b - a) for a, b in ranges]
     if parts is not None or groups > 1 or (uneven and size % (n * chunks * unit)):
         sizes = block_sizes(size, n, chunks, unit, parts, nest, groups)
         if sizes is not None and chunks == 1:
@@ -121,10 +129,12 @@ def pad_along(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def cat_along(pieces, dim: int, chunks: int = 1, parts=None, unit: int = 1, nest: int = 1,
-              groups: int = 1) -> torch.Tensor:
+              groups: int = 1, cover: int = 1) -> torch.Tensor:
     """Inverse of `split_along`: the full tensor from the rank pieces in rank order (a rank's
     piece is its share of every block: equal sub-pieces, or its shares of `parts`, or of grouped
-    blocks)."""
+    blocks). Overlapping pieces (`cover`) are never joined: nothing gathers such a shard."""
+    if cover > 1:
+        raise ShardingError("a shard held by the ranks that read it (cover) is cut from, never joined into, a whole")
     dim = checked_dim(dim, pieces[0].dim())
     if chunks == 1:
         return torch.cat(list(pieces), dim)

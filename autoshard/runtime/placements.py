@@ -35,6 +35,11 @@ ranks, each head on the 2 ranks whose query heads read it (`groups_of`). `Shard(
 over those groups first and then each group's piece over its m ranks: where the heads do not
 divide, the query heads that read one group's kv heads stay in that group (28 query heads of 4
 kv groups on 8 ranks: 4, 3, 4, 3, 4, 3, 4, 3, not torch.chunk's 4, 4, 4, 4, 3, 3, 3, 3).
+`Shard(d, unit=u, cover=g)` is held by the ranks that read it (an activation's layout), where no
+such groups exist: the dim's units (of u elements) are each read by g units of a dim split as
+`chunk_sizes` does (K/V heads and the g query heads of each), and rank r holds every unit its
+share reads; neighbours overlap (2 kv heads of 6 query heads on 3 ranks: heads 0, 0-1, 1;
+`cover_ranges`), each holding a summand of the gradient, as in a group.
 
 `Shard(d, chunks, groups=G)` holds a dim of `chunks` equal blocks in G consecutive groups
 (CodeGen's fused projection: 4 model-parallel groups of q, v and k, `Shard(d, 12, groups=4)`):
@@ -56,9 +61,9 @@ model finds cheaper.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
-import torch
+from .sizes import (block_sizes, blocks_of, chunk_fills, chunk_sizes, chunk_start, cover_ranges,  # noqa: F401
+                    piece_sizes)
 
 
 @dataclass(frozen=True)
@@ -73,10 +78,14 @@ class Replicate:
 class ReplicatePartialGrad(Replicate):
     """Every rank holds the full tensor; its gradient may come back as a summand per rank
     (Partial). An op reading it whole must send back Partial gradients; a slice of it sends back
-    its piece zero-padded. A parameter held so has its gradient all-reduced."""
+    its piece zero-padded. A parameter held so has its gradient all-reduced. With `cut` = g, a
+    K/V weight whose projection computes only the rows of the heads this rank's queries read
+    (its output `Shard(d, unit=head, cover=g)`): a layout of its own, so the search prices it apart."""
+
+    cut: int = 1
 
     def __str__(self) -> str:
-        return "Rp"
+        return "Rp" if self.cut == 1 else f"Rpc{self.cut}"
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,7 @@ class Shard:
     replicas: int = 1            # consecutive ranks holding the same piece (an activation only)
     nest: int = 1                # split over p / nest groups of ranks first, then within each group
     groups: int = 1              # the `chunks` blocks in this many consecutive groups, one per group of ranks
+    cover: int = 1               # held by every rank that reads it, g = cover readers' units a unit (an activation only)
 
     def __post_init__(self):
         if self.dim < 0:
@@ -111,6 +121,9 @@ class Shard:
             raise ValueError(f"Shard parts {self.parts} must be {self.chunks} positive block sizes")
         if self.parts is not None and len(set(self.parts)) == 1:
             object.__setattr__(self, "parts", None)          # equal blocks: the plain strided shard
+        if self.cover < 1 or (self.cover > 1 and (self.chunks, self.parts, self.replicas, self.nest)
+                              != (1, None, 1, 1)):
+            raise ValueError(f"Shard cover={self.cover} holds one contiguous dim, not blocks or groups of ranks")
 
     def __str__(self) -> str:
         s = f"S({self.dim})" if self.chunks == 1 else f"S({self.dim})x{self.chunks}"
@@ -119,6 +132,7 @@ class Shard:
         s = s if self.unit == 1 else f"{s}/{self.unit}"
         s = s if self.nest == 1 else f"{s}n{self.nest}"
         s = s if self.groups == 1 else f"{s}g{self.groups}"
+        s = s if self.cover == 1 else f"{s}c{self.cover}"
         return s if self.replicas == 1 else f"{s}r{self.replicas}"
 
     @property
@@ -126,7 +140,8 @@ class Shard:
         """How the dim is cut into blocks, as the keywords of `block_sizes`, `piece_sizes`,
         `pieces.split_along` and `pieces.cat_along`: one spelling for every place that sizes, cuts
         or joins this shard."""
-        return dict(chunks=self.chunks, unit=self.unit, parts=self.parts, nest=self.nest, groups=self.groups)
+        return dict(chunks=self.chunks, unit=self.unit, parts=self.parts, nest=self.nest, groups=self.groups,
+                    cover=self.cover)
 
     def __repr__(self) -> str:
         size = "" if self.size is None else f", size={self.size}"
@@ -135,7 +150,8 @@ class Shard:
         replicas = "" if self.replicas == 1 else f", replicas={self.replicas}"
         nest = "" if self.nest == 1 else f", nest={self.nest}"
         groups = "" if self.groups == 1 else f", groups={self.groups}"
-        return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit}{parts}{replicas}{nest}{groups})"
+        cover = "" if self.cover == 1 else f", cover={self.cover}"
+        return f"Shard(dim={self.dim}, chunks={self.chunks}{size}{unit}{parts}{replicas}{nest}{groups}{cover})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -143,18 +159,22 @@ class ShardGathered(Shard):
     """A weight stored as `Shard`, whose op gathers its output whole with a Partial gradient
     (`ReplicatePartialGrad`): K/V of fewer heads than ranks computed split, all-gathered, and
     their gradients reduce-scattered back; with `within` = m, gathered within groups of m ranks
-    only (the output `Shard(d, replicas=m)`). A layout of its own so the search can choose it
-    (each gather its own choice); it is stored, saved and loaded exactly as the `Shard` it is
-    (`stored`)."""
+    only (the output `Shard(d, replicas=m)`); with `cut` = g, gathered whole and cut to the heads
+    this rank's queries read (the output `Shard(d, unit=head, cover=g)`). A layout of its own so
+    the search can choose it (each gather its own choice); it is stored, saved and loaded exactly
+    as the `Shard` it is (`stored`)."""
 
     within: int = 1
+    cut: int = 1
 
     def __str__(self) -> str:
-        return super().__str__() + "g" + (str(self.within) if self.within > 1 else "")
+        return super().__str__() + "g" + (str(self.within) if self.within > 1 else "") + \
+            (f"c{self.cut}" if self.cut > 1 else "")
 
     def __repr__(self) -> str:
         within = "" if self.within == 1 else f", within={self.within}"
-        return f"ShardGathered({super().__repr__()[len('Shard('):-1]}{within})"
+        cut = "" if self.cut == 1 else f", cut={self.cut}"
+        return f"ShardGathered({super().__repr__()[len('Shard('):-1]}{within}{cut})"
 
 
 def stored(placement):
@@ -178,105 +198,6 @@ Placement = Replicate | Shard | Partial
 REPLICATE = Replicate()
 REPLICATE_PG = ReplicatePartialGrad()
 PARTIAL = Partial()
-
-
-def chunk_sizes(n: int, world_size: int, unit: int = 1) -> list[int]:
-    """Every rank's size of a dim of `n` split over `world_size` ranks at torch.chunk's
-    boundaries: ceil(n/p) each, the last ranks what is left (equal shares when p divides n);
-    where those would leave a rank empty (12 on 8: six chunks of 2), balanced instead: the first
-    n mod p ranks one more (2, 2, 2, 2, 1, 1, 1, 1). With `unit`, in whole units of that many
-    elements. One rule for every split, so that a dim of heads and the features it is viewed
-    from have the same boundaries; the first rank's share is always the largest."""
-    units = int(n) // unit
-    if units >= world_size and not _chunk_fills(units, world_size):
-        base, extra = divmod(units, world_size)
-        return [(base + (r < extra)) * unit for r in range(world_size)]
-    c = -(-units // world_size)
-    return [max(0, min(c, units - r * c)) * unit for r in range(world_size)]
-
-
-def blocks_of(n: int, chunks: int = 1, parts=None) -> list[int] | None:
-    """The sizes of the blocks a dim of `n` is cut into: `parts`, or `chunks` equal ones (None
-    where they do not fit `n`)."""
-    if parts is not None:
-        return list(parts) if sum(parts) == n and len(parts) == chunks else None
-    return [n // chunks] * chunks if n % chunks == 0 else None
-
-
-def block_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None, nest: int = 1,
-                groups: int = 1) -> tuple | None:
-    """Every rank's share of each block of a dim of `n` (`sizes[block][rank]`: `chunk_sizes` of the
-    block, in `unit`s), or None where `Shard(d, chunks, unit=unit, parts=parts)` cannot hold it:
-    a block that is no whole number of units, a rank left empty, or a strided shard in elements
-    (`unit=1`) whose blocks do not divide. A rank's piece is its share of every block: GPT-2's
-    fused q/k/v of 12 heads on 8 ranks is `Shard(d, 3, unit=64)`, each block cut 2, 2, 2, 2, 1, 1,
-    1, 1 heads; a grouped q/k/v of 40 query and 10 kv heads of 128 on 2 ranks is
-    `Shard(d, 3, parts=(5120, 1280, 1280))`, 20 query heads and 5 of k and of v each. With
-    `nest` = m a block is cut over p / m groups of m consecutive ranks first, then each group's
-    piece over its ranks: 28 query heads on 8 ranks in 4 groups of 2 (Qwen2-7B's 4 kv groups)
-    hold 4, 3, 4, 3, 4, 3, 4, 3 heads, each pair the 7 that read one kv head (`Shard(d, nest=2)`).
-    With `groups` = G the `chunks` equal blocks lie in G consecutive groups (`grouped_sizes`)."""
-    compiling = torch.compiler.is_compiling()              # traced uncached: dynamo warns at a cache
-    if groups > 1:
-        return (_grouped_sizes.__wrapped__ if compiling else _grouped_sizes)(int(n), world_size, chunks, groups)
-    return (_block_sizes.__wrapped__ if compiling else _block_sizes)(
-        int(n), world_size, chunks, unit, None if parts is None else tuple(parts), nest)
-
-
-@lru_cache(maxsize=1024)
-def _grouped_sizes(n: int, world_size: int, chunks: int, groups: int) -> tuple | None:
-    """`block_sizes` of `Shard(d, chunks, groups=G)`: the dim is G consecutive groups of chunks / G
-    equal blocks each (CodeGen's `qkv_proj`: 4 model-parallel groups of q, v and k). The groups go
-    to the ranks in order: G / p whole groups a rank where p divides G, else each group to p / G
-    consecutive ranks, each of its blocks split evenly over them (16 heads on 8 ranks: rank r
-    holds half of group r // 2's q, of its v and of its k, and nothing of the other groups).
-    None where neither divides, or a block does not split evenly."""
-    blocks = blocks_of(n, chunks)
-    if blocks is None:
-        return None
-    per = chunks // groups
-    if groups % world_size == 0:
-        held = groups // world_size
-        return tuple(tuple(b if (i // per) // held == r else 0 for r in range(world_size))
-                     for i, b in enumerate(blocks))
-    m = world_size // groups
-    if world_size % groups or blocks[0] % m:
-        return None
-    return tuple(tuple(b // m if r // m == i // per else 0 for r in range(world_size)) for i, b in enumerate(blocks))
-
-
-@lru_cache(maxsize=4096)
-def _block_sizes(n: int, world_size: int, chunks: int, unit: int, parts, nest: int = 1) -> tuple | None:
-    """`block_sizes`, memoised (the planner asks it for every parameter and edge it prices)."""
-    blocks = blocks_of(n, chunks, parts)
-    if blocks is None or world_size % nest:
-        return None
-    out = []
-    for block in blocks:
-        if block % unit or (chunks > 1 and unit == 1 and block % world_size):
-            return None
-        if parts is not None and unit > 1 and block // unit < world_size:
-            if nest > 1:
-                return None
-            out.append(tuple(chunk_sizes(block, world_size)))      # fewer units than ranks: in elements
-            continue
-        sizes = tuple(s for group in chunk_sizes(block, world_size // nest, unit)
-                      for s in chunk_sizes(group, nest, unit))
-        if min(sizes) == 0:
-            return None
-        out.append(sizes)
-    return tuple(out)
-
-
-def piece_sizes(n: int, world_size: int, chunks: int = 1, unit: int = 1, parts=None, nest: int = 1,
-                groups: int = 1) -> list[int]:
-    """Every rank's size along the split dim of `Shard(d, chunks, unit=unit, parts=parts)` of a
-    dim of `n` (its share of every block); a ValueError where that shard cannot hold `n`."""
-    sizes = block_sizes(n, world_size, chunks, unit, parts, nest, groups)
-    if sizes is None:
-        raise ValueError(f"size {n} does not divide into {parts or chunks} chunk(s) x {world_size} ranks"
-                         + (f" in units of {unit}" if unit > 1 else "") + " without leaving a rank empty")
-    return [sum(block[r] for block in sizes) for r in range(world_size)]
 
 
 def shares(n: int, placement, world_size: int) -> tuple | None:
@@ -304,9 +225,29 @@ def groups_of(placement, world_size: int) -> tuple[int, int]:
     return world_size // m, m
 
 
-def _chunk_fills(n: int, world_size: int) -> bool:
-    """Whether torch.chunk's boundaries (ceil(n/p) each) give every one of p ranks a part of n."""
-    return (world_size - 1) * -(-n // world_size) < n
+def held_by_readers(placement) -> bool:
+    """Whether `placement` is a shard held by the ranks that read it (`Shard(d, cover=g)`)."""
+    return isinstance(placement, Shard) and placement.cover > 1
+
+
+def cover_cut(n: int, src: Shard, dst, world_size: int) -> tuple | None:
+    """(start, length) per rank of the piece of `dst` (a contiguous shard of the same dim) within
+    the piece each rank holds of `src` (held by the ranks that read it), where every rank's piece
+    of `dst` lies inside its piece of `src` (the query heads inside the K/V heads they read: a
+    local slice); else None."""
+    if not isinstance(dst, Shard) or dst.dim != src.dim or held_by_readers(dst) or dst.replicas > 1 or \
+            (dst.chunks, dst.parts, dst.groups) != (1, None, 1):
+        return None
+    have, want = cover_ranges(n, world_size, src.unit, src.cover), shares(n, dst, world_size)
+    if have is None or want is None:
+        return None
+    out, start = [], 0
+    for (lo, hi), size in zip(have, want[0]):
+        if not lo <= start <= start + size <= hi:
+            return None
+        out.append((start - lo, size))
+        start += size
+    return tuple(out)
 
 
 def dtensor_boundaries(shape, placement, world_size: int) -> bool:
@@ -316,14 +257,9 @@ def dtensor_boundaries(shape, placement, world_size: int) -> bool:
     groups of ranks first or held by groups, and a balanced split (where torch.chunk would leave
     a rank empty) cannot."""
     if not isinstance(placement, Shard) or placement.chunks != 1 or placement.unit != 1 or placement.nest != 1 \
-            or placement.replicas != 1 or placement.groups != 1:
+            or placement.replicas != 1 or placement.groups != 1 or placement.cover != 1:
         return False
-    return _chunk_fills(int(shape[placement.dim]), world_size)
-
-
-def chunk_start(n: int, rank: int, world_size: int, unit: int = 1) -> int:
-    """Where rank `rank`'s block of a dim of `n` starts (torch.chunk's boundaries)."""
-    return sum(chunk_sizes(n, world_size, unit)[:rank])
+    return chunk_fills(int(shape[placement.dim]), world_size)
 
 
 def unit_of(placement) -> int:
@@ -346,7 +282,7 @@ def is_even(shape, placement: Placement, world_size: int) -> bool:
     Partial): the layout every collective and writer handles without padding or block sizes."""
     if not isinstance(placement, Shard):
         return True
-    if placement.parts is not None or placement.groups > 1:     # unequal blocks, grouped ones: the general layout
+    if placement.parts is not None or placement.groups > 1 or placement.cover > 1:   # the general layout
         return False
     groups, _ = groups_of(placement, world_size)
     return int(shape[placement.dim]) % (groups * placement.chunks * placement.unit) == 0
@@ -366,7 +302,7 @@ def local_shape(shape, placement: Placement, world_size: int, rank: int | None =
         sizes = piece_sizes(shape[d], groups, **placement.blocking)
     except ValueError as e:
         raise ValueError(f"dim {d}: {e}") from None
-    return shape[:d] + (sizes[0 if rank is None else rank // m],) + shape[d + 1:]
+    return shape[:d] + (max(sizes) if rank is None else sizes[rank // m],) + shape[d + 1:]
 
 
 def local_numel(shape, placement: Placement, world_size: int) -> int:
@@ -389,6 +325,8 @@ def divides(shape, placement: Placement, world_size: int) -> bool:
     """Whether `placement` can hold a tensor of `shape` on `world_size` ranks with equal shards."""
     if not isinstance(placement, Shard):
         return True
+    if placement.cover > 1:
+        return False                      # overlapping pieces: never the equal shards this asks for
     if placement.parts is not None:
         sizes = maybe_local_shape(shape, placement, world_size, 0), maybe_local_shape(shape, placement, world_size, -1)
         return sizes[0] is not None and sizes[0] == sizes[1]

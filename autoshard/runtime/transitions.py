@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups
+from .placements import Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups, held_by_readers
 
 
 def grad_of(placement):
@@ -30,10 +30,10 @@ def partial_grad_edge(src, req, grad, param: bool):
     rp_src, rp_req = isinstance(src, ReplicatePartialGrad), isinstance(req, ReplicatePartialGrad)
     if not (rp_src or rp_req):
         return NotImplemented
-    if held_by_groups(src) or held_by_groups(req):
+    if held_by_groups(src) or held_by_groups(req) or held_by_readers(src) or held_by_readers(req):
         return None
     if rp_req:
-        if not (param and rp_src):
+        if not (param and src == req):         # (each Rp layout is read by the strategies that chose it)
             return None
         return (), (("all_reduce",) if isinstance(grad, Partial) else ())
     if param:                          # an Rp parameter is read only by the ops that chose it
@@ -54,6 +54,16 @@ def redistribute(src, dst) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """
     if src == dst or src is None or dst is None:
         return (), ()
+    if held_by_readers(src) or held_by_readers(dst):
+        # cut to a contiguous shard of the same dim lying inside each rank's piece (the query
+        # heads inside the K/V heads they read: `Problem.redistribution` checks it), its gradient
+        # zero-padded, still a summand; a whole tensor is cut to it, its gradient's summands
+        # all-reduced (a held cache input: no gradient); nothing else reads it
+        if held_by_readers(src):
+            cut = isinstance(dst, Shard) and not held_by_readers(dst) and dst.replicas == 1 and dst.dim == src.dim \
+                and (dst.chunks, dst.parts, dst.groups) == (1, None, 1)
+            return ((), ()) if cut else None
+        return ((), ("all_reduce",)) if type(src) is Replicate else None
     if held_by_groups(src) or held_by_groups(dst):
         # a group's piece is only cut to this rank's own (its gradient zero-padded: still a
         # summand within the group) where it lies there (`Problem.nested`); nothing else reads

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ...runtime.counters import in_groups
+from ...runtime.placements import ReplicatePartialGrad, cover_ranges, padded
 from .registry import PARTIAL, REPLICATE, REPLICATE_PG, NodeInfo, Shard, ShardGathered, may_differ, register_rule
 
 aten = torch.ops.aten
@@ -81,10 +82,13 @@ def whole_heads(info: NodeInfo, x, w, b, w_out_dim: int) -> list:
       (`Shard(d, replicas=m)`), each group holding the K/V heads its ranks' queries read, its
       gradient reduce-scattered within the group: (m-1)/(p-1) of the bytes of "column_gather_pg"
       at m-1 ring steps (4 kv heads on 8 ranks: groups of 2, each gathering one head, 1/7).
+    Where there are no such groups (2 kv heads on 3 ranks), the output may be held by the ranks
+    whose queries read each head (`Shard(d, unit=head, cover=g)`, `cover_heads`).
     (Replicating the weight and all-reducing the output's gradient moves the bytes of the first
     with the memory of the second: never cheaper, not offered.)"""
     params = [w] + ([b] if b is not None else [])
-    out = _bytes(info)
+    last = len(info.out_shape) - 1
+    out = padded(_bytes(info), info.out_shape, Shard(last), info.world_size)    # (cut in elements: 6, 6, 4)
     split = {x: REPLICATE, w: ShardGathered(w_out_dim), **({b: ShardGathered(0)} if b is not None else {})}
     found = [
         info.req(split, "column_gather_pg", REPLICATE_PG, grads={x: PARTIAL}, compute=1 / info.world_size, dim=-1,
@@ -98,6 +102,42 @@ def whole_heads(info: NodeInfo, x, w, b, w_out_dim: int) -> list:
         found.append(info.req({x: REPLICATE, **within}, "column_gather_groups", Shard(len(info.out_shape) - 1, replicas=m),
                               grads={x: PARTIAL}, compute=1 / info.world_size, dim=-1,
                               comm=[(in_groups("all_gather", m), out), (in_groups("reduce_scatter", m), out)]))
+    else:
+        found += cover_heads(info, x, w, b, w_out_dim, out)
+    return found
+
+
+def cover_heads(info: NodeInfo, x, w, b, w_out_dim: int, gathered: float) -> list:
+    """K/V of fewer heads than ranks with no groups of ranks to hold them (2 kv heads on 3 ranks:
+    query heads 0-1, 2-3 and 4-5 read kv head 0, both, and 1): the output held by the ranks whose
+    queries read each head (`Shard(d, unit=head, cover=g)`, g query heads a kv head), each rank
+    computing, caching and reading only those, in two ways:
+    - "replicate_cover": the weight replicated (`ReplicatePartialGrad(cut=g)`), each rank's
+      projection computing its heads' rows only, the weight's gradient (each rank's rows, zeros
+      elsewhere) all-reduced: no collective forward (a decode step moves nothing for K/V);
+    - "column_gather_cover": the weight split (`ShardGathered(d, cut=g)`), the output all-gathered
+      and cut to the rank's heads, its gradient's summands reduce-scattered back (the bytes of
+      "column_gather_pg").
+    The head is the largest unit the graph cuts the features into."""
+    p, size, last = info.world_size, info.shape(w)[w_out_dim], len(info.out_shape) - 1
+    heads = [u for u in info.unit_candidates if 1 < u <= size and size % u == 0 and size // u > 1]
+    if not heads:
+        return []
+    unit, params = max(heads), [w] + ([b] if b is not None else [])
+    found = []
+    for g in info.cover_candidates:
+        ranges = cover_ranges(size, p, unit, g)
+        if ranges is None:
+            continue
+        share = sum(hi - lo for lo, hi in ranges) / (p * size)      # a rank's mean share of the rows
+        held = Shard(last, unit=unit, cover=g)
+        whole = ReplicatePartialGrad(cut=g)
+        found.append(info.req({x: REPLICATE, **{q: whole for q in params}}, "replicate_cover", held,
+                              grads={x: PARTIAL, **{q: PARTIAL for q in params}}, compute=share, uneven=True))
+        split = {w: ShardGathered(w_out_dim, cut=g), **({b: ShardGathered(0, cut=g)} if b is not None else {})}
+        found.append(info.req({x: REPLICATE, **split}, "column_gather_cover", held, grads={x: PARTIAL},
+                              compute=1 / p, dim=-1, uneven=True,
+                              comm=[("all_gather", gathered), ("reduce_scatter", gathered)]))
     return found
 
 

@@ -19,7 +19,8 @@ from ...capture.ops import node_arg
 from ...nn.functional import regroup
 from ...runtime.counters import split_kind
 from ...runtime.placements import (PARTIAL, REPLICATE, REPLICATE_PG, Partial, Placement, Replicate,
-                                   ReplicatePartialGrad, Shard, ShardGathered, block_sizes, divides, splits)
+                                   ReplicatePartialGrad, Shard, ShardGathered, block_sizes, cover_ranges, divides,
+                                   splits)
 
 _RULES: dict[Any, Callable] = {}
 _FAMILY: dict[Callable, str] = {}     # rule -> family name ("matmul", "embedding", "conv")
@@ -74,6 +75,38 @@ def group_size(size: int, units, world_size: int) -> int | None:
     return m if 1 < m < world_size else None
 
 
+def group_sizes(nodes, vals, units, part_candidates, world_size: int) -> tuple:
+    """Every group size of `rules.group_size` that a projection of the graph, or a part of a fused
+    one, offers (K and V of fewer heads than ranks): the shards held by groups of ranks the rules
+    may pass on."""
+    sizes = {q for parts in part_candidates for q in parts}
+    sizes.update(int(v.shape[-1]) for n, v in zip(nodes, vals)
+                 if isinstance(v, torch.Tensor) and v.dim() and family_of(n) == "matmul")
+    return tuple(sorted({m for m in (group_size(q, units, world_size) for q in sizes) if m is not None}))
+
+
+def reader_counts(nodes, vals, units, world_size: int) -> tuple:
+    """The numbers g of query heads a K/V head reads where K/V of fewer heads than ranks have no
+    groups of ranks to hold them (`rules.group_size` None: 2 kv heads on 3 ranks): each
+    `expand` that repeats K/V heads [.., K, 1, s, d] to [.., K, g, s, d] (`repeat_kv`) with
+    1 < K < p. Their shards are held by the ranks that read them (`Shard(d, cover=g)`)."""
+    found = set()
+    for n, v in zip(nodes, vals):
+        src = n.all_input_nodes[0].meta.get("val") if n.all_input_nodes else None
+        op = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        if n.op not in ("call_function", "call_method") or op not in ("expand", "broadcast_to") or \
+                not isinstance(v, torch.Tensor) or not isinstance(src, torch.Tensor) or src.dim() != v.dim() or \
+                v.dim() < 3:
+            continue
+        grown = [d for d in range(1, v.dim()) if src.shape[d] == 1 < v.shape[d]]
+        if len(grown) == 1:
+            d = grown[0]
+            kv, g = int(src.shape[d - 1]), int(v.shape[d])
+            if 1 < kv < world_size and group_size(kv * int(v.shape[-1]), units, world_size) is None:
+                found.add(g)
+    return tuple(sorted(found))
+
+
 @dataclass
 class NodeInfo:
     """What a rule may look at: the node, its module, static shapes and the degree."""
@@ -86,6 +119,7 @@ class NodeInfo:
     unit_candidates: tuple = ()        # sizes of indivisible units the graph cuts features into (head dims)
     part_candidates: tuple = ()        # sizes of unequal parts the graph cuts a dim into (q, k, v features)
     replica_candidates: tuple = ()     # group sizes m of `Shard(d, replicas=m)` (K/V heads fewer than ranks)
+    cover_candidates: tuple = ()       # query heads g a K/V head of `Shard(d, cover=g)` (where there are no groups)
     tokens: bool = False               # sequence parallelism: the token dim may be split (`valid`)
 
     def __post_init__(self):
@@ -117,7 +151,8 @@ class NodeInfo:
         do not divide over the ranks, of the dim or of each of its k blocks (GPT-2's fused q/k/v
         of 12 heads on 8 ranks: `Shard(d, 3, unit=64)`); where K/V heads are gathered within
         groups of m ranks, held by such groups (`Shard(d, replicas=m)`) and, where the dim does
-        not divide, split over the groups first (`Shard(d, nest=m)`: query heads matching them)."""
+        not divide, split over the groups first (`Shard(d, nest=m)`: query heads matching them);
+        where there are no such groups, held by the ranks that read them (`cover_shards`)."""
         found = [Shard(d, k) for k in (1, *self.chunk_candidates)]
         for k in (1, *self.chunk_candidates):
             if size % k == 0:
@@ -128,7 +163,19 @@ class NodeInfo:
             # where the split is uneven, over the groups of m ranks first
             found += ([Shard(d, nest=m)] if size % self.world_size else []) + \
                 [Shard(d, unit=u, nest=m) for u in self.units(size)]
-        return found + self.part_shards(d, size)
+        return found + self.part_shards(d, size) + self.cover_shards(d, size)
+
+    def cover_shards(self, d: int, size: int) -> list:
+        """Shards of dim `d` (of `size`) held by the ranks that read them (`Shard(d, unit=u,
+        cover=g)`, K/V of fewer heads than ranks where no groups of ranks hold them): for each
+        number g of query heads a K/V head reads, in units of 1, of g (K/V expanded to the query
+        heads) or of a head's features."""
+        found = []
+        for g in self.cover_candidates:
+            for u in sorted({1, g, *self.unit_candidates}):
+                if size % u == 0 and 1 < size // u < self.world_size and cover_ranges(size, self.world_size, u, g):
+                    found.append(Shard(d, unit=u, cover=g))
+        return found
 
     def plain_shards(self, d: int, size: int | None = None) -> list:
         """The contiguous Shard of dim `d` and its forms held by groups of ranks, and, for a dim of
@@ -184,9 +231,17 @@ class NodeInfo:
         """A positional-or-keyword argument of the node (call_function/call_method)."""
         return node_arg(self.node, pos, name, default)
 
-    def req(self, mapping: dict, name: str, output, *, grads: dict | None = None, compute=1.0,
+    def req(self, mapping: dict, name: str, output, *, grads: dict | None = None, compute=None,
             comm=(), dim=None, uneven=False) -> OpStrategy:
-        """Build a strategy from {input node: placement}; tensor inputs not named need Replicate."""
+        """Build a strategy from {input node: placement}; tensor inputs not named need Replicate.
+        `compute` (the share of the work a rank does) defaults to 1, or to a rank's mean share of
+        an output held by the ranks that read it (the heads it holds)."""
+        if compute is None:
+            compute = 1.0
+            if isinstance(output, Shard) and output.cover > 1 and self.out_shape is not None:
+                n = self.out_shape[output.dim]
+                compute = sum(b - a for a, b in cover_ranges(n, self.world_size, output.unit, output.cover)) / \
+                    (self.world_size * n)
         ins = tuple(mapping.get(n, REPLICATE if self.is_tensor(n) else None) for n in self.inputs)
         split = not _all_replicate(output)
         gr = tuple((grads or {}).get(n, PARTIAL if split and isinstance(r, Replicate) else
@@ -312,26 +367,38 @@ def token_shard(placement, ndim: int) -> bool:
         placement == Shard(ndim - 2)
 
 
-def _replicas(placement) -> set:
-    """The group sizes of the shards held by groups of ranks in a placement (or tuple of them)."""
+def _holders(placement) -> set:
+    """How the shards of a placement (or tuple of them) that every rank of a group holds are held:
+    ("replicas", m) for groups of m ranks, ("cover", g) for the ranks that read them."""
     if isinstance(placement, tuple):
-        return set().union(*(_replicas(pl) for pl in placement))
-    return {placement.replicas} if isinstance(placement, Shard) and placement.replicas > 1 else set()
+        return set().union(*(_holders(pl) for pl in placement))
+    if not isinstance(placement, Shard):
+        return set()
+    return {("replicas", placement.replicas)} if placement.replicas > 1 else \
+        ({("cover", placement.cover)} if placement.cover > 1 else set())
 
 
 def closed_groups(s: OpStrategy) -> bool:
     """Whether a strategy keeps a shard held by groups of ranks (`Shard(d, replicas=m)`: every
-    rank of a group holds the piece, each a summand of its gradient) exact: an op reading one
-    sends back such gradients only when every tensor it makes is held the same way; a sum over
-    the split dim (Partial) or a whole result would count each group's piece m times. Only a
-    strategy that gathers it within the groups itself (an `all_gather@m` of its own: a K/V
-    projection, a kv part cut out of a fused one) starts from other placements."""
-    ins = set().union(*(_replicas(pl) for pl in s.inputs))
+    rank of a group holds the piece, each a summand of its gradient) or by the ranks that read it
+    (`Shard(d, cover=g)`, overlapping pieces, the same) exact: an op reading one sends back such
+    gradients only when every tensor it makes is held the same way; a sum over the split dim
+    (Partial) or a whole result would count each piece as often as it is held. Only a strategy
+    that gathers it within the groups itself (an `all_gather@m` of its own: a K/V projection, a
+    kv part cut out of a fused one) starts groups from other placements; a piece held by its
+    readers starts from whole inputs whose gradients go back Partial (each rank's backward of
+    its piece's summand) or weights the op gathers itself (`ShardGathered`)."""
+    ins = set().union(*(_holders(pl) for pl in s.inputs))
     if not ins:
-        made = _replicas(s.output)
-        return made <= {split_kind(k)[1] for k, _ in s.comm if split_kind(k)[0] == "all_gather"}
+        made = _holders(s.output)
+        gathered = {("replicas", split_kind(k)[1]) for k, _ in s.comm if split_kind(k)[0] == "all_gather"}
+        covered = all(r is None or isinstance(r, ShardGathered) or (isinstance(r, Replicate) and
+                                                                  isinstance(s.grad(i), Partial))
+                      for i, r in enumerate(s.inputs))
+        return {k for k in made if k[0] == "replicas"} <= gathered and \
+            (covered or not any(k[0] == "cover" for k in made))
     outs = s.output if isinstance(s.output, tuple) else (s.output,)
-    return len(ins) == 1 and all(o is None or _replicas(o) == ins for o in outs)
+    return len(ins) == 1 and all(o is None or _holders(o) == ins for o in outs)
 
 
 def valid(info: NodeInfo, s: OpStrategy) -> bool:
@@ -340,8 +407,8 @@ def valid(info: NodeInfo, s: OpStrategy) -> bool:
     size follows the inputs (batch, sequence) is split: the plan must hold for every size; a
     shard held by groups of ranks stays exact (`closed_groups`)."""
     p = info.world_size
-    if not closed_groups(s) or any(_replicas(pl) and n.op == "get_attr" for pl, n in zip(s.inputs, info.inputs)):
-        return False                 # (a parameter is held split or whole, never by groups of ranks)
+    if not closed_groups(s) or any(_holders(pl) and n.op == "get_attr" for pl, n in zip(s.inputs, info.inputs)):
+        return False                 # (a parameter is held split or whole, never by groups of ranks or readers)
     if not _fits(s.output, info.val(info.node), p, dynamic_dims(info.node), s.uneven, info.tokens):
         return False
     return all(_fits(pl, info.val(n), p, dynamic_dims(n), s.uneven, info.tokens) for pl, n in zip(s.inputs, info.inputs))

@@ -15,7 +15,7 @@ import torch
 from ...capture.ops import norm_dim, sliced_range
 from ...nn.functional import regroup
 from ...runtime.counters import in_groups
-from ...runtime.placements import block_sizes, padded
+from ...runtime.placements import block_sizes, cover_ranges, padded
 from .registry import PARTIAL, REPLICATE_PG, NodeInfo, Shard, may_differ, register_rule, register_shape_op
 
 aten = torch.ops.aten
@@ -99,7 +99,32 @@ def whole_units(info: NodeInfo, src) -> list:
                aten.flatten.using_ints, aten.unflatten.int)
 def _view(info):
     src = info.inputs[0]
-    return mapped(info, src, view_map(info.shape(src), info.out_shape)) + whole_units(info, src)
+    return mapped(info, src, view_map(info.shape(src), info.out_shape)) + whole_units(info, src) + \
+        readers_units(info, src)
+
+
+def readers_units(info: NodeInfo, src) -> list:
+    """Shards held by the ranks that read them across a reshape that cuts or merges their dim:
+    K/V features [.., 2 * 8] viewed as heads [.., 2, 8] (`Shard(-1, unit=8, cover=g)` in,
+    `Shard(heads, cover=g)` out), and K/V heads [b, 2, 3, s, d] expanded to 6 query heads merged
+    into [b, 6, s, d] (`Shard(1, cover=3)` in, `Shard(1, unit=3, cover=3)` out): a unit of the
+    group's first dim on one side spans whole inner blocks of the other, the same elements."""
+    a, b = info.shape(src), info.out_shape
+    found = []
+    for ga, gb in view_groups(tuple(a), tuple(b)) or ():
+        ia, ib = [d for d in ga if a[d] > 1], [d for d in gb if b[d] > 1]
+        if not ia or not ib or (len(ia) == 1 and len(ib) == 1):
+            continue
+        inner_a, inner_b = math.prod(a[d] for d in ia[1:]), math.prod(b[d] for d in ib[1:])
+        for atom in sorted({inner_a, inner_b}):          # elements of the flat group per unit
+            if atom % inner_a or atom % inner_b:
+                continue
+            ua, ub = atom // inner_a, atom // inner_b
+            for g in info.cover_candidates:
+                if cover_ranges(a[ia[0]], info.world_size, ua, g) and cover_ranges(b[ib[0]], info.world_size, ub, g):
+                    found.append(info.req({src: Shard(ia[0], unit=ua, cover=g)}, f"shard({ib[0]})",
+                                          Shard(ib[0], unit=ub, cover=g), uneven=True))
+    return found
 
 
 @register_rule(torch.Tensor.expand, torch.Tensor.expand_as, aten.expand.default, torch.broadcast_to,
@@ -340,7 +365,7 @@ def _cat(info):
     same_rank = all(len(info.shape(n)) == nd for n in tensors)
     for d in range(nd):
         if d != dim and info.out_shape[d] > 1 and same_rank:
-            for pl in info.plain_shards(d, info.out_shape[d]):
+            for pl in info.plain_shards(d, info.out_shape[d]) + info.cover_shards(d, info.out_shape[d]):
                 found.append(info.req({n: pl for n in tensors}, f"shard({d})", pl, uneven=True))
     # equal pieces each split along the cat dim: every rank holds its block of each piece, which
     # is the strided shard Shard(dim, n) of the result (a row-parallel layer consumes it as is)
