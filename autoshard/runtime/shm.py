@@ -9,8 +9,10 @@ computes the same bits (at 2 ranks the same bits as gloo's sum, addition being c
 more ranks the order may round differently from gloo's ring, by an ulp, alike on every rank).
 `collectives.raw_all_reduce` and the all-gathers of `collectives.gather_pieces` call it in eager
 mode, for tensors of at most `LIMIT` bytes a rank on groups whose backend is gloo; anything else
-(larger tensors, NCCL, torch.compile's functional collectives) keeps c10d's path, and the byte
-counters record the same collectives and bytes either way.
+(larger tensors, NCCL, torch.compile's functional collectives, and any call made under a
+TorchDispatchMode: CommDebugMode counts c10d's ops, tracing modes record them; the ranks must
+agree on that too) keeps c10d's path, and autoshard's byte counters record the same collectives
+and bytes either way.
 
 Setup, once a process group, at its first collective that fits (a collective over gloo that
 every rank reaches at the same call): rank 0 creates a file under /dev/shm; the ranks gather
@@ -210,7 +212,8 @@ def _setup(pg):
 def _segment(x, group, nbytes: int, dtypes):
     """The segment to run a collective of `x` on, or None for c10d's path: the same answer on
     every rank (the group, the tensor's size and dtype, and the setup's agreed flag decide)."""
-    if not 0 < nbytes <= LIMIT or x.dtype not in dtypes or type(x) not in _PLAIN or x.device.type != "cpu":
+    if not 0 < nbytes <= LIMIT or x.dtype not in dtypes or type(x) not in _PLAIN or x.device.type != "cpu" \
+            or torch._C._len_torch_dispatch_stack():      # CommDebugMode counts c10d's ops; tracing modes record them
         return None
     try:
         return _SEGMENTS[group]
