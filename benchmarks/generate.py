@@ -12,7 +12,10 @@ the one-process baseline: Hugging Face's own `model.generate`) runs one thread. 
 - cache bytes per rank after 32 new tokens, against one process's;
 - CPU ms a decode token: rank 0's main-thread CPU time (time.thread_time) of the same difference
   over 31: what the step costs the rank, whatever the machine's load (the wall time waits on
-  the other ranks and the scheduler).
+  the other ranks and the scheduler; with shared-memory collectives, autoshard.runtime.shm, it
+  includes their spinning wait);
+- how many of the decode step's collectives ran through shared memory (`AUTOSHARD_SHM=0` in
+  the environment sends them through gloo: the comparison before / after that transport).
 
 The module is planned with a fine-tuning batch (`--example train`: 4 x 256 tokens with labels),
 whose layouts then serve generation; `--example prompt` plans with the prompt itself (32 tokens:
@@ -149,8 +152,11 @@ def _run(world: int, rounds: int, example: str = "train", cache: str = "dynamic"
             for layer in kv.layers:
                 layer.crop(-1)
         at = torch.tensor([[full.sequences.size(1) - (2 if cache == "static" else 1)]])
+        from autoshard.runtime import shm
+        before = shm.served(dist.group.WORLD)
         with torch.no_grad(), count_comm() as c:
             adapter(input_ids=last, position_ids=at, use_cache=True, **{adapter._cache_name: kv})
+        out["decode_shm_calls"] = shm.served(dist.group.WORLD) - before     # of c.calls (0 compiled or AUTOSHARD_SHM=0)
         out["decode_bytes_counted"] = c.bytes
         out["decode_bytes_predicted"] = sum(ring_bytes(k, r.nbytes, world) for r in plan.redistributions
                                             for k in r.forward) + \
@@ -236,7 +242,9 @@ def main():
               f"{r['decode_cpu_ms_per_token']:>12.1f}")
     for r in results:
         if "decode_by_kind" in r:
-            print(f"world {r['world']}: collectives of one decode step (calls, bytes): {r['decode_by_kind']}")
+            print(f"world {r['world']}: collectives of one decode step (calls, bytes): {r['decode_by_kind']}; "
+                  f"through shared memory: {r['decode_shm_calls']} (AUTOSHARD_SHM="
+                  f"{os.environ.get('AUTOSHARD_SHM', 'unset')})")
     if args.ceiling:
         for w in args.worlds:
             if w > 1:
