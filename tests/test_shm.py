@@ -7,8 +7,9 @@ opted-out groups, take gloo: the segment's call count says which path ran); at 4
 gets the same bits, gloo's where the sum is exact. Many back-to-back calls with ranks running
 ahead of each other (the two banks reused) give the sums computed locally; the byte counters
 record the same events on either path; a tiny LLaMA trains with the same bits through either
-path; AUTOSHARD_SHM=0 on any rank turns the group's fast path off; a rank that does not arrive is
-a ProcessGroupError naming it; no file is left under /dev/shm.
+path; AUTOSHARD_SHM=0 on any rank turns the group's fast path off; a rank that does not arrive, and
+ranks that run different collectives or sizes at one call, are a ProcessGroupError; no file is
+left under /dev/shm.
 """
 import copy
 import os
@@ -251,6 +252,25 @@ def test_a_rank_that_does_not_arrive(dist2):
     message, waited, _ = dist2.run(_late_case)[0]
     assert "all_reduce(sum)" in message and "rank(s) [1]" in message and "1 s" in message, message
     assert 1 <= waited < 10
+
+
+def _mismatch_case(rank, p):
+    """The ranks run different sizes at one call: each raises, naming the ranks' calls."""
+    from autoshard.errors import ProcessGroupError
+    from autoshard.runtime.collectives import gather_pieces, raw_all_reduce
+    group = _group()
+    with pytest.raises(ProcessGroupError) as e:
+        raw_all_reduce(torch.ones(3 + rank), group)
+    group = _group()
+    with pytest.raises(ProcessGroupError) as f:       # an all-gather against an all-reduce of as many bytes
+        raw_all_reduce(torch.ones(4), group) if rank else gather_pieces(torch.ones(4), 0, 1, group)
+    return str(e.value), str(f.value)
+
+
+def test_ranks_that_disagree(dist2):
+    for sizes, kinds in dist2.run(_mismatch_case):
+        assert "different collectives at call 2" in sizes and "0: (12, 1), 1: (16, 1)" in sizes, sizes
+        assert "0: (16, 0), 1: (16, 1)" in kinds, kinds
 
 
 def _model_case(rank, p):

@@ -23,10 +23,13 @@ every rank runs on the same host, mapped the same segment and did not opt out, o
 stores become visible in program order: a rank writes its data before its counter and reads the
 counters before the data, with no fence Python could issue).
 
-Layout: a 64-byte line holding the token, one line a rank holding its counter (int64), then two
-banks of p slots of `LIMIT` bytes. Call n uses bank n % 2: a rank that starts call n has seen
-every rank publish n - 1, so every rank has finished reading bank n % 2 of call n - 2, and one
-wait a call suffices. Waiting spins on the counters, then yields the core (`os.sched_yield`, so
+Layout: a 64-byte line holding the token, one line a rank holding its counter and, per bank,
+what it wrote there (int64s: bytes and collective, checked alike on every rank: ranks that run
+different collectives or sizes at one call raise ProcessGroupError rather than read garbage),
+then two banks of p slots of `LIMIT` bytes. Call n uses bank n % 2: a rank that starts call n has
+seen every rank publish n - 1, so every rank has finished reading bank n % 2 of call n - 2, and
+one wait a call suffices. The file is allocated in full at setup (posix_fallocate), so a full
+/dev/shm turns the fast path off there rather than failing a later write. Waiting spins on the counters, then yields the core (`os.sched_yield`, so
 2 ranks on 2 busy cores do not starve each other), then naps; past the process group's timeout
 (300 s where it cannot be read) it raises ProcessGroupError naming the collective and the ranks
 that did not arrive.
@@ -57,12 +60,13 @@ LIMIT = 1 << 20                 # bytes of one rank's tensor; larger ones take g
 DIRECTORY = "/dev/shm"
 TIMEOUT_S = 300.0               # where the process group's own timeout cannot be read
 _LINE = 64                      # bytes: the token, then each rank's counter, on lines of their own
-_SPIN = 2000                    # counter reads before yielding the core (about 0.1 ms)
+_SPIN = 500                     # counter reads before yielding the core (50-150 us)
 _YIELD_S = 0.005                # then yield for this long, then nap
 _NAP_S = 1e-4
 
 _REDUCE = {"sum": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum,
            "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+_CODES = tuple(_REDUCE)                          # 1 + index: the collective a slot holds (0: all-gather)
 _INTS = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 _NUMBERS = _INTS | {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _BYTES = _NUMBERS | {torch.bool, torch.complex64, torch.complex128}
@@ -94,20 +98,30 @@ class _Segment:
         self.seq = 0                    # calls made through this segment
         self.slots: dict = {}           # (bank, dtype, shape) -> [p, *shape] view of that bank's slots
 
-    def exchange(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """Every rank's `x`, as a [p, *x.shape] view of the current bank, once all have written."""
+    def exchange(self, x: torch.Tensor, what: str, code: int) -> torch.Tensor:
+        """Every rank's `x`, as a [p, *x.shape] view of the current bank, once all have written
+        (`code` names the collective: every rank must run the same one on as many bytes)."""
         seq = self.seq + 1
-        key = (seq & 1, x.dtype, tuple(x.shape))
+        bank = seq & 1
+        key = (bank, x.dtype, tuple(x.shape))
         slots = self.slots.get(key)
         if slots is None:
             if len(self.slots) > 256:
                 self.slots.clear()
-            slots = self.banks[seq & 1, :, :x.nbytes].view(x.dtype).view((self.p,) + key[2])
+            slots = self.banks[bank, :, :x.nbytes].view(x.dtype).view((self.p,) + key[2])
             self.slots[key] = slots
-        slots[self.rank].copy_(x)                       # the data first,
+        words, line, call = self.words, self.lines[self.rank], x.nbytes * 16 + code
+        slots[self.rank].copy_(x)                       # the data and what it is first,
+        words[line + 1 + bank] = call
         self.seq = seq
-        self.words[self.lines[self.rank]] = seq         # then the counter (x86-64 keeps this order)
+        words[line] = seq                               # then the counter (x86-64 keeps this order)
         self.wait(seq, what, x)
+        if any(words[ln + 1 + bank] != call for ln in self.lines):
+            theirs = {r: divmod(words[ln + 1 + bank], 16) for r, ln in zip(self.ranks, self.lines)}
+            raise ProcessGroupError(
+                f"shared-memory {what} of a {tuple(x.shape)} {x.dtype} tensor on process group {self.name!r}: "
+                f"the ranks ran different collectives at call {seq} ((bytes, collective) by rank: {theirs}); "
+                "every rank must run the same collectives on tensors of the same size in the same order")
         return slots
 
     def wait(self, seq: int, what: str, x) -> None:
@@ -165,7 +179,7 @@ def _create(pg) -> tuple:
     except OSError:
         return None, None, None
     try:
-        os.ftruncate(fd, _LINE * (1 + pg.size()) + 2 * pg.size() * LIMIT)
+        os.posix_fallocate(fd, 0, _LINE * (1 + pg.size()) + 2 * pg.size() * LIMIT)
         os.close(fd)
         seg = _Segment(path, pg)
     except (OSError, ValueError):
@@ -234,7 +248,7 @@ def all_reduce(x: torch.Tensor, group, reduce_op: str = "sum", inplace: bool = F
     if seg is None:
         return None
     with torch.no_grad():
-        slots = seg.exchange(x, f"all_reduce({reduce_op})")
+        slots = seg.exchange(x, f"all_reduce({reduce_op})", 1 + _CODES.index(reduce_op))
         out = x if inplace else torch.empty(x.shape, dtype=x.dtype)
         fn(slots[0], slots[1], out=out)
         for q in range(2, seg.p):
@@ -249,7 +263,7 @@ def all_gather(x: torch.Tensor, group):
     if seg is None:
         return None
     with torch.no_grad():
-        return seg.exchange(x, "all_gather").clone()
+        return seg.exchange(x, "all_gather", 0).clone(memory_format=torch.contiguous_format)
 
 
 def served(group) -> int:
