@@ -8,7 +8,7 @@ gets the same bits, gloo's where the sum is exact. Many back-to-back calls with 
 ahead of each other (the two banks reused) give the sums computed locally; the byte counters
 record the same events on either path; a tiny LLaMA trains with the same bits through either
 path; AUTOSHARD_SHM=0 on any rank turns the group's fast path off; a rank that does not arrive, and
-ranks that run different collectives or sizes at one call, are a ProcessGroupError; no file is
+ranks that run different collectives, sizes or dtypes at one call, are a ProcessGroupError; no file is
 left under /dev/shm.
 """
 import copy
@@ -264,13 +264,18 @@ def _mismatch_case(rank, p):
     group = _group()
     with pytest.raises(ProcessGroupError) as f:       # an all-gather against an all-reduce of as many bytes
         raw_all_reduce(torch.ones(4), group) if rank else gather_pieces(torch.ones(4), 0, 1, group)
-    return str(e.value), str(f.value)
+    group = _group()
+    with pytest.raises(ProcessGroupError) as g:       # as many bytes in another dtype
+        raw_all_reduce(torch.ones(4, dtype=torch.int32 if rank else torch.float32), group)
+    return str(e.value), str(f.value), str(g.value)
 
 
 def test_ranks_that_disagree(dist2):
-    for sizes, kinds in dist2.run(_mismatch_case):
-        assert "different collectives at call 2" in sizes and "0: (12, 1), 1: (16, 1)" in sizes, sizes
-        assert "0: (16, 0), 1: (16, 1)" in kinds, kinds
+    for sizes, kinds, dtypes in dist2.run(_mismatch_case):
+        assert "different collectives at call 2" in sizes, sizes
+        assert "0: (12, 'float32', 'all_reduce(sum)'), 1: (16, 'float32', 'all_reduce(sum)')" in sizes, sizes
+        assert "0: (16, 'float32', 'all_gather'), 1: (16, 'float32', 'all_reduce(sum)')" in kinds, kinds
+        assert "0: (16, 'float32', 'all_reduce(sum)'), 1: (16, 'int32', 'all_reduce(sum)')" in dtypes, dtypes
 
 
 def _model_case(rank, p):

@@ -24,15 +24,19 @@ stores become visible in program order: a rank writes its data before its counte
 counters before the data, with no fence Python could issue).
 
 Layout: a 64-byte line holding the token, one line a rank holding its counter and, per bank,
-what it wrote there (int64s: bytes and collective, checked alike on every rank: ranks that run
-different collectives or sizes at one call raise ProcessGroupError rather than read garbage),
-then two banks of p slots of `LIMIT` bytes. Call n uses bank n % 2: a rank that starts call n has
-seen every rank publish n - 1, so every rank has finished reading bank n % 2 of call n - 2, and
-one wait a call suffices. The file is allocated in full at setup (posix_fallocate), so a full
-/dev/shm turns the fast path off there rather than failing a later write. Waiting spins on the counters, then yields the core (`os.sched_yield`, so
-2 ranks on 2 busy cores do not starve each other), then naps; past the process group's timeout
-(300 s where it cannot be read) it raises ProcessGroupError naming the collective and the ranks
-that did not arrive.
+what it wrote there (int64s: bytes, dtype and collective, checked alike on every rank: ranks that
+run different collectives, sizes or dtypes at one call raise ProcessGroupError rather than read
+garbage), then two banks of p slots of `LIMIT` bytes. Call n uses bank n % 2: a rank that starts
+call n has seen every rank publish n - 1, so every rank has finished reading bank n % 2 of call
+n - 2, and one wait a call suffices. The file is allocated in full at setup (posix_fallocate), so
+a full /dev/shm turns the fast path off rather than failing a later write.
+
+Waiting spins on the counters (tens of microseconds), then yields the core (`os.sched_yield`)
+for up to 0.5 ms, then naps, 20 us doubling up to 250 us: on a loaded machine the late rank
+needs a core, and a rank that spins or yields for longer keeps it from one (measured: 5 ms of
+yielding made a rank with 2.6 ms of work between collectives slower than gloo at load 15-28, the
+naps did not). Past the process group's timeout (300 s where it cannot be read) it raises
+ProcessGroupError naming the collective and the ranks that did not arrive.
 
 Opt out: the environment variable `AUTOSHARD_SHM=0`, read when a group sets up (a rank that sets
 it turns the fast path off on every rank of its groups). `release_all()` unmaps every segment
@@ -54,15 +58,15 @@ import torch.distributed as dist
 
 from ..errors import ProcessGroupError
 
-__all__ = ["LIMIT", "all_reduce", "all_gather", "served", "release_all"]
+__all__ = ["LIMIT", "all_reduce", "all_gather", "served", "segment_path", "release_all"]
 
 LIMIT = 1 << 20                 # bytes of one rank's tensor; larger ones take gloo
 DIRECTORY = "/dev/shm"
 TIMEOUT_S = 300.0               # where the process group's own timeout cannot be read
 _LINE = 64                      # bytes: the token, then each rank's counter, on lines of their own
-_SPIN = 500                     # counter reads before yielding the core (50-150 us)
-_YIELD_S = 0.005                # then yield for this long, then nap
-_NAP_S = 1e-4
+_SPIN = 500                     # counter reads before yielding the core (tens of us)
+_YIELD_S = 5e-4                 # then yield for this long, then nap: 20 us, doubling up to
+_NAP_S = (2e-5, 2.5e-4)         # 250 us (a loaded machine needs the core for the late rank)
 
 _REDUCE = {"sum": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum,
            "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
@@ -70,6 +74,7 @@ _CODES = tuple(_REDUCE)                          # 1 + index: the collective a s
 _INTS = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 _NUMBERS = _INTS | {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _BYTES = _NUMBERS | {torch.bool, torch.complex64, torch.complex128}
+_DTYPES = {dt: i for i, dt in enumerate(sorted(_BYTES, key=str))}       # a dtype's number in a slot's record
 _PLAIN = (torch.Tensor, torch.nn.Parameter)     # not FakeTensor, DTensor or other subclasses
 
 _SEGMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # ProcessGroup -> _Segment, or None: off
@@ -110,23 +115,26 @@ class _Segment:
                 self.slots.clear()
             slots = self.banks[bank, :, :x.nbytes].view(x.dtype).view((self.p,) + key[2])
             self.slots[key] = slots
-        words, line, call = self.words, self.lines[self.rank], x.nbytes * 16 + code
+        words, line, call = self.words, self.lines[self.rank], (x.nbytes * 16 + _DTYPES[x.dtype]) * 16 + code
         slots[self.rank].copy_(x)                       # the data and what it is first,
         words[line + 1 + bank] = call
         self.seq = seq
         words[line] = seq                               # then the counter (x86-64 keeps this order)
         self.wait(seq, what, x)
         if any(words[ln + 1 + bank] != call for ln in self.lines):
-            theirs = {r: divmod(words[ln + 1 + bank], 16) for r, ln in zip(self.ranks, self.lines)}
+            names = {i: str(dt).removeprefix("torch.") for dt, i in _DTYPES.items()}
+            kinds = ("all_gather",) + tuple(f"all_reduce({op})" for op in _CODES)
+            theirs = {r: (w // 256, names[w // 16 % 16], kinds[w % 16])
+                      for r, w in ((r, words[ln + 1 + bank]) for r, ln in zip(self.ranks, self.lines))}
             raise ProcessGroupError(
                 f"shared-memory {what} of a {tuple(x.shape)} {x.dtype} tensor on process group {self.name!r}: "
-                f"the ranks ran different collectives at call {seq} ((bytes, collective) by rank: {theirs}); "
-                "every rank must run the same collectives on tensors of the same size in the same order")
+                f"the ranks ran different collectives at call {seq} ((bytes, dtype, collective) by rank: {theirs}); "
+                "every rank must run the same collectives on tensors of the same size and dtype in the same order")
         return slots
 
     def wait(self, seq: int, what: str, x) -> None:
         """Until every rank's counter reaches `seq`: spin, then yield the core, then nap."""
-        words, spins, start = self.words, 0, None
+        words, spins, start, nap = self.words, 0, None, _NAP_S[0]
         for line in self.lines:
             while words[line] < seq:
                 spins += 1
@@ -137,7 +145,8 @@ class _Segment:
                 if now - start < _YIELD_S:
                     os.sched_yield()
                 elif now - start <= self.timeout_s:
-                    time.sleep(_NAP_S)
+                    time.sleep(nap)
+                    nap = min(2 * nap, _NAP_S[1])
                 else:
                     late = [r for r, ln in zip(self.ranks, self.lines) if words[ln] < seq]
                     raise ProcessGroupError(
