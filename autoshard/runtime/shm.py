@@ -6,7 +6,8 @@ ranks of a process group exchange such tensors through one shared segment instea
 copies its tensor into its slot, publishes a sequence counter, waits until every rank's counter
 has reached the same value, and reduces (or concatenates) all slots in rank order, so every rank
 computes the same bits (at 2 ranks the same bits as gloo's sum, addition being commutative; at
-more ranks the order may round differently from gloo's ring, by an ulp, alike on every rank).
+more ranks the order may round differently from gloo's ring, alike on every rank; max
+and min propagate NaN, as torch.maximum does, where gloo's keep a NaN only if it comes first).
 `collectives.raw_all_reduce` and the all-gathers of `collectives.gather_pieces` call it in eager
 mode, for tensors of at most `LIMIT` bytes a rank on groups whose backend is gloo; anything else
 (larger tensors, NCCL, torch.compile's functional collectives, and any call made under a
