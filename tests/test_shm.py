@@ -68,7 +68,8 @@ def _equal_to_gloo_case(rank, p):
     from autoshard.runtime.collectives import gather_pieces, raw_all_reduce
     group = _group()
     path = shm.segment_path(group)
-    assert path is not None and not os.path.exists(path), path           # mapped, and unlinked already
+    assert path is not None and not any(os.path.exists(f) for f in [path] + [f"{path}.{q}" for q in range(p)]), \
+        path                                                     # mapped, its FIFOs open, the files unlinked already
     calls, mismatched = shm.served(group), []
     for dtype, x in _inputs(rank):
         ops = ["sum", "max", "min", "product"] + (["band", "bor", "bxor"] if not dtype.is_floating_point else [])
@@ -156,6 +157,27 @@ def test_four_ranks_agree(dist4):
         assert r["float"][2] < 1e-5                               # gloo's ring may round in another order
         assert r["exact"][1] and r["int"][1]
         assert r["served"] == 4
+
+
+def _inference_mode_case(rank, p):
+    """A group set up, and a shape first seen, under torch.inference_mode, then used outside it
+    (and the other way round), each twice (both banks): the slots stay writable in both."""
+    from autoshard.runtime import shm
+    from autoshard.runtime.collectives import gather_pieces, raw_all_reduce
+    x, y = torch.full((5,), 1.0 + rank), torch.full((3,), 1.0 + rank)
+    with torch.inference_mode():
+        group = _group()
+        sums = [raw_all_reduce(x, group) for _ in range(2)]
+    sums += [raw_all_reduce(x, group) for _ in range(2)]
+    gathered = [gather_pieces(y, 0, 1, group) for _ in range(2)]
+    with torch.inference_mode():
+        gathered += [gather_pieces(y, 0, 1, group) for _ in range(2)]
+    return [t.tolist() for t in sums], [t.tolist() for t in gathered], shm.served(group)
+
+
+def test_inside_and_outside_inference_mode(dist2):
+    for sums, gathered, served in dist2.run(_inference_mode_case):
+        assert sums == [[3.0] * 5] * 4 and gathered == [[1.0] * 3 + [2.0] * 3] * 4 and served == 9
 
 
 def _many_case(rank, p, calls):

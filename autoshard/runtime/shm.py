@@ -16,13 +16,14 @@ agree on that too) keeps c10d's path, and autoshard's byte counters record the s
 and bytes either way.
 
 Setup, once a process group, at its first collective that fits (a collective over gloo that
-every rank reaches at the same call): rank 0 creates a file under /dev/shm; the ranks gather
-their host names, whether they opt in, and the file's name and a random token; each maps the
-file and checks the token; a gloo all-reduce then agrees whether every rank did, after which rank
-0 unlinks the file, so nothing stays on disk whatever happens next. The fast path is on only when
-every rank runs on the same host, mapped the same segment and did not opt out, on x86-64 (whose
-stores become visible in program order: a rank writes its data before its counter and reads the
-counters before the data, with no fence Python could issue).
+every rank reaches at the same call): rank 0 creates a file under /dev/shm and a FIFO a rank
+beside it; the ranks gather their host names, whether they opt in, and the file's name and a
+random token; each maps the file, opens the FIFOs and checks the token; a gloo all-reduce then
+agrees whether every rank did, after which rank 0 unlinks the files, so nothing stays on disk
+whatever happens next. The fast path is on only when every rank runs on the same host, mapped
+the same segment and did not opt out, on x86-64 (whose stores become visible in program order:
+a rank writes its data before its counter and reads the counters before the data, with no fence
+Python could issue).
 
 Layout: a 64-byte line holding the token, one line a rank holding its counter and, per bank,
 what it wrote there (int64s: bytes, dtype and collective, checked alike on every rank: ranks that
@@ -32,12 +33,16 @@ call n has seen every rank publish n - 1, so every rank has finished reading ban
 n - 2, and one wait a call suffices. The file is allocated in full at setup (posix_fallocate), so
 a full /dev/shm turns the fast path off rather than failing a later write.
 
-Waiting spins on the counters (tens of microseconds), then yields the core (`os.sched_yield`)
-for up to 0.5 ms, then naps, 20 us doubling up to 250 us: on a loaded machine the late rank
-needs a core, and a rank that spins or yields for longer keeps it from one (measured: 5 ms of
-yielding made a rank with 2.6 ms of work between collectives slower than gloo at load 15-28, the
-naps did not). Past the process group's timeout (300 s where it cannot be read) it raises
-ProcessGroupError naming the collective and the ranks that did not arrive.
+Waiting spins on the counters (tens of microseconds), then sleeps in `select` on the rank's
+own FIFO (made with the segment, unlinked with it), having first marked in its line the call it
+sleeps in; a rank that publishes its counter writes a byte to the FIFO of every rank asleep in
+that call, so the kernel wakes the sleeper at once, as it wakes a rank blocked on gloo's socket.
+(Spinning or yielding the core for longer lost to gloo on a loaded machine: the late rank needs
+the core; measured in docs/benchmarks.md section 13.) The mark is written before the counters are
+read again, and the counter before the marks are read, so a wake-up is lost only where x86
+reorders a store after a later load, which the sleep's 2 ms limit bounds. Past the process
+group's timeout (300 s where it cannot be read) the wait raises ProcessGroupError naming the
+collective and the ranks that did not arrive.
 
 Opt out: the environment variable `AUTOSHARD_SHM=0`, read when a group sets up (a rank that sets
 it turns the fast path off on every rank of its groups). `release_all()` unmaps every segment
@@ -49,6 +54,7 @@ import mmap
 import os
 import platform
 import secrets
+import select
 import socket
 import tempfile
 import time
@@ -65,9 +71,9 @@ LIMIT = 1 << 20                 # bytes of one rank's tensor; larger ones take g
 DIRECTORY = "/dev/shm"
 TIMEOUT_S = 300.0               # where the process group's own timeout cannot be read
 _LINE = 64                      # bytes: the token, then each rank's counter, on lines of their own
-_SPIN = 500                     # counter reads before yielding the core (tens of us)
-_YIELD_S = 5e-4                 # then yield for this long, then nap: 20 us, doubling up to
-_NAP_S = (2e-5, 2.5e-4)         # 250 us (a loaded machine needs the core for the late rank)
+_SPIN = 500                     # counter reads before sleeping on the pipe (tens of us)
+_BLOCK_S = 0.002                # the longest sleep before the counters are read again
+_ASLEEP = 3                     # a rank's line: counter, what it wrote in bank 0 and 1, the call it sleeps in
 
 _REDUCE = {"sum": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum,
            "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
@@ -95,12 +101,22 @@ class _Segment:
             self.map = mmap.mmap(fd, header + 2 * self.p * LIMIT)
         finally:
             os.close(fd)
+        self.pipes = []                 # rank q's FIFO, open to read and write (a rank sleeps on its own)
+        try:
+            for q in range(self.p):
+                self.pipes.append(os.open(f"{path}.{q}", os.O_RDWR | os.O_NONBLOCK))
+        except OSError:
+            for fd in self.pipes:
+                os.close(fd)
+            self.map.close()
+            raise
         self.path = path
         self._view = memoryview(self.map)
         self.words = self._view[:header].cast("q")
         self.lines = [(1 + q) * (_LINE // 8) for q in range(self.p)]       # word index of rank q's counter
-        self.banks = torch.frombuffer(self.map, dtype=torch.uint8, offset=header,
-                                      count=2 * self.p * LIMIT).view(2, self.p, LIMIT)
+        with torch.inference_mode(False):       # written in place later, inside inference mode or not
+            self.banks = torch.frombuffer(self.map, dtype=torch.uint8, offset=header,
+                                          count=2 * self.p * LIMIT).view(2, self.p, LIMIT)
         self.seq = 0                    # calls made through this segment
         self.slots: dict = {}           # (bank, dtype, shape) -> [p, *shape] view of that bank's slots
 
@@ -114,13 +130,20 @@ class _Segment:
         if slots is None:
             if len(self.slots) > 256:
                 self.slots.clear()
-            slots = self.banks[bank, :, :x.nbytes].view(x.dtype).view((self.p,) + key[2])
+            with torch.inference_mode(False):   # a view made in inference mode is not written outside it
+                slots = self.banks[bank, :, :x.nbytes].view(x.dtype).view((self.p,) + key[2])
             self.slots[key] = slots
         words, line, call = self.words, self.lines[self.rank], (x.nbytes * 16 + _DTYPES[x.dtype]) * 16 + code
         slots[self.rank].copy_(x)                       # the data and what it is first,
         words[line + 1 + bank] = call
         self.seq = seq
         words[line] = seq                               # then the counter (x86-64 keeps this order)
+        for q, ln in enumerate(self.lines):             # and wake the ranks asleep in this call
+            if words[ln + _ASLEEP] == seq and q != self.rank:
+                try:
+                    os.write(self.pipes[q], b"\0")
+                except BlockingIOError:                 # its pipe is full: it is awake anyway
+                    pass
         self.wait(seq, what, x)
         if any(words[ln + 1 + bank] != call for ln in self.lines):
             names = {i: str(dt).removeprefix("torch.") for dt, i in _DTYPES.items()}
@@ -134,20 +157,24 @@ class _Segment:
         return slots
 
     def wait(self, seq: int, what: str, x) -> None:
-        """Until every rank's counter reaches `seq`: spin, then yield the core, then nap."""
-        words, spins, start, nap = self.words, 0, None, _NAP_S[0]
+        """Until every rank's counter reaches `seq`: spin, then sleep on this rank's pipe."""
+        words, spins, deadline, pipe = self.words, 0, None, self.pipes[self.rank]
         for line in self.lines:
             while words[line] < seq:
                 spins += 1
                 if spins <= _SPIN:
                     continue
-                now = time.monotonic()
-                start = start or now
-                if now - start < _YIELD_S:
-                    os.sched_yield()
-                elif now - start <= self.timeout_s:
-                    time.sleep(nap)
-                    nap = min(2 * nap, _NAP_S[1])
+                deadline = deadline or time.monotonic() + self.timeout_s
+                words[self.lines[self.rank] + _ASLEEP] = seq            # say so, then look again
+                if words[line] >= seq:
+                    continue
+                left = deadline - time.monotonic()
+                if left > 0:
+                    select.select([pipe], [], [], min(_BLOCK_S, left))
+                    try:
+                        os.read(pipe, 4096)                             # the wake-ups, this call's and stale ones
+                    except BlockingIOError:
+                        pass
                 else:
                     late = [r for r, ln in zip(self.ranks, self.lines) if words[ln] < seq]
                     raise ProcessGroupError(
@@ -160,6 +187,9 @@ class _Segment:
         """Unmap (the memory goes once every rank has unmapped it; the file is already unlinked)."""
         self.slots.clear()
         self.banks = None
+        for fd in self.pipes:
+            os.close(fd)
+        self.pipes = []
         self.words.release()
         self._view.release()
         try:
@@ -190,14 +220,26 @@ def _create(pg) -> tuple:
         return None, None, None
     try:
         os.posix_fallocate(fd, 0, _LINE * (1 + pg.size()) + 2 * pg.size() * LIMIT)
-        os.close(fd)
+        for q in range(pg.size()):
+            os.mkfifo(f"{path}.{q}", 0o600)
         seg = _Segment(path, pg)
     except (OSError, ValueError):
-        os.unlink(path)
+        _unlink(path, pg.size())
         return None, None, None
+    finally:
+        os.close(fd)
     token = secrets.randbits(62)
     seg.words[0] = token
     return seg, path, token
+
+
+def _unlink(path: str, p: int) -> None:
+    """Remove the segment's file and its ranks' FIFOs (those that exist)."""
+    for name in [path] + [f"{path}.{q}" for q in range(p)]:
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            pass
 
 
 def _setup(pg):
@@ -226,7 +268,7 @@ def _setup(pg):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
     finally:
         if rank == 0 and path is not None:
-            os.unlink(path)                      # every rank has mapped it or given up
+            _unlink(path, pg.size())             # every rank has mapped it or given up
     if not flag.item() and seg is not None:
         seg.close()
         seg = None
