@@ -35,7 +35,9 @@ the memory bandwidth, this ratio, not the plan, caps the decode speed-up).
 With `--transports` (world 2 only), one launch times one process's generate (rank 0 alone), the
 module over gloo (`AUTOSHARD_SHM=0`) and the module over shared memory (autoshard.runtime.shm),
 in interleaved rounds, so that the three see the same load (a shared machine's load moves
-between launches).
+between launches). Measured so far, the one process ran slower inside that launch than in its
+own (66-72 against 50-56 ms of CPU a token, the 214 M model; cause not found): compare its two
+world-2 variants with each other, and one process in its own launch.
 
 Usage: python benchmarks/generate.py [--worlds 1 2 4] [--rounds 5] [--example train|prompt] [--ceiling]
        [--cache dynamic|static] [--compile] [--transports] [--wide] [--json out.json]
