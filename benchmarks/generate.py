@@ -12,7 +12,10 @@ the one-process baseline: Hugging Face's own `model.generate`) runs one thread. 
 - cache bytes per rank after 32 new tokens, against one process's;
 - CPU ms a decode token: rank 0's main-thread CPU time (time.thread_time) of the same difference
   over 31: what the step costs the rank, whatever the machine's load (the wall time waits on
-  the other ranks and the scheduler).
+  the other ranks and the scheduler; with shared-memory collectives, autoshard.runtime.shm, it
+  includes their spinning wait);
+- how many of the decode step's collectives ran through shared memory (`AUTOSHARD_SHM=0` in
+  the environment sends them through gloo: the comparison before / after that transport).
 
 The module is planned with a fine-tuning batch (`--example train`: 4 x 256 tokens with labels),
 whose layouts then serve generation; `--example prompt` plans with the prompt itself (32 tokens:
@@ -29,8 +32,15 @@ the model's parameter count against the slowest of `world` processes over 1/worl
 once (a decode step reads every weight once, so it is memory-bound on CPU; where the cores share
 the memory bandwidth, this ratio, not the plan, caps the decode speed-up).
 
+With `--transports` (world 2 only), one launch times one process's generate (rank 0 alone), the
+module over gloo (`AUTOSHARD_SHM=0`) and the module over shared memory (autoshard.runtime.shm),
+in interleaved rounds, so that the three see the same load (a shared machine's load moves
+between launches). Measured so far, the one process ran slower inside that launch than in its
+own (66-72 against 50-56 ms of CPU a token, the 214 M model; cause not found): compare its two
+world-2 variants with each other, and one process in its own launch.
+
 Usage: python benchmarks/generate.py [--worlds 1 2 4] [--rounds 5] [--example train|prompt] [--ceiling]
-       [--cache dynamic|static] [--compile] [--json out.json]
+       [--cache dynamic|static] [--compile] [--transports] [--wide] [--json out.json]
 """
 from __future__ import annotations
 
@@ -149,8 +159,11 @@ def _run(world: int, rounds: int, example: str = "train", cache: str = "dynamic"
             for layer in kv.layers:
                 layer.crop(-1)
         at = torch.tensor([[full.sequences.size(1) - (2 if cache == "static" else 1)]])
+        from autoshard.runtime import shm
+        before = shm.served(dist.group.WORLD)
         with torch.no_grad(), count_comm() as c:
             adapter(input_ids=last, position_ids=at, use_cache=True, **{adapter._cache_name: kv})
+        out["decode_shm_calls"] = shm.served(dist.group.WORLD) - before     # of c.calls (0 compiled or AUTOSHARD_SHM=0)
         out["decode_bytes_counted"] = c.bytes
         out["decode_bytes_predicted"] = sum(ring_bytes(k, r.nbytes, world) for r in plan.redistributions
                                             for k in r.forward) + \
@@ -162,6 +175,45 @@ def _run(world: int, rounds: int, example: str = "train", cache: str = "dynamic"
         out["megatron_bytes"] = (2 * layers + 1) * ring_bytes("all_reduce", h * 4, world) + \
             ring_bytes("all_gather", v * 4, world)
     return out
+
+
+def _transports(rounds: int, cache: str = "dynamic", compiled: bool = False) -> dict:
+    """At world 2, in one launch so that every variant sees the same load: one process's generate
+    (rank 0 alone, rank 1 waiting), and the parallel module over a gloo group (set up with
+    AUTOSHARD_SHM=0) and over a shared-memory group, built once each, in interleaved rounds (the
+    order rotated each round). Per variant: prefill and decode as in `_run`, rank 0's CPU a token."""
+    import autoshard
+    from autoshard.runtime import shm
+    from autoshard.runtime.collectives import raw_all_reduce
+    model, ids = _model(), _prompt()
+    gens = {"one": model}
+    for name, on in (("gloo", False), ("shm", True)):
+        os.environ["AUTOSHARD_SHM"] = "1" if on else "0"
+        group = dist.new_group([0, 1])
+        raw_all_reduce(torch.zeros(2), group)                     # its setup reads the variable
+        if bool(shm.served(group)) != on:
+            raise RuntimeError(f"the {name} group did not take that transport")
+        gens[name] = autoshard.parallelize(model, 2, _example("train", ids), tracer="export", group=group).eval()
+    times = {n: ([], [], []) for n in gens}
+    with torch.no_grad():
+        for r in range(rounds + 1):                               # round 0 warms up (and compiles)
+            names = list(gens)[r % 3:] + list(gens)[:r % 3]
+            for name in names:
+                opts = _options(1 if name == "one" else 2, cache, compiled)
+                alone = name == "one" and dist.get_rank() != 0
+                run = (lambda *a, **kw: None) if alone else gens[name].generate
+                c0 = time.thread_time()
+                t1 = _timed(lambda: run(ids, max_new_tokens=1, **opts), 2)
+                c1 = time.thread_time()
+                tn = _timed(lambda: run(ids, max_new_tokens=NEW, min_new_tokens=NEW, **opts), 2)
+                if r:
+                    times[name][0].append(t1)
+                    times[name][1].append(tn)
+                    times[name][2].append((time.thread_time() - c1) - (c1 - c0))
+    return {n: {"prefill_s": statistics.median(one), "decode_tokens_per_s": (NEW - 1) / (statistics.median(many) -
+                                                                                       statistics.median(one)),
+                "decode_cpu_ms_per_token": statistics.median(cpu) / (NEW - 1) * 1e3}
+            for n, (one, many, cpu) in times.items()}
 
 
 def _matvec(rows: int, ready, out) -> None:
@@ -212,6 +264,8 @@ def main():
     ap.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                     help="generate's cache: HF's DynamicCache (default) or cache_implementation=\"static\"")
     ap.add_argument("--compile", action="store_true", help="compile the decode step (with --cache static)")
+    ap.add_argument("--transports", action="store_true",
+                    help="world 2 only: one process, the module over gloo and over shared memory, in one launch")
     ap.add_argument("--wide", action="store_true",
                     help="a wider LLaMA (hidden 2048, 32 / 8 heads: 214 M parameters) whose weights dominate a step")
     args = ap.parse_args()
@@ -221,6 +275,19 @@ def main():
     if args.compile and args.cache != "static":
         ap.error("--compile compiles the static cache's decode step: add --cache static")
     load = note_load()
+    if args.transports:
+        res = launch(_transports, 2, args.rounds, args.cache, args.compile, timeout_s=3600)
+        print(f"{'variant':>7} {'prefill ms':>10} {'decode tok/s':>12} {'x 1 proc':>8} {'cpu ms/token':>12}")
+        for name, r in res.items():
+            print(f"{name:>7} {r['prefill_s'] * 1e3:>10.1f} {r['decode_tokens_per_s']:>12.1f} "
+                  f"{r['decode_tokens_per_s'] / res['one']['decode_tokens_per_s']:>8.2f} "
+                  f"{r['decode_cpu_ms_per_token']:>12.1f}")
+        print(f"world 2 against one process, interleaved in one launch; {args.cache} cache"
+              f"{', decode step compiled' if args.compile else ''}; hidden {CONFIG['hidden_size']}; 1-minute load "
+              f"average {load:.2f} before the run, {os.getloadavg()[0]:.2f} after it")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"config": CONFIG, "transports": res, "load": load}, indent=1))
+        return
     results = [launch(_run, w, w, args.rounds, args.example, args.cache, args.compile, timeout_s=1800)
                for w in args.worlds]
     after = os.getloadavg()[0]
@@ -236,7 +303,9 @@ def main():
               f"{r['decode_cpu_ms_per_token']:>12.1f}")
     for r in results:
         if "decode_by_kind" in r:
-            print(f"world {r['world']}: collectives of one decode step (calls, bytes): {r['decode_by_kind']}")
+            print(f"world {r['world']}: collectives of one decode step (calls, bytes): {r['decode_by_kind']}; "
+                  f"through shared memory: {r['decode_shm_calls']} (AUTOSHARD_SHM="
+                  f"{os.environ.get('AUTOSHARD_SHM', 'unset')})")
     if args.ceiling:
         for w in args.worlds:
             if w > 1:

@@ -12,8 +12,11 @@ Under `torch.compile` every collective is one of PyTorch's functional collective
 break at a collective), where inductor may reorder them. Eager runs all-reduces and all-gathers
 as c10d's own ops (`dist.all_reduce` on a copy, `dist.all_gather_single`): on gloo a
 functional all-reduce of 4 KiB took 3 to 5 times as long as c10d's (2 ranks, measured; the cause
-inside c10d was not looked into), which a decode step of small collectives pays on each. The
-others stay functional, waited for at once. The byte counters record eager runs only.
+inside c10d was not looked into), which a decode step of small collectives pays on each. Eager
+all-reduces and all-gathers of small CPU tensors among the ranks of one host go through shared
+memory instead (`shm`: tens of microseconds where gloo over loopback takes about a millisecond;
+`AUTOSHARD_SHM=0` turns it off). The others stay functional, waited for at once. The byte
+counters record eager runs only, whichever transport carried them.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch.distributed as dist
 import torch.fx
 
 from ..errors import ProcessGroupError
+from . import shm
 from .counters import CommCounter, count_comm, ring_bytes, record  # noqa: F401  (count_comm, ring_bytes: public here too)
 from .groups import get_group, is_initialized, tensor_parallel_mesh
 from .pieces import cat_along, checked_dim, pad_along, split_along
@@ -51,9 +55,11 @@ def count_eager(op, kind, direction, t, p, group, times: int = 1) -> None:
 def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum", inplace=False):
     """Sum (or `reduce_op`: "max", "min", ...) of `x` over the group, in a fresh contiguous tensor
     (in `x` itself with `inplace`, eager only, which needs `x` contiguous)."""
-    if not torch.compiler.is_compiling():         # c10d's own in-place op (CommDebugMode counts it), on a copy
-        out = x if inplace else x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
+    if not torch.compiler.is_compiling():
+        out = shm.all_reduce(x, group, reduce_op, inplace)     # small CPU tensors on one host: shared memory
+        if out is None:                           # else c10d's own in-place op (CommDebugMode counts it), on a copy
+            out = x if inplace else x.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
     else:
         out = functional.wait_tensor(functional.all_reduce(x.contiguous(), reduce_op, _group_name(group)))
     count_eager(op, "all_reduce", direction, out, group.size(), group)
@@ -65,8 +71,10 @@ def _stacked_gather(x, group):
     p, shape = dist.get_world_size(group), tuple(x.shape)
     x = x.contiguous().view(-1)
     if not torch.compiler.is_compiling():
-        flat = x.new_empty(p * x.numel())
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(flat, x, group=group)
+        flat = shm.all_gather(x, group)
+        if flat is None:
+            flat = x.new_empty(p * x.numel())
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(flat, x, group=group)
     else:
         flat = functional.wait_tensor(functional.all_gather_into_tensor(x, p, _group_name(group)))
     return flat.view((p,) + shape)

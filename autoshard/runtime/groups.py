@@ -25,6 +25,7 @@ import torch.distributed.nn  # noqa: F401 - see below
 # the group exists binds None instead.
 
 from ..errors import ProcessGroupError
+from .shm import release_all as release_segments
 
 _GROUPS: dict[str, object] = {}          # key -> ProcessGroup
 _SUBGROUPS: dict[int, int] = {}          # id of a group made by `_make_subgroups` -> its ranks (m)
@@ -93,8 +94,10 @@ def destroy_process_group() -> None:
 
 
 def forget() -> None:
-    """Drop every registered group and the current tensor- and data-parallel groups (the process
-    groups themselves stay as they are)."""
+    """Drop every registered group and the current tensor- and data-parallel groups, and unmap
+    the groups' shared-memory segments (the process groups themselves stay as they are; a
+    group's next small collective sets its segment up again, on every rank alike)."""
+    release_segments()
     _GROUPS.clear()
     _SUBGROUPS.clear()
     _MESHES.clear()

@@ -1,0 +1,338 @@
+"""Shared-memory all-reduce and all-gather of small CPU tensors among the ranks of one host.
+
+A decode step runs about ten collectives of a few KiB each; on gloo over loopback each waits
+about 1.5 ms (2 processes on 2 cores), as long as the matrix products a rank saves. Here the
+ranks of a process group exchange such tensors through one shared segment instead: each rank
+copies its tensor into its slot, publishes a sequence counter, waits until every rank's counter
+has reached the same value, and reduces (or concatenates) all slots in rank order, so every rank
+computes the same bits (at 2 ranks the same bits as gloo's sum, addition being commutative; at
+more ranks the order may round differently from gloo's ring, alike on every rank; max
+and min propagate NaN, as torch.maximum does, where gloo's keep a NaN only if it comes first).
+`collectives.raw_all_reduce` and the all-gathers of `collectives.gather_pieces` call it in eager
+mode, for tensors of at most `LIMIT` bytes a rank on groups whose backend is gloo; anything else
+(larger tensors, NCCL, torch.compile's functional collectives, and any call made under a
+TorchDispatchMode: CommDebugMode counts c10d's ops, tracing modes record them; the ranks must
+agree on that too) keeps c10d's path, and autoshard's byte counters record the same collectives
+and bytes either way.
+
+Setup, once a process group, at its first collective that fits (a collective over gloo that
+every rank reaches at the same call): rank 0 creates a file under /dev/shm and a FIFO a rank
+beside it; the ranks gather their host names, whether they opt in, and the file's name and a
+random token; each maps the file, opens the FIFOs and checks the token; a gloo all-reduce then
+agrees whether every rank did, after which rank 0 unlinks the files, so nothing stays on disk
+whatever happens next. The fast path is on only when every rank runs on the same host, mapped
+the same segment and did not opt out, on x86-64 (whose stores become visible in program order:
+a rank writes its data before its counter and reads the counters before the data, with no fence
+Python could issue).
+
+Layout: a 64-byte line holding the token, one line a rank holding its counter and, per bank,
+what it wrote there (int64s: bytes, dtype and collective, checked alike on every rank: ranks that
+run different collectives, sizes or dtypes at one call raise ProcessGroupError rather than read
+garbage), then two banks of p slots of `LIMIT` bytes. Call n uses bank n % 2: a rank that starts
+call n has seen every rank publish n - 1, so every rank has finished reading bank n % 2 of call
+n - 2, and one wait a call suffices. The file is allocated in full at setup (posix_fallocate), so
+a full /dev/shm turns the fast path off rather than failing a later write.
+
+Waiting spins on the counters (tens of microseconds), then sleeps in `select` on the rank's
+own FIFO (made with the segment, unlinked with it), having first marked in its line the call it
+sleeps in; a rank that publishes its counter writes a byte to the FIFO of every rank asleep in
+that call, so the kernel wakes the sleeper at once, as it wakes a rank blocked on gloo's socket.
+(Spinning or yielding the core for longer lost to gloo on a loaded machine: the late rank needs
+the core; measured in docs/benchmarks.md section 13.) The mark is written before the counters are
+read again, and the counter before the marks are read, so a wake-up is lost only where x86
+reorders a store after a later load, which the sleep's 2 ms limit bounds. Past the process
+group's timeout (300 s where it cannot be read) the wait raises ProcessGroupError naming the
+collective and the ranks that did not arrive.
+
+Opt out: the environment variable `AUTOSHARD_SHM=0`, read when a group sets up (a rank that sets
+it turns the fast path off on every rank of its groups). `release_all()` unmaps every segment
+(runtime.groups.forget and destroy_process_group call it).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import select
+import socket
+import tempfile
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ProcessGroupError
+
+__all__ = ["LIMIT", "all_reduce", "all_gather", "served", "segment_path", "release_all"]
+
+LIMIT = 1 << 20                 # bytes of one rank's tensor; larger ones take gloo
+DIRECTORY = "/dev/shm"
+TIMEOUT_S = 300.0               # where the process group's own timeout cannot be read
+_LINE = 64                      # bytes: the token, then each rank's counter, on lines of their own
+_SPIN = 500                     # counter reads before sleeping on the pipe (tens of us)
+_BLOCK_S = 0.002                # the longest sleep before the counters are read again
+_ASLEEP = 3                     # a rank's line: counter, what it wrote in bank 0 and 1, the call it sleeps in
+
+_REDUCE = {"sum": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum,
+           "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+_CODES = tuple(_REDUCE)                          # 1 + index: the collective a slot holds (0: all-gather)
+_INTS = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+_NUMBERS = _INTS | {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+_BYTES = _NUMBERS | {torch.bool, torch.complex64, torch.complex128}
+_DTYPES = {dt: i for i, dt in enumerate(sorted(_BYTES, key=str))}       # a dtype's number in a slot's record
+_PLAIN = (torch.Tensor, torch.nn.Parameter)     # not FakeTensor, DTensor or other subclasses
+
+_SEGMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # ProcessGroup -> _Segment, or None: off
+
+
+class _Segment:
+    """One process group's mapped segment: the counters (a memoryview of int64) and the slots
+    (a [2, p, LIMIT] uint8 tensor over the same memory)."""
+
+    def __init__(self, path: str, pg):
+        self.p, self.rank = pg.size(), dist.get_rank(pg)
+        self.ranks, self.name = dist.get_process_group_ranks(pg), pg.group_name
+        self.timeout_s = _timeout_s(pg)
+        header = _LINE * (1 + self.p)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, header + 2 * self.p * LIMIT)
+        finally:
+            os.close(fd)
+        self.pipes = []                 # rank q's FIFO, open to read and write (a rank sleeps on its own)
+        try:
+            for q in range(self.p):
+                self.pipes.append(os.open(f"{path}.{q}", os.O_RDWR | os.O_NONBLOCK))
+        except OSError:
+            for fd in self.pipes:
+                os.close(fd)
+            self.map.close()
+            raise
+        self.path = path
+        self._view = memoryview(self.map)
+        self.words = self._view[:header].cast("q")
+        self.lines = [(1 + q) * (_LINE // 8) for q in range(self.p)]       # word index of rank q's counter
+        with torch.inference_mode(False):       # written in place later, inside inference mode or not
+            self.banks = torch.frombuffer(self.map, dtype=torch.uint8, offset=header,
+                                          count=2 * self.p * LIMIT).view(2, self.p, LIMIT)
+        self.seq = 0                    # calls made through this segment
+        self.slots: dict = {}           # (bank, dtype, shape) -> [p, *shape] view of that bank's slots
+
+    def exchange(self, x: torch.Tensor, what: str, code: int) -> torch.Tensor:
+        """Every rank's `x`, as a [p, *x.shape] view of the current bank, once all have written
+        (`code` names the collective: every rank must run the same one on as many bytes)."""
+        seq = self.seq + 1
+        bank = seq & 1
+        key = (bank, x.dtype, tuple(x.shape))
+        slots = self.slots.get(key)
+        if slots is None:
+            if len(self.slots) > 256:
+                self.slots.clear()
+            with torch.inference_mode(False):   # a view made in inference mode is not written outside it
+                slots = self.banks[bank, :, :x.nbytes].view(x.dtype).view((self.p,) + key[2])
+            self.slots[key] = slots
+        words, line, call = self.words, self.lines[self.rank], (x.nbytes * 16 + _DTYPES[x.dtype]) * 16 + code
+        slots[self.rank].copy_(x)                       # the data and what it is first,
+        words[line + 1 + bank] = call
+        self.seq = seq
+        words[line] = seq                               # then the counter (x86-64 keeps this order)
+        for q, ln in enumerate(self.lines):             # and wake the ranks asleep in this call
+            if words[ln + _ASLEEP] == seq and q != self.rank:
+                try:
+                    os.write(self.pipes[q], b"\0")
+                except BlockingIOError:                 # its pipe is full: it is awake anyway
+                    pass
+        self.wait(seq, what, x)
+        if any(words[ln + 1 + bank] != call for ln in self.lines):
+            names = {i: str(dt).removeprefix("torch.") for dt, i in _DTYPES.items()}
+            kinds = ("all_gather",) + tuple(f"all_reduce({op})" for op in _CODES)
+            theirs = {r: (w // 256, names[w // 16 % 16], kinds[w % 16])
+                      for r, w in ((r, words[ln + 1 + bank]) for r, ln in zip(self.ranks, self.lines))}
+            raise ProcessGroupError(
+                f"shared-memory {what} of a {tuple(x.shape)} {x.dtype} tensor on process group {self.name!r}: "
+                f"the ranks ran different collectives at call {seq} ((bytes, dtype, collective) by rank: {theirs}); "
+                "every rank must run the same collectives on tensors of the same size and dtype in the same order")
+        return slots
+
+    def wait(self, seq: int, what: str, x) -> None:
+        """Until every rank's counter reaches `seq`: spin, then sleep on this rank's pipe."""
+        words, spins, deadline, pipe = self.words, 0, None, self.pipes[self.rank]
+        for line in self.lines:
+            while words[line] < seq:
+                spins += 1
+                if spins <= _SPIN:
+                    continue
+                deadline = deadline or time.monotonic() + self.timeout_s
+                words[self.lines[self.rank] + _ASLEEP] = seq            # say so, then look again
+                if words[line] >= seq:
+                    continue
+                left = deadline - time.monotonic()
+                if left > 0:
+                    select.select([pipe], [], [], min(_BLOCK_S, left))
+                    try:
+                        os.read(pipe, 4096)                             # the wake-ups, this call's and stale ones
+                    except BlockingIOError:
+                        pass
+                else:
+                    late = [r for r, ln in zip(self.ranks, self.lines) if words[ln] < seq]
+                    raise ProcessGroupError(
+                        f"shared-memory {what} of a {tuple(x.shape)} {x.dtype} tensor on process group "
+                        f"{self.name!r} (ranks {self.ranks}): rank(s) {late} did not reach call {seq} within "
+                        f"{self.timeout_s:.0f} s (the ranks must run the same collectives in the same order; "
+                        "AUTOSHARD_SHM=0 sends them through gloo instead)")
+
+    def close(self) -> None:
+        """Unmap (the memory goes once every rank has unmapped it; the file is already unlinked)."""
+        self.slots.clear()
+        self.banks = None
+        for fd in self.pipes:
+            os.close(fd)
+        self.pipes = []
+        self.words.release()
+        self._view.release()
+        try:
+            self.map.close()
+        except BufferError:     # a view of the slots is still alive somewhere: unmapped when it dies
+            pass
+
+
+def _timeout_s(pg) -> float:
+    """The process group's collective timeout in seconds (gloo's own option), else TIMEOUT_S."""
+    try:
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError):
+        return TIMEOUT_S
+
+
+def _wanted() -> bool:
+    """Whether this rank may take the fast path: not opted out, x86-64, a /dev/shm."""
+    return (os.environ.get("AUTOSHARD_SHM", "1").strip() != "0"
+            and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(DIRECTORY))
+
+
+def _create(pg) -> tuple:
+    """Rank 0: (segment, path, token) of a new file under DIRECTORY, or Nones where that fails."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="autoshard-shm-", dir=DIRECTORY)
+    except OSError:
+        return None, None, None
+    try:
+        os.posix_fallocate(fd, 0, _LINE * (1 + pg.size()) + 2 * pg.size() * LIMIT)
+        for q in range(pg.size()):
+            os.mkfifo(f"{path}.{q}", 0o600)
+        seg = _Segment(path, pg)
+    except (OSError, ValueError):
+        _unlink(path, pg.size())
+        return None, None, None
+    finally:
+        os.close(fd)
+    token = secrets.randbits(62)
+    seg.words[0] = token
+    return seg, path, token
+
+
+def _unlink(path: str, p: int) -> None:
+    """Remove the segment's file and its ranks' FIFOs (those that exist)."""
+    for name in [path] + [f"{path}.{q}" for q in range(p)]:
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            pass
+
+
+def _setup(pg):
+    """This rank's segment of `pg`, or None where the fast path is off (see the module docstring);
+    a collective over gloo that every rank of `pg` runs at the same call."""
+    if "gloo" not in str(dist.get_backend(pg)) or pg.size() < 2:
+        return None
+    rank, want = dist.get_rank(pg), _wanted()
+    seg = path = token = None
+    if rank == 0 and want:
+        seg, path, token = _create(pg)
+    try:
+        info = [None] * pg.size()
+        dist.all_gather_object(info, (socket.gethostname(), want, path, token), group=pg)
+        host, _, path, token = info[0]
+        agreed = path is not None and all(h == host and w for h, w, _, _ in info)
+        if agreed and rank != 0:
+            try:
+                seg = _Segment(path, pg)
+            except (OSError, ValueError):        # another /dev/shm (a container of the same name)
+                seg = None
+            if seg is not None and seg.words[0] != token:
+                seg.close()
+                seg = None
+        flag = torch.tensor([int(agreed and seg is not None)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
+    finally:
+        if rank == 0 and path is not None:
+            _unlink(path, pg.size())             # every rank has mapped it or given up
+    if not flag.item() and seg is not None:
+        seg.close()
+        seg = None
+    return seg
+
+
+def _segment(x, group, nbytes: int, dtypes):
+    """The segment to run a collective of `x` on, or None for c10d's path: the same answer on
+    every rank (the group, the tensor's size and dtype, and the setup's agreed flag decide)."""
+    if not 0 < nbytes <= LIMIT or x.dtype not in dtypes or type(x) not in _PLAIN or x.device.type != "cpu" \
+            or torch._C._len_torch_dispatch_stack():      # CommDebugMode counts c10d's ops; tracing modes record them
+        return None
+    try:
+        return _SEGMENTS[group]
+    except KeyError:
+        seg = _SEGMENTS[group] = _setup(group)
+        return seg
+    except TypeError:                            # not a ProcessGroup (no weak reference)
+        return None
+
+
+def all_reduce(x: torch.Tensor, group, reduce_op: str = "sum", inplace: bool = False):
+    """`reduce_op` ("sum", "product", "max", "min", "band", "bor", "bxor") of `x` over `group`, the
+    slots combined in rank order, in a new contiguous tensor (in `x` with `inplace`, which needs
+    `x` contiguous); None where the fast path does not apply (the caller runs c10d's)."""
+    fn = _REDUCE.get(reduce_op)
+    dtypes = _INTS if reduce_op in ("band", "bor", "bxor") else _NUMBERS
+    seg = None if fn is None else _segment(x, group, x.nbytes, dtypes)
+    if seg is None:
+        return None
+    with torch.no_grad():
+        slots = seg.exchange(x, f"all_reduce({reduce_op})", 1 + _CODES.index(reduce_op))
+        out = x if inplace else torch.empty(x.shape, dtype=x.dtype)
+        fn(slots[0], slots[1], out=out)
+        for q in range(2, seg.p):
+            fn(out, slots[q], out=out)
+    return out
+
+
+def all_gather(x: torch.Tensor, group):
+    """[p, *x.shape]: every rank's `x` in rank order, in a new tensor; None where the fast path
+    does not apply."""
+    seg = _segment(x, group, x.nbytes, _BYTES)
+    if seg is None:
+        return None
+    with torch.no_grad():
+        return seg.exchange(x, "all_gather", 0).clone(memory_format=torch.contiguous_format)
+
+
+def served(group) -> int:
+    """Collectives `group` has run through shared memory since its setup (0 where it has none)."""
+    seg = _SEGMENTS.get(group)
+    return 0 if seg is None else seg.seq
+
+
+def segment_path(group) -> str | None:
+    """The (unlinked) file `group`'s segment was made from, None where it has none."""
+    seg = _SEGMENTS.get(group)
+    return None if seg is None else seg.path
+
+
+def release_all() -> None:
+    """Unmap every group's segment; a group's next collective sets it up again."""
+    for seg in list(_SEGMENTS.values()):
+        if seg is not None:
+            seg.close()
+    _SEGMENTS.clear()
