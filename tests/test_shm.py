@@ -326,3 +326,32 @@ def test_a_model_trains_alike_on_either_path(dist2):
         assert out[True][0] == out[False][0] == pytest.approx(want, rel=1e-5)
         assert out[True][1] == out[False][1]
         assert out[True][2] > 0 and out[False][2] == 0
+
+
+def _compiled_case(rank, p):
+    """A compiled function's all-reduce and all-gather: shared memory's ops under no_grad (the
+    segment counts both calls), PyTorch's functional collectives with grad on (it counts none);
+    the same values as eager either way."""
+    from autoshard.runtime import shm
+    from autoshard.runtime.collectives import gather_pieces, raw_all_reduce
+    group = _group()
+
+    def step(x):
+        return gather_pieces(raw_all_reduce(x * 2, group) + 1, 1, p, group)
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    x = _data(torch.float32, (3, 8), rank)
+    want = step(x)
+    out = {}
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            before = shm.served(group)
+            got = compiled(x.requires_grad_(grad))
+            out[grad] = (shm.served(group) - before, torch.equal(got.detach(), want))
+    return out
+
+
+def test_a_compiled_inference_step_uses_the_segment(dist2):
+    for out in dist2.run(_compiled_case, timeout=300):
+        assert out[False] == (2, True)         # both collectives through shared memory
+        assert out[True] == (0, True)          # training: functional collectives on gloo

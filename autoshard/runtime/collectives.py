@@ -60,6 +60,8 @@ def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum",
         if out is None:                           # else c10d's own in-place op (CommDebugMode counts it), on a copy
             out = x if inplace else x.clone(memory_format=torch.contiguous_format)
             dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
+    elif shm.in_graph(x):                         # compiled inference (a decode step): shared memory's op
+        out = torch.ops.autoshard.shm_all_reduce(x.contiguous(), _group_name(group), reduce_op)
     else:
         out = functional.wait_tensor(functional.all_reduce(x.contiguous(), reduce_op, _group_name(group)))
     count_eager(op, "all_reduce", direction, out, group.size(), group)
@@ -75,6 +77,8 @@ def _stacked_gather(x, group):
         if flat is None:
             flat = x.new_empty(p * x.numel())
             (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(flat, x, group=group)
+    elif shm.in_graph(x):
+        flat = torch.ops.autoshard.shm_all_gather(x, _group_name(group), p)
     else:
         flat = functional.wait_tensor(functional.all_gather_into_tensor(x, p, _group_name(group)))
     return flat.view((p,) + shape)

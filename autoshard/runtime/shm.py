@@ -62,10 +62,11 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from ..errors import ProcessGroupError
 
-__all__ = ["LIMIT", "all_reduce", "all_gather", "served", "segment_path", "release_all"]
+__all__ = ["LIMIT", "all_reduce", "all_gather", "in_graph", "graph_all_reduce", "graph_all_gather", "served", "segment_path", "release_all"]
 
 LIMIT = 1 << 20                 # bytes of one rank's tensor; larger ones take gloo
 DIRECTORY = "/dev/shm"
@@ -316,6 +317,48 @@ def all_gather(x: torch.Tensor, group):
         return None
     with torch.no_grad():
         return seg.exchange(x, "all_gather", 0).clone(memory_format=torch.contiguous_format)
+
+
+def in_graph(x: torch.Tensor) -> bool:
+    """Whether a collective of `x` traced by torch.compile should call this module's ops (inference,
+    a CPU tensor of at most LIMIT bytes) rather than PyTorch's functional ones;
+    decided from what tracing sees, the same on every rank. Training keeps the functional
+    collectives, which inductor may reorder and overlap. (Where shared memory is off, the op
+    runs c10d's collective.)"""
+    return not torch.is_grad_enabled() and x.device.type == "cpu" and x.numel() * x.element_size() <= LIMIT
+
+
+@torch.library.custom_op("autoshard::shm_all_reduce", mutates_args=())
+def graph_all_reduce(x: torch.Tensor, group_name: str, reduce_op: str) -> torch.Tensor:
+    """all_reduce as an op a compiled graph calls (opaque to inductor): shared memory where it
+    applies, else c10d's all-reduce on a copy; `group_name`, the process group's name."""
+    pg = c10d._resolve_process_group(group_name)
+    out = all_reduce(x, pg, reduce_op)
+    if out is None:
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=pg)
+    return out
+
+
+@graph_all_reduce.register_fake
+def _(x, group_name, reduce_op):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("autoshard::shm_all_gather", mutates_args=())
+def graph_all_gather(x: torch.Tensor, group_name: str, p: int) -> torch.Tensor:
+    """all_gather of a flat `x` as an op a compiled graph calls: [p * x.numel()], rank order."""
+    pg = c10d._resolve_process_group(group_name)
+    out = all_gather(x, pg)
+    if out is None:
+        out = x.new_empty(p * x.numel())
+        dist.all_gather_into_tensor(out, x.contiguous(), group=pg)
+    return out.view(-1)
+
+
+@graph_all_gather.register_fake
+def _(x, group_name, p):
+    return x.new_empty(p * x.numel())
 
 
 def served(group) -> int:
