@@ -9,7 +9,8 @@ an FX leaf (`torch.fx.wrap`), so a traced or rewritten graph shows it as one nam
 
 Under `torch.compile` every collective is one of PyTorch's functional collectives
 (`torch.ops._c10d_functional`, what DTensor dispatches), traced into its graph (fullgraph, no
-break at a collective), where inductor may reorder them. Eager runs all-reduces and all-gathers
+break at a collective), where inductor may reorder them; with grad off (a compiled decode step),
+small CPU all-reduces and all-gathers are shared memory's custom ops instead (`shm.in_graph`). Eager runs all-reduces and all-gathers
 as c10d's own ops (`dist.all_reduce` on a copy, `dist.all_gather_single`): on gloo a
 functional all-reduce of 4 KiB took 3 to 5 times as long as c10d's (2 ranks, measured; the cause
 inside c10d was not looked into), which a decode step of small collectives pays on each. Eager
