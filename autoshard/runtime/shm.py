@@ -352,7 +352,7 @@ def graph_all_gather(x: torch.Tensor, group_name: str, p: int) -> torch.Tensor:
     out = all_gather(x, pg)
     if out is None:
         out = x.new_empty(p * x.numel())
-        dist.all_gather_into_tensor(out, x.contiguous(), group=pg)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x.contiguous(), group=pg)
     return out.view(-1)
 
 
