@@ -18,8 +18,9 @@ the one-process baseline: Hugging Face's own `model.generate`) runs one thread. 
   the environment sends them through gloo: the comparison before / after that transport).
 
 The module is planned with a fine-tuning batch (`--example train`: 4 x 256 tokens with labels),
-whose layouts then serve generation; `--example prompt` plans with the prompt itself (32 tokens:
-the memory term then shards the norms' weights, and the decode step gathers each norm's output).
+whose layouts then serve generation; `--example prompt` plans with the prompt itself (32 tokens;
+at a fixed price of state its norms' weights were sharded and the decode step gathered each
+norm's output: under the default objective its decode step is Megatron's too).
 
 With `--cache static`, both sides generate with `cache_implementation="static"` (HF's StaticCache;
 at world > 1 each rank's buffers hold its own K/V heads); with `--compile` too, the decode step
@@ -163,7 +164,7 @@ def _run(world: int, rounds: int, example: str = "train", cache: str = "dynamic"
         before = shm.served(dist.group.WORLD)
         with torch.no_grad(), count_comm() as c:
             adapter(input_ids=last, position_ids=at, use_cache=True, **{adapter._cache_name: kv})
-        out["decode_shm_calls"] = shm.served(dist.group.WORLD) - before     # of c.calls (0 compiled or AUTOSHARD_SHM=0)
+        out["decode_shm_calls"] = shm.served(dist.group.WORLD) - before     # of c.calls (0 with AUTOSHARD_SHM=0)
         out["decode_bytes_counted"] = c.bytes
         out["decode_bytes_predicted"] = sum(ring_bytes(k, r.nbytes, world) for r in plan.redistributions
                                             for k in r.forward) + \

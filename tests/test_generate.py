@@ -105,12 +105,23 @@ def _query_kv_heads(gm, model, rank, p) -> int:
     return len({h // group for h in range(start, start + mine[rank])})
 
 
+def _plan_options(name, p) -> dict:
+    """The 6 / 2-head toys at 3 ranks plan at a fixed price of state: under the default objective
+    their training plan computes K whole (all-reducing dK costs these tiny sizes less than K's
+    weight gradient) and holds V by its readers, and a generation step keeps the training layouts,
+    so each rank's K cache holds both heads (a known limit, docs/design.md, "Generation")."""
+    if p == 3 and name.endswith("6_2"):
+        from autoshard.planner.cost import CostModel
+        return dict(cost_model=CostModel(memory_weight=1e-9))
+    return {}
+
+
 def _generate_case(rank, p, name, batch, options, plan_options=None):
     import autoshard
     from autoshard.runtime.collectives import count_comm
     model, kw = MODELS[name]()
     ref = copy.deepcopy(model)
-    gm = autoshard.parallelize(model, p, kw, tracer="export", **(plan_options or {}))
+    gm = autoshard.parallelize(model, p, kw, tracer="export", **(plan_options or _plan_options(name, p)))
     gm.eval()
     prompts = _prompts(kw, batch)
     options = dict(options, max_new_tokens=6, use_cache=True, return_dict_in_generate=True, output_scores=True,
@@ -192,8 +203,8 @@ def _check(results, name):
         for got, want in zip(r[2], r[3]):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
         assert r[5] == pytest.approx(r[6], rel=1e-9), (name, r[7], r[6], r[8])
-        if r[9] is not None:
-            assert r[5] == r[9], (name, "decode bytes against Megatron's", r[5], r[9], r[7])
+        if r[9] is not None:   # Megatron's or fewer (an embedding split on hidden gathers half an all-reduce's bytes)
+            assert r[5] <= r[9], (name, "decode bytes against Megatron's", r[5], r[9], r[7])
 
 
 GREEDY = dict(do_sample=False)
@@ -306,7 +317,7 @@ def _static_case(rank, p, name, batch, compile_config, errors=False, beams=1):
     from autoshard.runtime.collectives import count_comm
     model, kw = MODELS[name]()
     ref = copy.deepcopy(model)
-    gm = autoshard.parallelize(model, p, kw, tracer="export")
+    gm = autoshard.parallelize(model, p, kw, tracer="export", **_plan_options(name, p))
     gm.eval()
     prompts = _prompts(kw, batch)
     options = dict(max_new_tokens=6, use_cache=True, return_dict_in_generate=True, output_scores=True, pad_token_id=0,
@@ -428,3 +439,26 @@ def _unsupported(gm, kw):
     gm.config.sliding_window = 4                        # a sliding-window static cache: HF makes sliding layers
     errors.append(error(lambda: gm.generate(ids, **options, cache_implementation="static")))
     return errors
+
+
+def _mixed_static_case(rank, p):
+    """The 6 / 2-head LLaMA at 3 ranks under the default objective (K cached whole, V by its
+    readers): the static cache's value buffers take the values' heads; tokens as one process's."""
+    import autoshard
+    model, kw = MODELS["llama6_2"]()
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export").eval()
+    prompts = _prompts(kw, 1)
+    options = dict(max_new_tokens=5, use_cache=True, pad_token_id=0, do_sample=False, cache_implementation="static",
+                   return_dict_in_generate=True)
+    out = gm.generate(**prompts, **options)
+    want = ref.generate(**prompts, **options)
+    layer = out.past_key_values.layers[0]
+    return out.sequences.tolist() == want.sequences.tolist(), int(layer.keys.shape[1]), int(layer.values.shape[1])
+
+
+@pytest.mark.slow
+def test_static_cache_keys_and_values_held_apart(dist3):
+    results = dist3.run(_mixed_static_case, timeout=900)
+    assert all(same for same, _, _ in results), results
+    assert [v for _, _, v in results] == [1, 2, 1], results       # V held by the ranks that read it

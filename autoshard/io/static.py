@@ -119,5 +119,16 @@ def run_static(adapter, cache, input_ids, attention_mask, position_ids, compile_
     if len(keys) != len(cache.layers):
         raise ShardingError(f"the step returned {len(keys)} cache layers for a static cache of {len(cache.layers)}")
     for layer, k, v in zip(cache.layers, keys, values):
+        if not layer.is_initialized and k.shape[1] != v.shape[1]:
+            _initialize(layer, k, v)
         layer.update(k, v)
     return logits
+
+
+def _initialize(layer, k, v) -> None:
+    """HF's buffers where a rank holds other K heads than V heads (K computed whole, V held by
+    the ranks that read it): HF sizes both from the keys; the values' buffer takes theirs."""
+    layer.lazy_initialization(k, v)
+    layer.values = torch.zeros((v.shape[0], v.shape[1], layer.max_cache_len, v.shape[-1]), dtype=v.dtype,
+                               device=v.device)
+    torch._dynamo.mark_static_address(layer.values)
