@@ -40,9 +40,11 @@ that call, so the kernel wakes the sleeper at once, as it wakes a rank blocked o
 (Spinning or yielding the core for longer lost to gloo on a loaded machine: the late rank needs
 the core; measured in docs/benchmarks.md section 13.) The mark is written before the counters are
 read again, and the counter before the marks are read, so a wake-up is lost only where x86
-reorders a store after a later load, which the sleep's 2 ms limit bounds. Past the process
-group's timeout (300 s where it cannot be read) the wait raises ProcessGroupError naming the
-collective and the ranks that did not arrive.
+reorders a store after a later load, which the sleep's 2 ms limit bounds. A rank that has
+exited (its process gone or a zombie, looked up in /proc every 25 sleeps, about 50 ms) makes the
+wait raise ProcessGroupError at once, naming it, as gloo fails when a peer's socket closes; past
+the process group's timeout (300 s where it cannot be read) the wait raises ProcessGroupError
+naming the collective and the ranks that did not arrive.
 
 Opt out: the environment variable `AUTOSHARD_SHM=0`, read when a group sets up (a rank that sets
 it turns the fast path off on every rank of its groups). `release_all()` unmaps every segment
@@ -74,6 +76,7 @@ TIMEOUT_S = 300.0               # where the process group's own timeout cannot b
 _LINE = 64                      # bytes: the token, then each rank's counter, on lines of their own
 _SPIN = 500                     # counter reads before sleeping on the pipe (tens of us)
 _BLOCK_S = 0.002                # the longest sleep before the counters are read again
+_LOOK = 25                      # sleeps between looks at whether the late ranks still run (about 50 ms)
 _ASLEEP = 3                     # a rank's line: counter, what it wrote in bank 0 and 1, the call it sleeps in
 
 _REDUCE = {"sum": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum,
@@ -119,6 +122,7 @@ class _Segment:
             self.banks = torch.frombuffer(self.map, dtype=torch.uint8, offset=header,
                                           count=2 * self.p * LIMIT).view(2, self.p, LIMIT)
         self.seq = 0                    # calls made through this segment
+        self.pids = None                # each rank's process id, where this rank can see them (setup)
         self.slots: dict = {}           # (bank, dtype, shape) -> [p, *shape] view of that bank's slots
 
     def exchange(self, x: torch.Tensor, what: str, code: int) -> torch.Tensor:
@@ -159,7 +163,7 @@ class _Segment:
 
     def wait(self, seq: int, what: str, x) -> None:
         """Until every rank's counter reaches `seq`: spin, then sleep on this rank's pipe."""
-        words, spins, deadline, pipe = self.words, 0, None, self.pipes[self.rank]
+        words, spins, naps, deadline, pipe = self.words, 0, 0, None, self.pipes[self.rank]
         for line in self.lines:
             while words[line] < seq:
                 spins += 1
@@ -170,6 +174,9 @@ class _Segment:
                 if words[line] >= seq:
                     continue
                 left = deadline - time.monotonic()
+                naps += 1
+                if naps % _LOOK == 0 and self.pids is not None:
+                    self._check_alive(seq, what, x)
                 if left > 0:
                     select.select([pipe], [], [], min(_BLOCK_S, left))
                     try:
@@ -183,6 +190,16 @@ class _Segment:
                         f"{self.name!r} (ranks {self.ranks}): rank(s) {late} did not reach call {seq} within "
                         f"{self.timeout_s:.0f} s (the ranks must run the same collectives in the same order; "
                         "AUTOSHARD_SHM=0 sends them through gloo instead)")
+
+    def _check_alive(self, seq: int, what: str, x) -> None:
+        """Raise if a rank that has not reached call `seq` has exited (gloo sees its socket close)."""
+        gone = [(r, pid) for r, ln, pid in zip(self.ranks, self.lines, self.pids)
+                if self.words[ln] < seq and not _alive(pid)]
+        if gone:
+            raise ProcessGroupError(
+                f"shared-memory {what} of a {tuple(x.shape)} {x.dtype} tensor on process group {self.name!r} "
+                f"(ranks {self.ranks}): rank(s) {[r for r, _ in gone]} (pid {[q for _, q in gone]}) exited before "
+                f"reaching call {seq}")
 
     def close(self) -> None:
         """Unmap (the memory goes once every rank has unmapped it; the file is already unlinked)."""
@@ -254,9 +271,9 @@ def _setup(pg):
         seg, path, token = _create(pg)
     try:
         info = [None] * pg.size()
-        dist.all_gather_object(info, (socket.gethostname(), want, path, token), group=pg)
-        host, _, path, token = info[0]
-        agreed = path is not None and all(h == host and w for h, w, _, _ in info)
+        dist.all_gather_object(info, (socket.gethostname(), want, path, token, os.getpid()), group=pg)
+        host, _, path, token, _ = info[0]
+        agreed = path is not None and all(h == host and w for h, w, _, _, _ in info)
         if agreed and rank != 0:
             try:
                 seg = _Segment(path, pg)
@@ -273,7 +290,20 @@ def _setup(pg):
     if not flag.item() and seg is not None:
         seg.close()
         seg = None
+    if seg is not None:
+        pids = [i[4] for i in info]
+        seg.pids = pids if all(_alive(q) for q in pids) else None     # another PID namespace: the timeout only
     return seg
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X", b"x")
 
 
 def _segment(x, group, nbytes: int, dtypes):
