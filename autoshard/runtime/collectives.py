@@ -10,14 +10,14 @@ an FX leaf (`torch.fx.wrap`), so a traced or rewritten graph shows it as one nam
 Under `torch.compile` every collective is one of PyTorch's functional collectives
 (`torch.ops._c10d_functional`, what DTensor dispatches), traced into its graph (fullgraph, no
 break at a collective), where inductor may reorder them; with grad off (a compiled decode step),
-small CPU all-reduces and all-gathers are shared memory's custom ops instead (`shm.in_graph`). Eager runs all-reduces and all-gathers
-as c10d's own ops (`dist.all_reduce` on a copy, `dist.all_gather_single`): on gloo a
-functional all-reduce of 4 KiB took 3 to 5 times as long as c10d's (2 ranks, measured; the cause
-inside c10d was not looked into), which a decode step of small collectives pays on each. Eager
-all-reduces and all-gathers of small CPU tensors among the ranks of one host go through shared
-memory instead (`shm`: tens of microseconds where gloo over loopback takes about a millisecond;
-`AUTOSHARD_SHM=0` turns it off). The others stay functional, waited for at once. The byte
-counters record eager runs only, whichever transport carried them.
+small CPU all-reduces and all-gathers are shared memory's custom ops instead (`shm.in_graph`).
+Eager runs all-reduces and all-gathers as c10d's own ops (`dist.all_reduce` on a copy,
+`dist.all_gather_single`): on gloo a functional all-reduce of 4 KiB took 3 to 5 times as long as
+c10d's (2 ranks, measured; the cause inside c10d was not looked into), which a decode step of
+small collectives pays on each. Eager all-reduces and all-gathers of small CPU tensors among the
+ranks of one host go through shared memory instead (`shm`: tens of microseconds where gloo over
+loopback takes about a millisecond; `AUTOSHARD_SHM=0` turns it off). The others stay functional,
+waited for at once. The byte counters record eager runs only, whichever transport carried them.
 """
 from __future__ import annotations
 
@@ -57,10 +57,7 @@ def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum",
     """Sum (or `reduce_op`: "max", "min", ...) of `x` over the group, in a fresh contiguous tensor
     (in `x` itself with `inplace`, eager only, which needs `x` contiguous)."""
     if not torch.compiler.is_compiling():
-        out = shm.all_reduce(x, group, reduce_op, inplace)     # small CPU tensors on one host: shared memory
-        if out is None:                           # else c10d's own in-place op (CommDebugMode counts it), on a copy
-            out = x if inplace else x.clone(memory_format=torch.contiguous_format)
-            dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
+        out = shm.eager_all_reduce(x, group, reduce_op, inplace)
     elif shm.in_graph(x):                         # compiled inference (a decode step): shared memory's op
         out = torch.ops.autoshard.shm_all_reduce(x.contiguous(), _group_name(group), reduce_op)
     else:
@@ -74,10 +71,7 @@ def _stacked_gather(x, group):
     p, shape = dist.get_world_size(group), tuple(x.shape)
     x = x.contiguous().view(-1)
     if not torch.compiler.is_compiling():
-        flat = shm.all_gather(x, group)
-        if flat is None:
-            flat = x.new_empty(p * x.numel())
-            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(flat, x, group=group)
+        flat = shm.eager_all_gather(x, group)
     elif shm.in_graph(x):
         flat = torch.ops.autoshard.shm_all_gather(x, _group_name(group), p)
     else:

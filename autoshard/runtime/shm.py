@@ -68,7 +68,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from ..errors import ProcessGroupError
 
-__all__ = ["LIMIT", "all_reduce", "all_gather", "in_graph", "graph_all_reduce", "graph_all_gather", "served", "segment_path", "release_all"]
+__all__ = ["LIMIT", "all_reduce", "all_gather", "eager_all_reduce", "eager_all_gather", "in_graph",
+           "graph_all_reduce", "graph_all_gather", "served", "segment_path", "release_all"]
 
 LIMIT = 1 << 20                 # bytes of one rank's tensor; larger ones take gloo
 DIRECTORY = "/dev/shm"
@@ -349,6 +350,26 @@ def all_gather(x: torch.Tensor, group):
         return seg.exchange(x, "all_gather", 0).clone(memory_format=torch.contiguous_format)
 
 
+def eager_all_reduce(x: torch.Tensor, group, reduce_op: str = "sum", inplace: bool = False) -> torch.Tensor:
+    """`all_reduce` where it applies, else c10d's own in-place all-reduce (CommDebugMode counts
+    it) on a contiguous copy of `x` (on `x` itself with `inplace`)."""
+    out = all_reduce(x, group, reduce_op, inplace)
+    if out is None:
+        out = x if inplace else x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
+    return out
+
+
+def eager_all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's flat contiguous `x` in rank order, [p * x.numel()]: `all_gather` where it
+    applies, else c10d's."""
+    out = all_gather(x, group)
+    if out is None:
+        out = x.new_empty(group.size() * x.numel())
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+    return out.view(-1)
+
+
 def in_graph(x: torch.Tensor) -> bool:
     """Whether a collective of `x` traced by torch.compile should call this module's ops (inference,
     a CPU tensor of at most LIMIT bytes) rather than PyTorch's functional ones;
@@ -362,12 +383,7 @@ def in_graph(x: torch.Tensor) -> bool:
 def graph_all_reduce(x: torch.Tensor, group_name: str, reduce_op: str) -> torch.Tensor:
     """all_reduce as an op a compiled graph calls (opaque to inductor): shared memory where it
     applies, else c10d's all-reduce on a copy; `group_name`, the process group's name."""
-    pg = c10d._resolve_process_group(group_name)
-    out = all_reduce(x, pg, reduce_op)
-    if out is None:
-        out = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=pg)
-    return out
+    return eager_all_reduce(x, c10d._resolve_process_group(group_name), reduce_op)
 
 
 @graph_all_reduce.register_fake
@@ -378,12 +394,7 @@ def _(x, group_name, reduce_op):
 @torch.library.custom_op("autoshard::shm_all_gather", mutates_args=())
 def graph_all_gather(x: torch.Tensor, group_name: str, p: int) -> torch.Tensor:
     """all_gather of a flat `x` as an op a compiled graph calls: [p * x.numel()], rank order."""
-    pg = c10d._resolve_process_group(group_name)
-    out = all_gather(x, pg)
-    if out is None:
-        out = x.new_empty(p * x.numel())
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x.contiguous(), group=pg)
-    return out.view(-1)
+    return eager_all_gather(x.contiguous(), c10d._resolve_process_group(group_name))
 
 
 @graph_all_gather.register_fake
