@@ -54,7 +54,7 @@ class Problem:
 
     def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(), unit_candidates=(),
                  pins: dict | None = None, layouts: dict | None = None, outputs: str = "full", part_candidates=(),
-                 held: frozenset = frozenset(), tokens: bool = False):
+                 held: frozenset = frozenset(), tokens: bool = False, inference: bool = False):
         self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
         self.tokens = tokens          # sequence parallelism: ops may split the token dim (planner.sequence)
         self.nodes = list(gm.graph.nodes)
@@ -105,7 +105,8 @@ class Problem:
                                                     unit_candidates=tuple(unit_candidates),
                                                     part_candidates=tuple(part_candidates),
                                                     replica_candidates=replica_candidates,
-                                                    cover_candidates=cover_candidates, tokens=tokens))
+                                                    cover_candidates=cover_candidates, tokens=tokens,
+                                                    inference=inference))
                     if key is not None:
                         memo[key] = hit
                 found, covered = hit

@@ -118,6 +118,10 @@ def cover_heads(info: NodeInfo, x, w, b, w_out_dim: int, gathered: float) -> lis
     - "column_gather_cover": the weight split (`ShardGathered(d, cut=g)`), the output all-gathered
       and cut to the rank's heads, its gradient's summands reduce-scattered back (the bytes of
       "column_gather_pg").
+    In a step without backward (`info.inference`: generation) the weight's gradient placement
+    means nothing, so either way also reads a weight stored alike in the layouts training gave it
+    (whole: `REPLICATE` or `REPLICATE_PG`; split: `ShardGathered(d)`): a K/V projection trained
+    whole still caches only the rank's heads.
     The head is the largest unit the graph cuts the features into."""
     p, size, last = info.world_size, info.shape(w)[w_out_dim], len(info.out_shape) - 1
     heads = [u for u in info.unit_candidates if 1 < u <= size and size % u == 0 and size // u > 1]
@@ -125,6 +129,7 @@ def cover_heads(info: NodeInfo, x, w, b, w_out_dim: int, gathered: float) -> lis
         return []
     unit, params = max(heads), [w] + ([b] if b is not None else [])
     found = []
+
     for g in info.cover_candidates:
         ranges = cover_ranges(size, p, unit, g)
         if ranges is None:
@@ -138,6 +143,13 @@ def cover_heads(info: NodeInfo, x, w, b, w_out_dim: int, gathered: float) -> lis
         found.append(info.req({x: REPLICATE, **split}, "column_gather_cover", held, grads={x: PARTIAL},
                               compute=1 / p, dim=-1, uneven=True,
                               comm=[("all_gather", gathered), ("reduce_scatter", gathered)]))
+        if info.inference:            # no backward: no gradient placed, none priced
+            for whole in (REPLICATE, REPLICATE_PG):
+                found.append(info.req({x: REPLICATE, **{q: whole for q in params}}, "replicate_cover", held,
+                                      grads={x: REPLICATE, **{q: whole for q in params}}, compute=share, uneven=True))
+            split = {w: ShardGathered(w_out_dim), **({b: ShardGathered(0)} if b is not None else {})}
+            found.append(info.req({x: REPLICATE, **split}, "column_gather_cover", held, grads={x: REPLICATE},
+                                  compute=1 / p, dim=-1, uneven=True, comm=[("all_gather", gathered)]))
     return found
 
 

@@ -121,6 +121,7 @@ class NodeInfo:
     replica_candidates: tuple = ()     # group sizes m of `Shard(d, replicas=m)` (K/V heads fewer than ranks)
     cover_candidates: tuple = ()       # query heads g a K/V head of `Shard(d, cover=g)` (where there are no groups)
     tokens: bool = False               # sequence parallelism: the token dim may be split (`valid`)
+    inference: bool = False            # a step run without backward (generation): gradients never placed
 
     def __post_init__(self):
         self.inputs = list(self.node.all_input_nodes)
@@ -378,7 +379,7 @@ def _holders(placement) -> set:
         ({("cover", placement.cover)} if placement.cover > 1 else set())
 
 
-def closed_groups(s: OpStrategy) -> bool:
+def closed_groups(s: OpStrategy, backward: bool = True) -> bool:
     """Whether a strategy keeps a shard held by groups of ranks (`Shard(d, replicas=m)`: every
     rank of a group holds the piece, each a summand of its gradient) or by the ranks that read it
     (`Shard(d, cover=g)`, overlapping pieces, the same) exact: an op reading one sends back such
@@ -387,13 +388,14 @@ def closed_groups(s: OpStrategy) -> bool:
     that gathers it within the groups itself (an `all_gather@m` of its own: a K/V projection, a
     kv part cut out of a fused one) starts groups from other placements; a piece held by its
     readers starts from whole inputs whose gradients go back Partial (each rank's backward of
-    its piece's summand) or weights the op gathers itself (`ShardGathered`)."""
+    its piece's summand) or weights the op gathers itself (`ShardGathered`); in a step without
+    `backward` (generation), from any whole inputs."""
     ins = set().union(*(_holders(pl) for pl in s.inputs))
     if not ins:
         made = _holders(s.output)
         gathered = {("replicas", split_kind(k)[1]) for k, _ in s.comm if split_kind(k)[0] == "all_gather"}
         covered = all(r is None or isinstance(r, ShardGathered) or (isinstance(r, Replicate) and
-                                                                  isinstance(s.grad(i), Partial))
+                                                                  (not backward or isinstance(s.grad(i), Partial)))
                       for i, r in enumerate(s.inputs))
         return {k for k in made if k[0] == "replicas"} <= gathered and \
             (covered or not any(k[0] == "cover" for k in made))
@@ -407,7 +409,7 @@ def valid(info: NodeInfo, s: OpStrategy) -> bool:
     size follows the inputs (batch, sequence) is split: the plan must hold for every size; a
     shard held by groups of ranks stays exact (`closed_groups`)."""
     p = info.world_size
-    if not closed_groups(s) or any(_holders(pl) and n.op == "get_attr" for pl, n in zip(s.inputs, info.inputs)):
+    if not closed_groups(s, backward=not info.inference) or any(_holders(pl) and n.op == "get_attr" for pl, n in zip(s.inputs, info.inputs)):
         return False                 # (a parameter is held split or whole, never by groups of ranks or readers)
     if not _fits(s.output, info.val(info.node), p, dynamic_dims(info.node), s.uneven, info.tokens):
         return False
