@@ -330,8 +330,9 @@ def test_a_model_trains_alike_on_either_path(dist2):
 
 def _compiled_case(rank, p):
     """A compiled function's all-reduce and all-gather: shared memory's ops under no_grad (the
-    segment counts both calls), PyTorch's functional collectives with grad on (it counts none);
-    the same values as eager either way."""
+    segment counts both calls); PyTorch's functional collectives where the raw collective's input
+    requires grad (the custom ops have no derivative; it counts none); the same values as eager
+    either way."""
     from autoshard.runtime import shm
     from autoshard.runtime.collectives import gather_pieces, raw_all_reduce
     group = _group()
@@ -354,4 +355,42 @@ def _compiled_case(rank, p):
 def test_a_compiled_inference_step_uses_the_segment(dist2):
     for out in dist2.run(_compiled_case, timeout=300):
         assert out[False] == (2, True)         # both collectives through shared memory
-        assert out[True] == (0, True)          # training: functional collectives on gloo
+        assert out[True] == (0, True)          # a raw collective of a tensor that requires grad: functional
+
+
+def _compiled_training_case(rank, p, reorder):
+    """A compiled training step through the autograd collectives (Megatron's reduce_from, then
+    gather_from, and their backward: identity, then a slice): its forward collectives go through
+    the segment, or, where inductor is asked to reorder collectives for overlap, PyTorch's
+    functional ones; the output and the input's gradient equal eager's."""
+    import torch._inductor.config as inductor_config
+    from autoshard.runtime import shm
+    from autoshard.runtime.collectives import copy_to, gather_from, reduce_from
+    group = _group()
+
+    def step(x):
+        y = reduce_from(copy_to(x, group) * 3, group)
+        return gather_from(torch.tanh(y), 1, group=group)
+
+    x = _data(torch.float32, (4, 8), rank)
+    a = x.clone().requires_grad_()
+    want = step(a)
+    want.sum().backward()
+    torch._dynamo.reset()
+    with inductor_config.patch(reorder_for_compute_comm_overlap=reorder):
+        compiled = torch.compile(step, fullgraph=True, backend="inductor")
+        b = x.clone().requires_grad_()
+        before = shm.served(group)
+        got = compiled(b)
+        got.sum().backward()
+        served = shm.served(group) - before
+    return served, torch.equal(got.detach(), want.detach()), torch.allclose(b.grad, a.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("reorder", [False, True])
+def test_a_compiled_training_step(reorder, dist2):
+    for served, same, grads in dist2.run(_compiled_training_case, reorder, timeout=300):
+        assert same and grads
+        # forward all-reduce and all-gather, backward all-reduce (copy_to's): through the segment
+        # unless inductor may reorder collectives
+        assert served == (0 if reorder else 3), served

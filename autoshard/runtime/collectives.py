@@ -9,8 +9,9 @@ an FX leaf (`torch.fx.wrap`), so a traced or rewritten graph shows it as one nam
 
 Under `torch.compile` every collective is one of PyTorch's functional collectives
 (`torch.ops._c10d_functional`, what DTensor dispatches), traced into its graph (fullgraph, no
-break at a collective), where inductor may reorder them; with grad off (a compiled decode step),
-small CPU all-reduces and all-gathers are shared memory's custom ops instead (`shm.in_graph`).
+break at a collective), where inductor may reorder them; small CPU all-reduces and all-gathers
+are shared memory's custom ops instead (`shm.in_graph`: compiled decode and training steps alike,
+unless inductor is asked to reorder collectives for overlap).
 Eager runs all-reduces and all-gathers as c10d's own ops (`dist.all_reduce` on a copy,
 `dist.all_gather_single`): on gloo a functional all-reduce of 4 KiB took 3 to 5 times as long as
 c10d's (2 ranks, measured; the cause inside c10d was not looked into), which a decode step of
@@ -58,7 +59,7 @@ def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum",
     (in `x` itself with `inplace`, eager only, which needs `x` contiguous)."""
     if not torch.compiler.is_compiling():
         out = shm.eager_all_reduce(x, group, reduce_op, inplace)
-    elif shm.in_graph(x):                         # compiled inference (a decode step): shared memory's op
+    elif shm.in_graph(x):                         # compiled, a small CPU tensor: shared memory's op
         out = torch.ops.autoshard.shm_all_reduce(x.contiguous(), _group_name(group), reduce_op)
     else:
         out = functional.wait_tensor(functional.all_reduce(x.contiguous(), reduce_op, _group_name(group)))

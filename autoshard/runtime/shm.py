@@ -8,12 +8,12 @@ has reached the same value, and reduces (or concatenates) all slots in rank orde
 computes the same bits (at 2 ranks the same bits as gloo's sum, addition being commutative; at
 more ranks the order may round differently from gloo's ring, alike on every rank; max
 and min propagate NaN, as torch.maximum does, where gloo's keep a NaN only if it comes first).
-`collectives.raw_all_reduce` and the all-gathers of `collectives.gather_pieces` call it in eager
-mode, for tensors of at most `LIMIT` bytes a rank on groups whose backend is gloo; anything else
-(larger tensors, NCCL, torch.compile's functional collectives, and any call made under a
-TorchDispatchMode: CommDebugMode counts c10d's ops, tracing modes record them; the ranks must
-agree on that too) keeps c10d's path, and autoshard's byte counters record the same collectives
-and bytes either way.
+`collectives.raw_all_reduce` and the all-gathers of `collectives.gather_pieces` call it, in eager
+mode and through custom ops in a compiled graph (`in_graph`), for tensors of at most `LIMIT`
+bytes a rank on groups whose backend is gloo; anything else (larger tensors, NCCL, a compiled
+graph whose collectives inductor may reorder, and any call made under a TorchDispatchMode:
+CommDebugMode counts c10d's ops, tracing modes record them; the ranks must agree on that too)
+keeps c10d's path, and autoshard's byte counters record the same collectives and bytes either way.
 
 Setup, once a process group, at its first collective that fits (a collective over gloo that
 every rank reaches at the same call): rank 0 creates a file under /dev/shm and a FIFO a rank
@@ -371,12 +371,15 @@ def eager_all_gather(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def in_graph(x: torch.Tensor) -> bool:
-    """Whether a collective of `x` traced by torch.compile should call this module's ops (inference,
-    a CPU tensor of at most LIMIT bytes) rather than PyTorch's functional ones;
-    decided from what tracing sees, the same on every rank. Training keeps the functional
-    collectives, which inductor may reorder and overlap. (Where shared memory is off, the op
-    runs c10d's collective.)"""
-    return not torch.is_grad_enabled() and x.device.type == "cpu" and x.numel() * x.element_size() <= LIMIT
+    """Whether a collective of `x` traced by torch.compile should call this module's ops (a CPU
+    tensor of at most LIMIT bytes) rather than PyTorch's functional ones; decided from what
+    tracing sees, the same on every rank. Where inductor is asked to reorder collectives for
+    overlap (`torch._inductor.config.reorder_for_compute_comm_overlap`), the functional ones,
+    which its passes know how to move. (Where shared memory is off, the op runs c10d's
+    collective.)"""
+    from torch._inductor import config as inductor_config
+    return x.device.type == "cpu" and x.numel() * x.element_size() <= LIMIT and \
+        not (torch.is_grad_enabled() and x.requires_grad) and not inductor_config.reorder_for_compute_comm_overlap
 
 
 @torch.library.custom_op("autoshard::shm_all_reduce", mutates_args=())
