@@ -27,7 +27,7 @@ from ..runtime.placements import REPLICATE, Replicate, Shard, local_numel
 from .cost import STATE_TOLERANCE, TIE_PRICE, flops
 from .memory import memory_of
 from .problem import IMBALANCE
-from .search import layer_key
+from .search import layer_key, uniform_layers
 from .sequence import EPS, activation_bytes, regather_seconds, token_dim, with_sequence_parallel
 
 # prices of a byte of training state (seconds) the search is run at; the cost model's own is added
@@ -86,7 +86,7 @@ def least_comm(prob, run):
     state, than at a GB ~ 1 s), the fastest within the bound then relaxed group by group (`_relax`: a
     layer made whole where that is faster and the bound still holds). So the plan is never slower
     than the anchor price's where that one is within the bound. Where no price reaches the bound,
-    the plan of least state."""
+    the plan of least state. Alike layers are then made one graph again (`search.uniform_layers`)."""
     whole = sum(_param_bytes(prob, k, REPLICATE) for k in prob.param_obj)
     bound = least_state(prob) + STATE_TOLERANCE * whole
     found = []                             # (within the bound, step seconds, state held, price, state)
@@ -110,6 +110,7 @@ def least_comm(prob, run):
     _, _, held, price, state = found[0]
     prob.price_state(price)               # the plan's objective is the one it was found at
     _relax(prob, state, max(bound, held), held)
+    uniform_layers(state)                 # a flip of the embedding alone may have set layer 0 apart again
     return state
 
 
