@@ -50,6 +50,12 @@ single-process model under the same autocast. Then:
   DTensor's eager step with ``autoshard.runtime.counters.count_functional`` (both count eager
   runs; a compiled graph runs the same collectives but is not counted).
 
+Transport: autoshard's all-reduces and all-gathers of CPU tensors up to 1 MiB a rank go through
+a shared-memory segment between the ranks (``autoshard.runtime.shm``), eager and compiled;
+DTensor's go through gloo. ``AUTOSHARD_SHM=0`` sends autoshard's through gloo too, and under
+``--overlap`` the compiled variants use PyTorch's functional collectives (on gloo), which
+inductor's passes may reorder.
+
 ``--overlap`` sets ``torch._inductor.config.reorder_for_compute_comm_overlap = True`` before
 either compiled variant is built, and, since in torch 2.13 that flag runs only the passes listed in
 ``reorder_for_compute_comm_overlap_passes`` (empty by default: the flag alone only stops an
