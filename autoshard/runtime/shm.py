@@ -375,8 +375,9 @@ def in_graph(x: torch.Tensor) -> bool:
     tensor of at most LIMIT bytes) rather than PyTorch's functional ones; decided from what
     tracing sees, the same on every rank. Where inductor is asked to reorder collectives for
     overlap (`torch._inductor.config.reorder_for_compute_comm_overlap`), the functional ones,
-    which its passes know how to move. (Where shared memory is off, the op runs c10d's
-    collective.)"""
+    which its passes know how to move; so too for an `x` that requires grad where grad is on (the
+    ops have no derivative: autoshard's autograd functions call them with grad off). (Where
+    shared memory is off, the op runs c10d's collective.)"""
     from torch._inductor import config as inductor_config
     return x.device.type == "cpu" and x.numel() * x.element_size() <= LIMIT and \
         not (torch.is_grad_enabled() and x.requires_grad) and not inductor_config.reorder_for_compute_comm_overlap

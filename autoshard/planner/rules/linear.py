@@ -129,7 +129,6 @@ def cover_heads(info: NodeInfo, x, w, b, w_out_dim: int, gathered: float) -> lis
         return []
     unit, params = max(heads), [w] + ([b] if b is not None else [])
     found = []
-
     for g in info.cover_candidates:
         ranges = cover_ranges(size, p, unit, g)
         if ranges is None:

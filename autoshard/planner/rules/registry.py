@@ -409,7 +409,8 @@ def valid(info: NodeInfo, s: OpStrategy) -> bool:
     size follows the inputs (batch, sequence) is split: the plan must hold for every size; a
     shard held by groups of ranks stays exact (`closed_groups`)."""
     p = info.world_size
-    if not closed_groups(s, backward=not info.inference) or any(_holders(pl) and n.op == "get_attr" for pl, n in zip(s.inputs, info.inputs)):
+    if not closed_groups(s, backward=not info.inference) or \
+            any(_holders(pl) and n.op == "get_attr" for pl, n in zip(s.inputs, info.inputs)):
         return False                 # (a parameter is held split or whole, never by groups of ranks or readers)
     if not _fits(s.output, info.val(info.node), p, dynamic_dims(info.node), s.uneven, info.tokens):
         return False
