@@ -48,6 +48,8 @@ MODELS = {
     "gpt2": lambda: hf_models.gpt2(),
     "qwen2": lambda: hf_models.qwen2(),
     "neox": _neox,
+    "phi3": lambda: hf_models.phi3(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=192,
+                                   seq=64, max_position_embeddings=128),      # fused qkv_proj and gate_up_proj
     "nemotron": _nemotron,
     # at 3 ranks (examples of 64 tokens, where splitting attention by heads pays): 7 heads that
     # do not divide (3, 2, 2 a rank), and 6 query heads over 2 K/V heads (fewer K/V heads than ranks)
@@ -253,6 +255,33 @@ def test_greedy_nemotron(dist2):
     analysed), so that comparison is left out here."""
     results = dist2.run(_generate_case, "nemotron", 1, GREEDY, timeout=600)
     _check([r[:9] + (None,) + r[10:] for r in results], "nemotron")
+
+
+def _no_cache_case(rank, p, name):
+    """generate with the model's config at use_cache=False (a training config: HF then passes the
+    whole sequence every step and keeps no cache) and with use_cache=True: tokens and scores as
+    one process's either way (the step read the sequence again on top of its cache before)."""
+    import autoshard
+    model, kw = MODELS[name]()
+    assert model.config.use_cache is False
+    ref = copy.deepcopy(model).eval()
+    gm = autoshard.parallelize(model, p, kw, tracer="export").eval()
+    ids = kw["input_ids"][:1, :6]
+    out = []
+    for use_cache in (None, True):
+        options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                       output_scores=True, **({} if use_cache is None else {"use_cache": use_cache}))
+        got, want = gm.generate(input_ids=ids, **options), ref.generate(input_ids=ids, **options)
+        out.append((got.sequences.tolist() == want.sequences.tolist(),
+                    max(float((a - b).abs().max()) for a, b in zip(got.scores, want.scores)), _cache_of(got) is None))
+    return out
+
+
+@pytest.mark.parametrize("name", ["phi3"])
+def test_generate_without_cache(name, dist2):
+    for (same, diff, no_cache), (same_c, diff_c, _) in dist2.run(_no_cache_case, name, timeout=600):
+        assert same and diff < 1e-4 and no_cache, (same, diff, no_cache)
+        assert same_c and diff_c < 1e-4, (same_c, diff_c)
 
 
 @pytest.mark.slow

@@ -81,6 +81,13 @@ class ParallelCausalLM(nn.Module):
                                 "attentions or hidden states")
         if isinstance(logits_to_keep, int) and logits_to_keep not in (0, 1):
             raise ShardingError(f"generate: logits_to_keep={logits_to_keep}; the step returns the last position's")
+        if use_cache is False:        # HF passes the whole sequence every step and keeps no cache
+            if cache is not None and cache.get_seq_length():
+                raise ShardingError("generate: use_cache=False with a filled cache; pass use_cache=True to decode "
+                                    "from the cache")
+            logits, _, _ = self.call(self.step, dict(input_ids=input_ids, attention_mask=attention_mask,
+                                                     position_ids=position_ids, keys=(), values=()))
+            return CausalLMOutputWithPast(logits=logits)
         if isinstance(cache, StaticCache):
             check_static(cache)
             logits = run_static(self, cache, input_ids, attention_mask, position_ids, autoshard_compile)
