@@ -251,7 +251,8 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str, overl
             variant = plan_graph(cap.gm, plan.world_size, plan.cost_model, search=plan.search, tracer=cap.tracer,
                                  notes=cap.notes, example=(cap.args, cap.kwargs), layouts=dict(plan.layouts),
                                  outputs=plan.outputs if step is None else "full",
-                                 held=frozenset() if step is None else step.held(cap.gm), inference=step is not None)
+                                 held=frozenset() if step is None else step.held(cap.gm), inference=step is not None,
+                                 held_inputs=None if step is None else step.held_inputs(cap.gm))
         except ShardingError as e:
             raise ShardingError(f"a call with ({call.describe()}) cannot run on this module: {e}") from e
         if pg is not None:

@@ -115,6 +115,14 @@ class Step:
         n = len(kwargs["keys"])
         return args, {**kwargs, "keys": tuple(whole[:n]), "values": tuple(whole[n:])}
 
+    def held_inputs(self, gm) -> dict:
+        """{placeholder: placement} of the cache inputs of captured graph `gm`: as the prefill
+        returned them, so a decode step reads and returns its cache in the prefill's layouts."""
+        names = [n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target.startswith(("keys", "values"))]
+        if not names or self.layouts is None or len(names) != len(self.layouts):
+            return {}
+        return {n: pl for n, (pl, _) in zip(names, self.layouts) if pl is not None}
+
     @staticmethod
     def held(gm) -> frozenset:
         """Every flat output but the logits (the first): the cache's tensors."""

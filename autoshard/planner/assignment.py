@@ -90,6 +90,9 @@ class State:
                 req = s.inputs[slot]
                 if req is None:
                     continue
+                if j in prob.held_inputs and req != prob.held_inputs[j] and isinstance(prob.val[i], torch.Tensor):
+                    c = INF              # a held input (a decode step's cache) read as the prefill returned it
+                    break
                 c += prob.edge_cost(j, place[j], req, s.grad(slot), before[slot] or prob.whole_anyway(j, place))
                 if c >= best_c:
                     break

@@ -109,12 +109,13 @@ def unit_candidates(gm: fx.GraphModule) -> tuple:
 
 def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
                tracer="fx", notes=(), example=((), {}), layouts=None, outputs="full", blocks=(),
-               held=frozenset(), sequence_parallel=False, inference=False) -> Plan:
+               held=frozenset(), sequence_parallel=False, inference=False, held_inputs=None) -> Plan:
     """Plan an already captured graph (shapes in node.meta['val']); `layouts` (parameter name ->
     placement) fixes the parameters' layouts, leaving the search only the activations; with
     `cost.memory_budget`, the fastest plan that fits (`budget`; `blocks`: the modules it may recompute);
     `outputs` ("full" or "sharded") is what the graph's output needs of the tensors it returns;
     `held`: positions of the flat outputs returned as each rank holds them (no collective);
+    `held_inputs`: {placeholder: placement} of inputs that come in as the ranks hold them (read so);
     `inference`: the graph runs without backward (a generation step), so rules may offer
     strategies whose gradients would not be placed right;
     `sequence_parallel` (True, False, or None: where a memory budget needs it) holds the stream
@@ -128,7 +129,7 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     def make(c, tokens=False):
         return _search.Problem(gm, world_size, c, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
                                outputs=outputs, part_candidates=part_candidates(gm), tokens=tokens, inference=inference,
-                               **({} if budgeted else {"layouts": layouts, "held": held}))
+                               **({} if budgeted else {"layouts": layouts, "held": held, "held_inputs": held_inputs}))
     prob = make(cost)
     if not prob.param_obj:
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")

@@ -54,7 +54,8 @@ class Problem:
 
     def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(), unit_candidates=(),
                  pins: dict | None = None, layouts: dict | None = None, outputs: str = "full", part_candidates=(),
-                 held: frozenset = frozenset(), tokens: bool = False, inference: bool = False):
+                 held: frozenset = frozenset(), tokens: bool = False, inference: bool = False,
+                 held_inputs: dict | None = None):
         self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
         self.tokens = tokens          # sequence parallelism: ops may split the token dim (planner.sequence)
         self.nodes = list(gm.graph.nodes)
@@ -120,6 +121,10 @@ class Problem:
         for i, key in self.param_key.items():
             self.param_nodes.setdefault(key, []).append(i)
         self.held = _held_nodes(self.nodes, self.idx, held)    # node indices returned as they are held
+        # inputs that come in as the ranks hold them (a decode step's cache, as the prefill returned
+        # it): ops read them in that placement only (`assignment.State`)
+        self.held_inputs = {i: (held_inputs or {})[n.target] for i, n in enumerate(self.nodes)
+                            if n.op == "placeholder" and n.target in (held_inputs or {})}
         self.needs_grad = self._needs_grad()
         views = ViewClasses.of(self.nodes, self.idx, self.users,
                                returned={j for i, k in enumerate(self.kind) if k == "output" for j in self.ins[i]})
@@ -189,6 +194,8 @@ class Problem:
     def redistribution(self, j: int, src, req):
         """`transitions.redistribute` for tensor j: an all-to-all needs equal blocks, so between shards of
         unequal sizes it is a gather and a cut (as the rewrite moves them)."""
+        if j in self.held_inputs and isinstance(src, Replicate) and held_by_groups(req) and req.chunks == 1:
+            return (), ()            # a held cache cut to its group's piece (the rank's own: no collective)
         if src != req and any(isinstance(q, Shard) and q.groups > 1 for q in (src, req)):
             return None              # grouped blocks are only read as they are (by `regroup`)
         r = redistribute(src, req)

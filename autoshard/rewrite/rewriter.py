@@ -25,7 +25,7 @@ from ..runtime import collectives as C
 from ..runtime.groups import subgroup
 from ..runtime.pieces import split_along
 from ..runtime.placements import (Partial, Replicate, ReplicatePartialGrad, Shard, cover_cut, cover_ranges,
-                                  held_by_groups, held_by_readers, layout_of, stored)
+                                  held_by_groups, held_by_readers, layout_of, shares, stored)
 from ..runtime.sequence import REGATHERED
 from ..runtime.state_dict import register_parallel_attribute
 from ..runtime.transitions import fused_backward, redistribute
@@ -150,6 +150,10 @@ class Rewriter(LocalOps, Outputs):
             return x
         if held_by_readers(src) or held_by_readers(dst):
             return self._cut_held(x, src, dst)
+        if isinstance(src, Replicate) and held_by_groups(dst) and dst.chunks == 1:   # a held cache: its group's piece
+            sizes, m = shares(int(self.val(x.name).shape[dst.dim]), dst, self.p)[0], dst.replicas
+            start = sum(sizes[k * m] for k in range(self.rank // m))
+            return self.call(C.slice_held, (x, dst.dim, start, sizes[self.rank]))
         if held_by_groups(src):          # the group's piece, cut to this rank's own within the group
             if dst == src:
                 return x
