@@ -224,11 +224,6 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
     for j, n in enumerate(prob.nodes):
         if not prob.nbytes[j]:
             continue
-        if prob.root[j] == j and math.isinf(prob.tensor_cost(j, state.place, state.sidx)):
-            wants = sorted({f"{prob.nodes[c].name} as {prob.strats[c][state.sidx[c]].inputs[k]}"
-                            for c in prob.users[j] if prob.strats[c] for k, t in enumerate(prob.ins[c]) if t == j})
-            raise ShardingError(f"no plan found: tensor {n.name} {list(prob.val[j].shape)} is held as "
-                                f"{state.place[j]}, and no collective makes what its readers need ({', '.join(wants)})")
         for req, grad, fwd, bwd, consumers, via in prob.comms_of(j, state.place, state.sidx):
             if regathered.get(j) == tuple(consumers):
                 bwd = REGATHERED
