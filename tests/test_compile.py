@@ -1,6 +1,7 @@
 """torch.compile of the parallel module: its collectives are traceable (PyTorch's functional
-collectives, or shared memory's custom ops for small CPU tensors), so dynamo traces them into the graph, and `fullgraph=True` (which raises at any graph break) compiles
-each block, or the whole module, in one graph. Compiled equals eager (loss and every gradient) at
+collectives, or shared memory's custom ops for small CPU tensors), so dynamo traces them into the
+graph, and `fullgraph=True` (which raises at any graph break) compiles each block, or the whole
+module, in one graph. Compiled equals eager (loss and every gradient) at
 batch and sequence sizes that change from step to step, and after the first change (PyTorch's
 automatic dynamic shapes) new sizes compile nothing new. The blocks of a model's N alike layers
 share one compiled function: 10 LLaMA layers compile as 1 graph (layer 0 planned as the others),
@@ -69,7 +70,7 @@ def _compiled_equals_eager(rank, p, name, whole):
 def test_compiled_equals_eager(dist2, name, whole):
     first = dist2.run(_compiled_equals_eager, name, whole, timeout=900)[0]
     if name == "llama10":
-        assert first == 1, first                    # ten alike layers, layer 0 too (`search.uniform_layers`): one graph
+        assert first == 1, first            # ten alike layers, layer 0 too (`search.uniform_layers`): one graph
 
 
 @pytest.mark.slow

@@ -360,9 +360,9 @@ def test_a_compiled_inference_step_uses_the_segment(dist2):
 
 def _compiled_training_case(rank, p, reorder):
     """A compiled training step through the autograd collectives (Megatron's reduce_from, then
-    gather_from, and their backward: identity, then a slice): its forward collectives go through
-    the segment, or, where inductor is asked to reorder collectives for overlap, PyTorch's
-    functional ones; the output and the input's gradient equal eager's."""
+    gather_from, and copy_to's backward all-reduce): its collectives go through the segment, or,
+    where inductor is asked to reorder collectives for overlap, PyTorch's functional ones; the
+    output and the input's gradient equal eager's."""
     import torch._inductor.config as inductor_config
     from autoshard.runtime import shm
     from autoshard.runtime.collectives import copy_to, gather_from, reduce_from

@@ -118,7 +118,7 @@ class Step:
     def held_inputs(self, gm) -> dict:
         """{placeholder: placement} of the cache inputs of captured graph `gm`: as the prefill
         returned them, so a decode step reads and returns its cache in the prefill's layouts."""
-        names = [n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target.startswith(("keys", "values"))]
+        names = _cache_inputs(gm)
         if not names or self.layouts is None or len(names) != len(self.layouts):
             return {}
         return {n: pl for n, (pl, _) in zip(names, self.layouts) if pl is not None}
@@ -132,8 +132,7 @@ class Step:
         """Take the cache inputs' slices out of the rank's graph (they come in as the rank holds
         them); the prefill fixes the cache's layouts, and every decode step must read and return
         its cache in them. Returns how the input check is made local."""
-        names = [n.target for n in holder.graph.nodes if n.op == "placeholder"
-                 and n.target.startswith(("keys", "values"))]
+        names = _cache_inputs(holder)
         held = localize(holder, plan, names)
         flat = _flat_outputs(plan.graph_module)[1:]
         returned = [(plan.output_placements.get(x.name), _split_size(x, plan.output_placements.get(x.name)))
@@ -147,6 +146,11 @@ class Step:
         pg = get_group(holder.__dict__.get("_autoshard_group"))
         p, rank = torch.distributed.get_world_size(pg), torch.distributed.get_rank(pg)
         return lambda check: local_check(check, held, p, rank)
+
+
+def _cache_inputs(gm) -> list:
+    """The placeholders of `gm` that take the cache's tensors (keys, then values), in graph order."""
+    return [n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target.startswith(("keys", "values"))]
 
 
 def _flat_outputs(gm) -> list:

@@ -123,8 +123,9 @@ class Problem:
         self.held = _held_nodes(self.nodes, self.idx, held)    # node indices returned as they are held
         # inputs that come in as the ranks hold them (a decode step's cache, as the prefill returned
         # it): ops read them in that placement only (`assignment.State`)
-        self.held_inputs = {i: (held_inputs or {})[n.target] for i, n in enumerate(self.nodes)
-                            if n.op == "placeholder" and n.target in (held_inputs or {})}
+        held_inputs = held_inputs or {}
+        self.held_inputs = {i: held_inputs[n.target] for i, n in enumerate(self.nodes)
+                            if n.op == "placeholder" and n.target in held_inputs}
         self.needs_grad = self._needs_grad()
         views = ViewClasses.of(self.nodes, self.idx, self.users,
                                returned={j for i, k in enumerate(self.kind) if k == "output" for j in self.ins[i]})
