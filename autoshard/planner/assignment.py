@@ -72,14 +72,15 @@ class State:
             hit = prob.best_memo[key] = self._best_uncached(i, place, before)
         return hit
 
-    def _best_uncached(self, i, place, before) -> int:
+    def _best_uncached(self, i, place, before, guard: bool = True) -> int:
         prob = self.prob
         best, best_c = 0, INF
         # an Rp input (replicated K/V) is sliced only where it meets an input split already (the
         # query heads): slicing it on its own is locally free but starts a split whose cost
         # shows only later, which a node-by-node choice cannot see
-        # (so is a shard held by groups of ranks, cut to each rank's own piece)
-        rp = any(_whole_in_group(place[j]) for j in prob.ins[i])
+        # (so is a shard held by groups of ranks, cut to each rank's own piece); where that
+        # leaves no finite way (a piece held by its readers cannot be read whole), it is cut
+        rp = guard and any(_whole_in_group(place[j]) for j in prob.ins[i])
         split_in = rp and any(isinstance(place[j], Shard) and not _whole_in_group(place[j]) for j in prob.ins[i])
         for si, s in enumerate(prob.strats[i]):
             if rp and not split_in and any(_whole_in_group(place[j]) and isinstance(s.inputs[slot], Shard) and
@@ -98,6 +99,8 @@ class State:
                     break
             if c < best_c:
                 best, best_c = si, c
+        if best_c == INF and rp:
+            return self._best_uncached(i, place, before, guard=False)
         return best
 
     def _out(self, i, si, place):

@@ -58,6 +58,7 @@ class Problem:
                  held_inputs: dict | None = None):
         self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
         self.tokens = tokens          # sequence parallelism: ops may split the token dim (planner.sequence)
+        self.inference = inference    # no backward (a generation step): a whole tensor may be cut to any piece
         self.nodes = list(gm.graph.nodes)
         self.idx = {n: i for i, n in enumerate(self.nodes)}
         modules = dict(gm.named_modules())
@@ -206,6 +207,9 @@ class Problem:
                 cover_cut(int(self.val[j].shape[src.dim]), src, req, self.p) is None:
             return None              # a rank's piece of `req` must lie inside the heads it holds
         if held_by_readers(req) and not held_by_readers(src) and self.kind[j] != "input":
+            if self.inference and type(src) is Replicate and req.unit != req.cover and \
+                    1 < int(self.val[j].shape[req.dim]) // req.unit < self.p:
+                return (), ()        # no backward: K/V of fewer heads than ranks cut to their readers' heads
             return None              # made only by K/V projections, or cut from an input (a held cache)
         if r == (("all_to_all",), ("all_to_all",)) and not self.even(j, src, req):
             return ("all_gather",), ("all_gather",)
