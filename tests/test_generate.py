@@ -313,6 +313,35 @@ def test_generate_without_cache(name, dist2):
         assert same_c and diff_c < 1e-4, (same_c, diff_c)
 
 
+def _eos_case(rank, p, name):
+    """Greedy generation that stops on `eos_token_id`: the token one process's model writes third
+    in the first row of a left-padded batch is made the end-of-sequence token; that row is then
+    padded with pad_token_id after it while the others go on, and a prompt alone stops there."""
+    import autoshard
+    model, kw = MODELS[name]()
+    ref = copy.deepcopy(model).eval()
+    gm = autoshard.parallelize(model, p, kw, tracer="export").eval()
+    prompts = _prompts(kw, 3)
+    options = dict(max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    free = ref.generate(**prompts, **options)
+    eos = int(free[0, prompts["input_ids"].size(1) + 2])
+    out = []
+    for batch in (prompts, {"input_ids": prompts["input_ids"][:1]}):
+        got, want = gm.generate(**batch, **options, eos_token_id=eos), ref.generate(**batch, **options, eos_token_id=eos)
+        out.append((got.tolist(), want.tolist()))
+    return eos, free.tolist(), out
+
+
+def test_stops_on_eos(dist2):
+    for eos, free, ((got, want), (got1, want1)) in dist2.run(_eos_case, "llama", timeout=600):
+        assert got == want and got1 == want1, (got, want, got1, want1)
+        start, new = 6, 8
+        first = got[0].index(eos, start)                 # row 0 ends at its first eos (its third new token at latest)
+        assert first <= start + 2 and got[0][first + 1:] == [0] * (len(got[0]) - first - 1), (eos, got[0])
+        assert len(got1[0]) < start + new and got1[0][-1] == eos, (eos, got1)        # a prompt alone stops there
+        assert len(free[0]) == start + new, free                                     # (without eos it would not)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,name", [(2, "llama"), (3, "llama6_2")])
 def test_sampling_agrees(world, name, request):
