@@ -43,6 +43,16 @@ def _nemotron(**kw):
     return hf_models.build_model(NemotronConfig, NemotronForCausalLM, cfg), hf_models.example_kwargs(256)
 
 
+def _falcon(**kw):
+    """Falcon's new decoder architecture: one fused query_key_value in groups (each K/V head's query
+    heads, then its K and V), parallel attention and MLP; its cache holds K and V expanded to the
+    query heads."""
+    from transformers import FalconConfig, FalconForCausalLM
+    cfg = dict(vocab_size=256, hidden_size=96, num_attention_heads=6, num_kv_heads=2, new_decoder_architecture=True,
+               num_hidden_layers=2, max_position_embeddings=128, parallel_attn=True, bias=False, **kw)
+    return hf_models.build_model(FalconConfig, FalconForCausalLM, cfg), hf_models.example_kwargs(256, seq=64)
+
+
 MODELS = {
     "llama": lambda: hf_models.llama(),
     "llama_mqa": lambda: hf_models.llama(num_attention_heads=4, num_key_value_heads=1),
@@ -52,6 +62,7 @@ MODELS = {
     "phi3": lambda: hf_models.phi3(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=192,
                                    seq=64, max_position_embeddings=128),      # fused qkv_proj and gate_up_proj
     "nemotron": _nemotron,
+    "falcon": _falcon,
     # at 3 ranks (examples of 64 tokens, where splitting attention by heads pays): 7 heads that
     # do not divide (3, 2, 2 a rank), and 6 query heads over 2 K/V heads (fewer K/V heads than ranks)
     "llama7": lambda: hf_models.llama(hidden_size=56, num_attention_heads=7, num_key_value_heads=7,
@@ -250,6 +261,33 @@ def test_greedy_world3_fused_qkv(dist3):
     results = dist3.run(_generate_case, "phi3", 3, GREEDY, timeout=600)
     _check([r[:9] + (None,) + r[10:] for r in results], "phi3 6/2 heads at 3")
     assert [r[4] for r in results] == [[1, 1], [2, 2], [1, 1]], [r[4] for r in results]
+
+
+def _expanded_cache_case(rank, p, name):
+    """(tokens equal one process's, K and V heads a rank caches, one process's), dynamic and static
+    cache, for a model whose cache holds K/V expanded to the query heads."""
+    import autoshard
+    model, kw = MODELS[name]()
+    ref = copy.deepcopy(model).eval()
+    gm = autoshard.parallelize(model, p, kw, tracer="export").eval()
+    out = []
+    for extra in ({}, {"cache_implementation": "static"}):
+        options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, use_cache=True, return_dict_in_generate=True,
+                       **extra)
+        got, want = gm.generate(**_prompts(kw, 1), **options), ref.generate(**_prompts(kw, 1), **options)
+        layer, whole = _cache_of(got).layers[0], _cache_of(want).layers[0]
+        out.append((got.sequences.tolist() == want.sequences.tolist(), int(layer.keys.shape[1]),
+                    int(layer.values.shape[1]), int(whole.keys.shape[1])))
+    return out
+
+
+def test_expanded_cache_world3(dist3):
+    """Falcon (new decoder architecture, 6 query / 2 K/V heads) at 3 ranks: its cache holds K and V
+    expanded to the 6 query heads; each rank keeps its own query heads' 2 (the pieces held by the
+    ranks that read them are cut to the even share inside them as the step returns them), where
+    ranks held 3, 6 and 3 before (the middle rank the whole cache)."""
+    for rank in dist3.run(_expanded_cache_case, "falcon", timeout=600):
+        assert rank == [(True, 2, 2, 6)] * 2, rank
 
 
 def _replicated_kv(layers=2):

@@ -276,8 +276,12 @@ class Problem:
         """The placement the graph's output takes of a tensor of `shape` held as `src` (node j):
         whole, or with outputs="sharded" a shard at DTensor's boundaries as it is (a strided
         shard, one in whole heads or a balanced one, which a DTensor's Shard cannot describe, is
-        gathered; a Partial one all-reduced); any shard as it is where j is `held`."""
+        gathered; a Partial one all-reduced); any shard as it is where j is `held`, a piece held
+        by its readers cut to the rank's even share where that lies inside it (a cache of K/V
+        expanded to the query heads, Falcon's: each rank keeps its query heads' only)."""
         if j in self.held and isinstance(src, Shard):
+            if held_by_readers(src) and cover_cut(int(shape[src.dim]), src, Shard(src.dim), self.p) is not None:
+                return Shard(src.dim)
             return src
         if self.outputs == "sharded" and dtensor_boundaries(shape, src, self.p):
             return src
