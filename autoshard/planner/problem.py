@@ -58,7 +58,7 @@ class Problem:
                  held_inputs: dict | None = None):
         self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
         self.tokens = tokens          # sequence parallelism: ops may split the token dim (planner.sequence)
-        self.inference = inference    # no backward (a generation step): a whole tensor may be cut to any piece
+        self.inference = inference    # no backward (a generation step): a whole K or V may be cut to its readers' heads
         self.nodes = list(gm.graph.nodes)
         self.idx = {n: i for i, n in enumerate(self.nodes)}
         modules = dict(gm.named_modules())
@@ -209,7 +209,7 @@ class Problem:
         if held_by_readers(req) and not held_by_readers(src) and self.kind[j] != "input":
             if self.inference and type(src) is Replicate and req.unit != req.cover and \
                     1 < int(self.val[j].shape[req.dim]) // req.unit < self.p:
-                return (), ()        # no backward: K/V of fewer heads than ranks cut to their readers' heads
+                return (), ()        # no backward: K/V cut to its readers' heads (in K/V heads, not expanded)
             return None              # made only by K/V projections, or cut from an input (a held cache)
         if r == (("all_to_all",), ("all_to_all",)) and not self.even(j, src, req):
             return ("all_gather",), ("all_gather",)
@@ -276,9 +276,8 @@ class Problem:
         """The placement the graph's output takes of a tensor of `shape` held as `src` (node j):
         whole, or with outputs="sharded" a shard at DTensor's boundaries as it is (a strided
         shard, one in whole heads or a balanced one, which a DTensor's Shard cannot describe, is
-        gathered; a Partial one all-reduced); any shard as it is where j is `held`, a piece held
-        by its readers cut to the rank's even share where that lies inside it (a cache of K/V
-        expanded to the query heads, Falcon's: each rank keeps its query heads' only)."""
+        gathered; a Partial one all-reduced); any shard as it is where j is `held`, a piece held by
+        its readers cut to the rank's even share inside it (Falcon's cache of expanded K/V)."""
         if j in self.held and isinstance(src, Shard):
             if held_by_readers(src) and cover_cut(int(shape[src.dim]), src, Shard(src.dim), self.p) is not None:
                 return Shard(src.dim)
