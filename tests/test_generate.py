@@ -49,7 +49,8 @@ def _falcon(**kw):
     query heads."""
     from transformers import FalconConfig, FalconForCausalLM
     cfg = dict(vocab_size=256, hidden_size=96, num_attention_heads=6, num_kv_heads=2, new_decoder_architecture=True,
-               num_hidden_layers=2, max_position_embeddings=128, parallel_attn=True, bias=False, **kw)
+               num_hidden_layers=2, max_position_embeddings=128, parallel_attn=True, bias=False)
+    cfg.update(kw)
     return hf_models.build_model(FalconConfig, FalconForCausalLM, cfg), hf_models.example_kwargs(256, seq=64)
 
 
@@ -63,6 +64,7 @@ MODELS = {
                                    seq=64, max_position_embeddings=128),      # fused qkv_proj and gate_up_proj
     "nemotron": _nemotron,
     "falcon": _falcon,
+    "falcon8_2": lambda: _falcon(hidden_size=128, num_attention_heads=8),      # 2 K/V groups on 4 ranks
     # at 3 ranks (examples of 64 tokens, where splitting attention by heads pays): 7 heads that
     # do not divide (3, 2, 2 a rank), and 6 query heads over 2 K/V heads (fewer K/V heads than ranks)
     "llama7": lambda: hf_models.llama(hidden_size=56, num_attention_heads=7, num_key_value_heads=7,
@@ -288,6 +290,18 @@ def test_expanded_cache_world3(dist3):
     ranks held 3, 6 and 3 before (the middle rank the whole cache)."""
     for rank in dist3.run(_expanded_cache_case, "falcon", timeout=600):
         assert rank == [(True, 2, 2, 6)] * 2, rank
+
+
+@pytest.mark.parametrize("world,name,heads", [(2, "falcon", 3), pytest.param(4, "falcon8_2", 2, marks=pytest.mark.slow)])
+def test_cache_split_where_attention_trains_whole(world, name, heads, request):
+    """Falcon whose training plan splits the fused query_key_value in rows that do not follow its
+    K/V groups (hidden 96 at 2 ranks; 2 groups on 4 ranks), so K and V come out of it whole on
+    every rank: a generation step cuts them by heads before the cache is written
+    (`planner.inference`), and each rank caches 1/p of the expanded heads, where every rank
+    cached all of them before (tokens exact either way), dynamic and static cache."""
+    pool = request.getfixturevalue(f"dist{world}")
+    for rank in pool.run(_expanded_cache_case, name, timeout=600):
+        assert rank == [(True, heads, heads, heads * world)] * 2, rank
 
 
 def _replicated_kv(layers=2):

@@ -33,6 +33,7 @@ from . import rules
 from .aliases import ViewClasses
 from .cost import CostModel, flops
 from .decisions import decision_groups, fix_layouts
+from .inference import cache_chain, free_cut, held_nodes, held_share
 from .rules.registry import NodeInfo, OpStrategy, group_sizes, reader_counts, regroup_readers
 
 INF = math.inf
@@ -121,7 +122,7 @@ class Problem:
         self.param_nodes: dict[int, list] = {}
         for i, key in self.param_key.items():
             self.param_nodes.setdefault(key, []).append(i)
-        self.held = _held_nodes(self.nodes, self.idx, held)    # node indices returned as they are held
+        self.held = held_nodes(self.nodes, self.idx, held)    # node indices returned as they are held
         # inputs that come in as the ranks hold them (a decode step's cache, as the prefill returned
         # it): ops read them in that placement only (`assignment.State`)
         held_inputs = held_inputs or {}
@@ -132,6 +133,8 @@ class Problem:
                                returned={j for i, k in enumerate(self.kind) if k == "output" for j in self.ins[i]})
         self.view_parent, self.root, self.members = views.parent, views.root, views.members
         self.returned_above, self.reread = views.returned_above, views.reread
+        self.cache_chain = cache_chain(self)      # (no gradient to price there: a step without backward)
+        self.needs_grad = [g and j not in self.cache_chain for j, g in enumerate(self.needs_grad)]
         self.node_cost = [[self._node_cost(i, s) for s in ss] for i, ss in enumerate(self.strats)]
         self._edge_cache: dict = {}
         self.best_memo: dict = {}
@@ -164,7 +167,7 @@ class Problem:
 
     # ---------------------------------------------------------------- costs
     def _node_cost(self, i: int, s: OpStrategy) -> float:
-        c = self.cost.compute_time(flops(self.nodes[i], s) * s.compute)
+        c = self.cost.compute_time(flops(self.nodes[i], s) * held_share(self, i, s))
         for kind, nb in s.comm:
             c += self.cost.comm_time(kind, nb, self.p)
         return c
@@ -206,6 +209,8 @@ class Problem:
         if r == ((), ()) and held_by_readers(src) and src != req and \
                 cover_cut(int(self.val[j].shape[src.dim]), src, req, self.p) is None:
             return None              # a rank's piece of `req` must lie inside the heads it holds
+        if free_cut(self, j, src, req):
+            return (), ()            # K or V cut by heads before the cache (planner.inference)
         if held_by_readers(req) and not held_by_readers(src) and self.kind[j] != "input":
             if self.inference and type(src) is Replicate and req.unit != req.cover and \
                     1 < int(self.val[j].shape[req.dim]) // req.unit < self.p:
@@ -439,12 +444,3 @@ def _structure(n: fx.Node, module) -> tuple | None:
     except TypeError:
         return None
     return key
-
-
-def _held_nodes(nodes, idx, positions) -> frozenset:
-    """The node indices of the graph's flat outputs at `positions` (held: returned as they are)."""
-    if not positions:
-        return frozenset()
-    out = next(n for n in nodes if n.op == "output")
-    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
-    return frozenset(idx[flat[k]] for k in positions if isinstance(flat[k], fx.Node))
