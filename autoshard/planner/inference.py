@@ -8,14 +8,15 @@ write: the price of a whole cache shows only at the graph's output. So, in a ste
 backward, the ops between the last projection and a cache output (`cache_chain`) may read a
 whole input cut to an even shard of a heads dim for nothing (no backward to price), and such a
 shard counts 1/p of their work (`held_share`): the first op with work cuts K and V by heads,
-the cache holds each rank's heads, and attention reads them split.
+the cache holds each rank's heads, and attention reads them split. A K or V of fewer heads than
+ranks is cut so to the heads its readers' queries read (`free_cut`).
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
 from ..capture.dynamic import dynamic_dims
-from ..runtime.placements import Replicate, Shard
+from ..runtime.placements import Replicate, Shard, held_by_readers
 from .rules.registry import family_of
 
 
@@ -58,9 +59,15 @@ def heads_shard(prob, j: int, placement) -> bool:
 
 
 def free_cut(prob, j: int, src, req) -> bool:
-    """Whether tensor j goes from `src` to `req` by a local slice with nothing to price: a whole
-    tensor of the cache chain cut to an even heads shard."""
-    return type(src) is Replicate and j in prob.cache_chain and heads_shard(prob, j, req)
+    """Whether tensor j goes from `src` to `req` by a local slice with nothing to price, in a step
+    without backward: a whole tensor of the cache chain cut to an even heads shard, or a whole K
+    or V of fewer heads than ranks cut to the heads its readers' queries read (`Shard(d, unit,
+    cover=g)`, in units of a K/V head, not of the query heads a K/V head is expanded to)."""
+    if not prob.inference or type(src) is not Replicate:
+        return False
+    if held_by_readers(req):
+        return req.unit != req.cover and 1 < int(prob.val[j].shape[req.dim]) // req.unit < prob.p
+    return j in prob.cache_chain and heads_shard(prob, j, req)
 
 
 def held_share(prob, i: int, s) -> float:

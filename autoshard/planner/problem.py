@@ -59,7 +59,7 @@ class Problem:
                  held_inputs: dict | None = None):
         self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
         self.tokens = tokens          # sequence parallelism: ops may split the token dim (planner.sequence)
-        self.inference = inference    # no backward (a generation step): a whole K or V may be cut to its readers' heads
+        self.inference = inference    # no backward (a generation step): whole K and V cut by heads (`free_cut`)
         self.nodes = list(gm.graph.nodes)
         self.idx = {n: i for i, n in enumerate(self.nodes)}
         modules = dict(gm.named_modules())
@@ -210,11 +210,8 @@ class Problem:
                 cover_cut(int(self.val[j].shape[src.dim]), src, req, self.p) is None:
             return None              # a rank's piece of `req` must lie inside the heads it holds
         if free_cut(self, j, src, req):
-            return (), ()            # K or V cut by heads before the cache (planner.inference)
+            return (), ()            # a step without backward: K or V cut by heads (planner.inference)
         if held_by_readers(req) and not held_by_readers(src) and self.kind[j] != "input":
-            if self.inference and type(src) is Replicate and req.unit != req.cover and \
-                    1 < int(self.val[j].shape[req.dim]) // req.unit < self.p:
-                return (), ()        # no backward: K/V cut to its readers' heads (in K/V heads, not expanded)
             return None              # made only by K/V projections, or cut from an input (a held cache)
         if r == (("all_to_all",), ("all_to_all",)) and not self.even(j, src, req):
             return ("all_gather",), ("all_gather",)
