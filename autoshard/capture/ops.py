@@ -20,6 +20,12 @@ aten = torch.ops.aten
 LOSS_OPS = (F.cross_entropy, aten.cross_entropy_loss.default, nn.CrossEntropyLoss)
 
 
+def flat_outputs(nodes) -> list:
+    """What a graph's output node returns (of its `nodes`), as a flat list."""
+    out = next(n for n in nodes if n.op == "output")
+    return list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+
+
 def is_loss(node: fx.Node, modules: dict) -> bool:
     """Whether `node` is a cross entropy: a function of LOSS_OPS, or a call of a module of one of
     its classes (`modules`: the graph module's named modules)."""

@@ -24,6 +24,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from ..capture.ops import flat_outputs
 from ..errors import ShardingError
 from ..rewrite.held import local_check, localize
 from ..runtime.groups import get_group
@@ -126,7 +127,7 @@ class Step:
     @staticmethod
     def held(gm) -> frozenset:
         """Every flat output but the logits (the first): the cache's tensors."""
-        return frozenset(range(1, len(_flat_outputs(gm))))
+        return frozenset(range(1, len(flat_outputs(gm.graph.nodes))))
 
     def localize(self, holder, plan):
         """Take the cache inputs' slices out of the rank's graph (they come in as the rank holds
@@ -134,7 +135,7 @@ class Step:
         its cache in them. Returns how the input check is made local."""
         names = _cache_inputs(holder)
         held = localize(holder, plan, names)
-        flat = _flat_outputs(plan.graph_module)[1:]
+        flat = flat_outputs(plan.graph_module.graph.nodes)[1:]
         returned = [(plan.output_placements.get(x.name), _split_size(x, plan.output_placements.get(x.name)))
                     for x in flat]
         if not names:
@@ -151,11 +152,6 @@ class Step:
 def _cache_inputs(gm) -> list:
     """The placeholders of `gm` that take the cache's tensors (keys, then values), in graph order."""
     return [n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target.startswith(("keys", "values"))]
-
-
-def _flat_outputs(gm) -> list:
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    return list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
 
 
 def _split_size(node, placement) -> int | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..capture.dynamic import dynamic_dims
+from ..capture.ops import flat_outputs
 from ..runtime.placements import Replicate, Shard, held_by_readers
 from .rules.registry import family_of
 
@@ -24,8 +25,7 @@ def held_nodes(nodes, idx, positions) -> frozenset:
     """The node indices of the graph's flat outputs at `positions` (held: returned as they are)."""
     if not positions:
         return frozenset()
-    out = next(n for n in nodes if n.op == "output")
-    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    flat = flat_outputs(nodes)
     return frozenset(idx[flat[k]] for k in positions if isinstance(flat[k], fx.Node))
 
 
@@ -35,17 +35,17 @@ def cache_chain(prob) -> frozenset:
     queries attention reads with the keys)."""
     if not prob.inference or not prob.held:
         return frozenset()
+    def between(j):          # an op after the projections (not a projection or embedding itself)
+        return prob.kind[j] == "op" and family_of(prob.nodes[j]) not in ("matmul", "embedding")
+
     chain, stack = set(), list(prob.held)
     while stack:
         j = stack.pop()
-        if j in chain or prob.kind[j] != "op" or family_of(prob.nodes[j]) in ("matmul", "embedding"):
-            continue
-        chain.add(j)
-        stack.extend(prob.ins[j])
+        if j not in chain and between(j):
+            chain.add(j)
+            stack.extend(prob.ins[j])
     readers = {u for j in chain for u in prob.users[j] if u not in chain and prob.kind[u] == "op"}
-    beside = {k for u in readers for k in prob.ins[u] if prob.kind[k] == "op" and
-              family_of(prob.nodes[k]) not in ("matmul", "embedding")}
-    return frozenset(chain | beside)
+    return frozenset(chain | {k for u in readers for k in prob.ins[u] if between(k)})
 
 
 def heads_shard(prob, j: int, placement) -> bool:
