@@ -189,6 +189,13 @@ def qwen2(**kwargs):
     return _gqa_lm("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}, **kwargs)
 
 
+def qwen3(**kwargs):
+    """Qwen3ForCausalLM: like LLaMA with an RMSNorm of each query and key head (`q_norm`, `k_norm`)
+    before RoPE, and head_dim set on its own (16 by default)."""
+    kwargs.setdefault("head_dim", 16)
+    return _gqa_lm("Qwen3Config", "Qwen3ForCausalLM", {}, **kwargs)
+
+
 def mistral(**kwargs):
     """MistralForCausalLM (GQA, no q/k/v bias, no sliding window)."""
     return _gqa_lm("MistralConfig", "MistralForCausalLM", {"sliding_window": None}, **kwargs)

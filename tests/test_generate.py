@@ -73,6 +73,9 @@ MODELS = {
                                          intermediate_size=96, seq=64, max_position_embeddings=128),
     "llama6_2": lambda: hf_models.llama(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
                                         intermediate_size=96, seq=64, max_position_embeddings=128),
+    # Qwen3's per-head RMSNorm of the keys between k_proj and the cache
+    "qwen3_6_2": lambda: hf_models.qwen3(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
+                                         intermediate_size=192, seq=40, max_position_embeddings=128),
     # at 4 ranks: 2 K/V heads held by groups of 2 ranks (`Shard(d, replicas=2)`)
     "llama8_2": lambda: hf_models.llama(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
                                         intermediate_size=256, seq=64, max_position_embeddings=128),
@@ -262,6 +265,18 @@ def test_greedy_world3_fused_qkv(dist3):
     Bytes counted = predicted; not Megatron's (that gather, beside the all-reduces)."""
     results = dist3.run(_generate_case, "phi3", 3, GREEDY, timeout=600)
     _check([r[:9] + (None,) + r[10:] for r in results], "phi3 6/2 heads at 3")
+    assert [r[4] for r in results] == [[1, 1], [2, 2], [1, 1]], [r[4] for r in results]
+
+
+def test_greedy_world3_per_head_key_norm(dist3):
+    """Qwen3 (an RMSNorm of each key head before the cache), 6 query / 2 K/V heads at 3 ranks: the
+    generation step cuts the whole K to the heads each rank's queries read before the norm, whose
+    statistics then stay per rank's heads (the norm's rule kept only plain shards, so the plan had
+    them whole while each rank held its heads: the first step failed the shape check). At this
+    size the training plan gathers q, k and v for attention (a norm weight's gradient all-reduce
+    costs more than the gathers), so the step's bytes are its plan's, not Megatron's."""
+    results = dist3.run(_generate_case, "qwen3_6_2", 1, GREEDY, timeout=600)
+    _check([r[:9] + (None,) + r[10:] for r in results], "qwen3 6/2 heads at 3")
     assert [r[4] for r in results] == [[1, 1], [2, 2], [1, 1]], [r[4] for r in results]
 
 

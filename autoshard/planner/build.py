@@ -197,11 +197,35 @@ def _parallel_layer(n: fx.Node) -> bool:
     return family_of(n) in PARALLEL_LAYERS
 
 
+def _check_served(prob, state) -> None:
+    """Raise where the search ended with a tensor that some consumer's strategy cannot read as it
+    is held (no redistribution reaches the placement it needs: an infinite cost): such a plan
+    cannot run, and the rewrite must never see it."""
+    for r in range(len(prob.nodes)):
+        if prob.root[r] != r or prob.tensor_cost(r, state.place, state.sidx) != _search.INF:
+            continue
+        for j in prob.members.get(r, (r,)):
+            for c in prob.users[j]:
+                if prob.kind[c] != "op" or not prob.strats[c]:
+                    continue
+                s = prob.strats[c][state.sidx[c]]
+                for slot, k in enumerate(prob.ins[c]):
+                    req = s.inputs[slot]
+                    if k == j and req is not None and prob.edge_cost(j, state.place[j], req, s.grad(slot)) == _search.INF:
+                        raise ShardingError(
+                            f"no plan found that runs on {prob.p} ranks: %{prob.nodes[j].name} (shape "
+                            f"{list(prob.val[j].shape)}) is held as {state.place[j]}, and %{prob.nodes[c].name} "
+                            f"({s.name}) needs it as {req}, which no redistribution makes")
+        raise ShardingError(f"no plan found that runs on {prob.p} ranks: a consumer of %{prob.nodes[r].name} "
+                            f"cannot read it as it is held ({state.place[r]})")
+
+
 def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {}),
                checkpointed=(), memory_now=True) -> Plan:
     """Freeze a search State into a Plan. Its memory is worked out now (`memory_now`: the Problem
     holds the model's own weights, which a plan must not keep alive) or on first use (the plans of
     other call signatures, captured on a meta copy: most are never asked)."""
+    _check_served(prob, state)
     p = prob.p
     nodes, redists = {}, []
     comm_kind: dict[str, list] = {}

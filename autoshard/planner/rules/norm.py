@@ -1,4 +1,6 @@
 """Normalisations, softmax and reductions: sharding is kept on the dims they do not reduce."""
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -10,8 +12,9 @@ aten = torch.ops.aten
 
 
 def keep_dims(info: NodeInfo, src, reduced: set, *, keepdim=True, partial_sum=None):
-    """Shard any dim not in `reduced`; a sum (or mean, rescaled by the rewriter) over a sharded
-    dim gives a Partial result: `partial_sum` names that strategy."""
+    """Shard any dim not in `reduced` (contiguously, or as a K/V piece held by the ranks that read
+    it: Qwen3's per-head norm of keys cut to their readers' heads); a sum (or mean, rescaled by the
+    rewriter) over a sharded dim gives a Partial result: `partial_sum` names that strategy."""
     shape = info.shape(src)
     found = []
     for d in range(len(shape)):
@@ -22,7 +25,8 @@ def keep_dims(info: NodeInfo, src, reduced: set, *, keepdim=True, partial_sum=No
                 found.append(info.req({src: Shard(d)}, partial_sum, PARTIAL, uneven=partial_sum == "partial"))
             continue
         out = d if keepdim else d - sum(1 for r in reduced if r < d)
-        found.append(info.req({src: Shard(d)}, f"shard({out})", Shard(out), uneven=True))
+        for pl in (Shard(d), *info.cover_shards(d, shape[d])):
+            found.append(info.req({src: pl}, f"shard({out})", replace(pl, dim=out), uneven=True))
     return found
 
 
