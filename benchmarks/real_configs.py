@@ -130,6 +130,16 @@ CONFIGS: dict[str, Spec] = {
         num_key_value_heads=2, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_theta=1000000.0, use_sliding_window=False, sliding_window=32768, max_window_layers=24,
         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643), remark="q/k/v biases"),
+    "qwen3-0.6b": Spec("Qwen/Qwen3-0.6B", "Qwen3Config", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000, attention_bias=False, tie_word_embeddings=True, bos_token_id=151643,
+        eos_token_id=151645), remark="an RMSNorm of each query and key head; head_dim 128 apart from the width"),
+    "qwen3-8b": Spec("Qwen/Qwen3-8B", "Qwen3Config", dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000, attention_bias=False, tie_word_embeddings=False, bos_token_id=151643,
+        eos_token_id=151645), remark="per-head q/k RMSNorm"),
     "qwen2-7b": Spec("Qwen/Qwen2-7B", "Qwen2Config", dict(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
         num_key_value_heads=4, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-6,
@@ -185,6 +195,12 @@ CONFIGS: dict[str, Spec] = {
         partial_rotary_factor=0.4, rope_theta=10000.0, qk_layernorm=False, resid_pdrop=0.1, embd_pdrop=0.0,
         attention_dropout=0.0, tie_word_embeddings=False,
         bos_token_id=50256, eos_token_id=50256), parallel=True, remark="lm_head with bias"),
+    "command-r-plus": Spec("CohereForAI/c4ai-command-r-plus", "CohereConfig", dict(
+        vocab_size=256000, hidden_size=12288, intermediate_size=33792, num_hidden_layers=64, num_attention_heads=96,
+        num_key_value_heads=8, hidden_act="silu", max_position_embeddings=8192, layer_norm_eps=1e-5,
+        logit_scale=0.8333333333333334, rope_theta=75000000.0, use_qk_norm=True, attention_bias=False,
+        tie_word_embeddings=True, bos_token_id=5, eos_token_id=255001, pad_token_id=0), parallel=True,
+        remark="attention and MLP read one norm; a LayerNorm of each q and k head"),
     "pythia-1b": Spec("EleutherAI/pythia-1b", "GPTNeoXConfig", dict(
         vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=8,
         hidden_act="gelu", max_position_embeddings=2048, layer_norm_eps=1e-5, rotary_pct=0.25,

@@ -54,6 +54,15 @@ def _falcon(**kw):
     return hf_models.build_model(FalconConfig, FalconForCausalLM, cfg), hf_models.example_kwargs(256, seq=64)
 
 
+def _arch(config: str, model: str, **extra):
+    """A decoder of `transformers` by class names, 6 query / 2 K/V heads of 16 features, 2 layers."""
+    import transformers
+    cfg = dict(vocab_size=256, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=192,
+               num_hidden_layers=2, max_position_embeddings=128, pad_token_id=0, **extra)
+    return (hf_models.build_model(getattr(transformers, config), getattr(transformers, model), cfg),
+            hf_models.example_kwargs(256, seq=64))
+
+
 MODELS = {
     "llama": lambda: hf_models.llama(),
     "llama_mqa": lambda: hf_models.llama(num_attention_heads=4, num_key_value_heads=1),
@@ -76,6 +85,13 @@ MODELS = {
     # Qwen3's per-head RMSNorm of the keys between k_proj and the cache
     "qwen3_6_2": lambda: hf_models.qwen3(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
                                          intermediate_size=192, seq=40, max_position_embeddings=128),
+    # architectures no other test names: attention and MLP in parallel from one norm, interleaved
+    # rotary, a LayerNorm of each q and k head (Cohere); q, k and v clamped in place (OLMo's clip_qkv);
+    # partial interleaved rotary (GLM); a LayerNorm per head split from q and k and cat (StableLM)
+    "cohere": lambda: _arch("CohereConfig", "CohereForCausalLM", use_qk_norm=True),
+    "olmo_clip": lambda: _arch("OlmoConfig", "OlmoForCausalLM", clip_qkv=8.0),
+    "glm": lambda: _arch("GlmConfig", "GlmForCausalLM", head_dim=16),
+    "stablelm": lambda: _arch("StableLmConfig", "StableLmForCausalLM", qk_layernorm=True),
     # at 4 ranks: 2 K/V heads held by groups of 2 ranks (`Shard(d, replicas=2)`)
     "llama8_2": lambda: hf_models.llama(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
                                         intermediate_size=256, seq=64, max_position_embeddings=128),
@@ -296,6 +312,22 @@ def _expanded_cache_case(rank, p, name):
         out.append((got.sequences.tolist() == want.sequences.tolist(), int(layer.keys.shape[1]),
                     int(layer.values.shape[1]), int(whole.keys.shape[1])))
     return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,heads", [("cohere", [2, 2, 2]), ("olmo_clip", [1, 2, 1]), ("glm", [1, 2, 1]),
+                                        ("stablelm", [2, 2, 2])])
+def test_unnamed_architectures_world3(name, heads, dist3):
+    """Decoders no other test is written for, at 3 ranks, dynamic and static cache: the tokens of
+    one process. Before: OLMo's in-place clamp had no rule (the first step failed its shape check);
+    Cohere's, GLM's and StableLM's generation steps cut K by heads where a later op (a stack, a
+    cat) could not read the piece (a ShardingError at the first call), and Cohere's plan took
+    minutes (its five projections reading one norm enumerated together). Cohere and StableLM
+    still cache both K/V heads on every rank (the step is searched again without the cut)."""
+    results = dist3.run(_expanded_cache_case, name, timeout=900)
+    for rank in results:
+        assert rank[0][0] and rank[1][0], (name, rank)
+    assert [r[0][1] for r in results] == [r[1][1] for r in results] == heads, results
 
 
 def test_expanded_cache_world3(dist3):

@@ -66,3 +66,17 @@ def test_parallel_residual_two_norms(p):
                         max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True,
                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
     _check(plan, model, _megatron(2048, p, parallel=True, norms=2), p)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_parallel_block_with_a_centred_norm(p):
+    """Cohere's block (Command R+): attention and MLP read one LayerNorm, which computes `x - mean`
+    twice (for the variance and for its output), and a LayerNorm of each q and k head: at most
+    1.05 of Megatron's bytes (2 all-reduces a layer). Capture merges the two `x - mean` into one
+    node (`normalize.merge_duplicates`): made whole apart, the Partial stream was all-reduced
+    twice a layer (1.18 of Megatron's bytes at Command R+'s sizes)."""
+    plan, model = _plan("CohereConfig", "AutoModelForCausalLM", p, vocab_size=32000, hidden_size=2048,
+                        num_hidden_layers=LAYERS, num_attention_heads=16, num_key_value_heads=4,
+                        intermediate_size=5632, max_position_embeddings=2048, use_qk_norm=True,
+                        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    _check(plan, model, _megatron(2048, p, parallel=True), p)

@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..nn.functional import regroup
 from .dynamic import DYNAMIC, dynamic_dims
+from .repeats import module_paths
 from .shapes import fetch_attr
 
 aten = torch.ops.aten
@@ -372,3 +373,62 @@ def ungroup_kv_heads(gm: fx.GraphModule) -> int:
         n.kwargs = {key: val for key, val in n.kwargs.items() if key != "enable_gqa"}
         done += 1
     return done
+
+
+# ------------------------------------------------------------------ computations written twice
+_PURE_NAMES = frozenset({
+    "add", "sub", "mul", "div", "truediv", "neg", "pow", "rsqrt", "sqrt", "exp", "mean", "sum", "to", "float",
+    "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "expand", "matmul",
+    "softmax", "tanh", "sigmoid", "cos", "sin", "cat", "stack", "getitem", "type_as",
+})
+
+
+def _pure(n: fx.Node) -> bool:
+    """Whether node n computes a value from its arguments alone: no mutation, no random draw, no
+    aliasing op, not a module (a module may hold state: dropout)."""
+    t = n.target
+    if n.op == "call_method":
+        return t in _PURE_NAMES
+    if n.op != "call_function":
+        return False
+    if isinstance(t, torch._ops.OpOverload):
+        return not t._schema.is_mutable and not ({torch.Tag.nondeterministic_seeded,
+                                                  torch.Tag.maybe_aliasing_or_mutating} & set(t.tags))
+    name = getattr(t, "__name__", None)
+    return name in _PURE_NAMES and (t is getattr(operator, name, None) or t is getattr(torch, name, None))
+
+
+def _frozen(a):
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, *map(_frozen, a))
+    if isinstance(a, dict):
+        return ("dict", *sorted((k, _frozen(v)) for k, v in a.items()))
+    if isinstance(a, slice):
+        return ("slice", _frozen(a.start), _frozen(a.stop), _frozen(a.step))
+    return a
+
+
+def merge_duplicates(gm: fx.GraphModule) -> int:
+    """One node for each pure computation of tensors written twice on the same inputs: Cohere's
+    LayerNorm computes `x - mean` once for the variance and again for its output. Two nodes
+    made whole apart cost two collectives where the planner can make one whole and read it
+    twice (a Partial stream all-reduced once a norm, as Megatron does). Values are the same; a
+    node a mutating op reads is left alone (it must stay a tensor of its own), and only nodes of
+    one module merge (a layer reading another layer's node would make alike layers' block graphs
+    differ: `rewrite.blocks`)."""
+    seen: dict = {}
+    merged = 0
+    for n in list(gm.graph.nodes):
+        if not _pure(n) or not n.all_input_nodes or not isinstance(n.meta.get("val"), torch.Tensor) or any(
+                isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable for u in n.users):
+            continue
+        key = (n.op, n.target, _frozen(n.args), _frozen(n.kwargs), tuple(module_paths(n)))
+        try:
+            other = seen.setdefault(key, n)
+        except TypeError:                # an argument that cannot be compared (left alone)
+            continue
+        if other is not n:
+            n.replace_all_uses_with(other)
+            gm.graph.erase_node(n)
+            merged += 1
+    return merged

@@ -160,7 +160,8 @@ def cut(model: nn.Module, found: list):
             lst._modules.update(modules)
 
 
-def _paths(node: fx.Node) -> list[str]:
+def module_paths(node: fx.Node) -> list[str]:
+    """The module paths of a node's module stack, outermost first."""
     out = []
     for key, v in (node.meta.get(STACK) or {}).items():
         out.append(v[0] if isinstance(v, tuple) and v and isinstance(v[0], str) else key)
@@ -176,7 +177,7 @@ def owner(node: fx.Node, names) -> str | None:
     if node.op == "get_attr" or (node.op == "call_module" and STACK not in node.meta):
         paths = [node.target]
     elif STACK in node.meta:
-        paths = _paths(node)
+        paths = module_paths(node)
     else:
         return None
     for path in paths:

@@ -25,7 +25,8 @@ from ..errors import CaptureError, first_line
 from . import repeats
 from .dynamic import export_dynamic, mark_by_probes
 from .masks import eager_masks
-from .normalize import constant_list_indices, regroup_blocks, unfuse_head_views, ungroup_kv_heads, unmerge_batch_heads
+from .normalize import (constant_list_indices, merge_duplicates, regroup_blocks, unfuse_head_views, ungroup_kv_heads,
+                        unmerge_batch_heads)
 from .shapes import placeholder_inputs
 
 
@@ -291,7 +292,8 @@ def _normalised(gm: fx.GraphModule, run_on, expanded: bool = False) -> fx.GraphM
     written, when `expanded`), then the normal forms."""
     if run_on is not None and not expanded:
         _retarget_meta_device(gm, run_on)
-    if unfuse_head_views(gm) + unmerge_batch_heads(gm) + regroup_blocks(gm) + ungroup_kv_heads(gm) or expanded:
+    if merge_duplicates(gm) + unfuse_head_views(gm) + unmerge_batch_heads(gm) + regroup_blocks(gm) + \
+            ungroup_kv_heads(gm) or expanded:
         gm.recompile()
     return gm
 

@@ -126,9 +126,10 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     t0 = time.perf_counter()
     budgeted = cost.memory_budget is not None and layouts is None
 
-    def make(c, tokens=False):
+    def make(c, tokens=False, free_cuts=True):
         return _search.Problem(gm, world_size, c, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
                                outputs=outputs, part_candidates=part_candidates(gm), tokens=tokens, inference=inference,
+                               free_cuts=free_cuts,
                                **({} if budgeted else {"layouts": layouts, "held": held, "held_inputs": held_inputs}))
     prob = make(cost)
     if not prob.param_obj:
@@ -139,6 +140,11 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
             state = least_comm(prob, lambda pr: _run(pr, search))
             state.reduce_early()
         else:
+            state = _run(prob, search)
+        if inference and unserved(prob, state) is not None:
+            # a K or V cut by heads for nothing (planner.inference) that a later op cannot read so
+            # (a node-by-node choice cannot see it): searched again without such cuts
+            prob = make(cost, free_cuts=False)
             state = _run(prob, search)
         if sequence_parallel is True:
             moved = sequence_twin(state, make(cost, tokens=True))
@@ -197,10 +203,11 @@ def _parallel_layer(n: fx.Node) -> bool:
     return family_of(n) in PARALLEL_LAYERS
 
 
-def _check_served(prob, state) -> None:
-    """Raise where the search ended with a tensor that some consumer's strategy cannot read as it
-    is held (no redistribution reaches the placement it needs: an infinite cost): such a plan
-    cannot run, and the rewrite must never see it."""
+def unserved(prob, state) -> str | None:
+    """What makes a searched plan unable to run, or None: a tensor that some op's strategy cannot
+    read as it is held (no redistribution reaches the placement it needs: an infinite cost). Such
+    a plan must never reach the rewrite. (The graph's output is not asked: it reads a held K/V
+    cache of a multi-query model, `Rp`, at an infinite price the rewrite serves.)"""
     for r in range(len(prob.nodes)):
         if prob.root[r] != r or prob.tensor_cost(r, state.place, state.sidx) != _search.INF:
             continue
@@ -211,13 +218,12 @@ def _check_served(prob, state) -> None:
                 s = prob.strats[c][state.sidx[c]]
                 for slot, k in enumerate(prob.ins[c]):
                     req = s.inputs[slot]
-                    if k == j and req is not None and prob.edge_cost(j, state.place[j], req, s.grad(slot)) == _search.INF:
-                        raise ShardingError(
-                            f"no plan found that runs on {prob.p} ranks: %{prob.nodes[j].name} (shape "
-                            f"{list(prob.val[j].shape)}) is held as {state.place[j]}, and %{prob.nodes[c].name} "
-                            f"({s.name}) needs it as {req}, which no redistribution makes")
-        raise ShardingError(f"no plan found that runs on {prob.p} ranks: a consumer of %{prob.nodes[r].name} "
-                            f"cannot read it as it is held ({state.place[r]})")
+                    if k == j and req is not None and \
+                            prob.edge_cost(j, state.place[j], req, s.grad(slot)) == _search.INF:
+                        return (f"%{prob.nodes[j].name} (shape {list(prob.val[j].shape)}) is held as "
+                                f"{state.place[j]}, and %{prob.nodes[c].name} ({s.name}) needs it as {req}, "
+                                f"which no redistribution makes")
+    return None
 
 
 def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {}),
@@ -225,7 +231,9 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
     """Freeze a search State into a Plan. Its memory is worked out now (`memory_now`: the Problem
     holds the model's own weights, which a plan must not keep alive) or on first use (the plans of
     other call signatures, captured on a meta copy: most are never asked)."""
-    _check_served(prob, state)
+    why = unserved(prob, state)
+    if why is not None:
+        raise ShardingError(f"no plan found that runs on {prob.p} ranks: {why}")
     p = prob.p
     nodes, redists = {}, []
     comm_kind: dict[str, list] = {}

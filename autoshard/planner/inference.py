@@ -48,6 +48,16 @@ def cache_chain(prob) -> frozenset:
     return frozenset(chain | {k for u in readers for k in prob.ins[u] if between(k)})
 
 
+def projected(prob) -> frozenset:
+    """The cache chain's tensors computed from a projection's output (K and V on their way to the
+    cache, not the rotary tables or masks that meet them)."""
+    out = set()
+    for j in sorted(prob.cache_chain):
+        if any(i in out or family_of(prob.nodes[i]) == "matmul" for i in prob.ins[j]):
+            out.add(j)
+    return frozenset(out)
+
+
 def heads_shard(prob, j: int, placement) -> bool:
     """Whether `placement` is an even shard of a dim of tensor j that can hold heads: not its last
     (a head's features), not a dim whose size follows the inputs (batch, tokens), of p or more."""
@@ -61,12 +71,13 @@ def heads_shard(prob, j: int, placement) -> bool:
 def free_cut(prob, j: int, src, req) -> bool:
     """Whether tensor j goes from `src` to `req` by a local slice with nothing to price, in a step
     without backward: a whole tensor of the cache chain cut to an even heads shard, or a whole K
-    or V of fewer heads than ranks cut to the heads its readers' queries read (`Shard(d, unit,
-    cover=g)`, in units of a K/V head, not of the query heads a K/V head is expanded to)."""
-    if not prob.inference or type(src) is not Replicate:
+    or V (`projected`) of fewer heads than ranks cut to the heads its readers' queries read
+    (`Shard(d, unit, cover=g)`, in units of a K/V head, not of the query heads it expands to)."""
+    if not prob.free_cuts or type(src) is not Replicate:
         return False
     if held_by_readers(req):
-        return req.unit != req.cover and 1 < int(prob.val[j].shape[req.dim]) // req.unit < prob.p
+        heads = int(prob.val[j].shape[req.dim]) // req.unit
+        return j in prob.projected and req.unit != req.cover and 1 < heads < prob.p
     return j in prob.cache_chain and heads_shard(prob, j, req)
 
 

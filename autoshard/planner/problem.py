@@ -33,7 +33,7 @@ from . import rules
 from .aliases import ViewClasses
 from .cost import CostModel, flops
 from .decisions import decision_groups, fix_layouts
-from .inference import cache_chain, free_cut, held_nodes, held_share
+from .inference import cache_chain, free_cut, held_nodes, held_share, projected
 from .rules.registry import NodeInfo, OpStrategy, group_sizes, reader_counts, regroup_readers
 
 INF = math.inf
@@ -56,10 +56,11 @@ class Problem:
     def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(), unit_candidates=(),
                  pins: dict | None = None, layouts: dict | None = None, outputs: str = "full", part_candidates=(),
                  held: frozenset = frozenset(), tokens: bool = False, inference: bool = False,
-                 held_inputs: dict | None = None):
+                 held_inputs: dict | None = None, free_cuts: bool = True):
         self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
         self.tokens = tokens          # sequence parallelism: ops may split the token dim (planner.sequence)
         self.inference = inference    # no backward (a generation step): whole K and V cut by heads (`free_cut`)
+        self.free_cuts = inference and free_cuts
         self.nodes = list(gm.graph.nodes)
         self.idx = {n: i for i, n in enumerate(self.nodes)}
         modules = dict(gm.named_modules())
@@ -134,6 +135,7 @@ class Problem:
         self.view_parent, self.root, self.members = views.parent, views.root, views.members
         self.returned_above, self.reread = views.returned_above, views.reread
         self.cache_chain = cache_chain(self)      # (no gradient to price there: a step without backward)
+        self.projected = projected(self)
         self.needs_grad = [g and j not in self.cache_chain for j, g in enumerate(self.needs_grad)]
         self.node_cost = [[self._node_cost(i, s) for s in ss] for i, ss in enumerate(self.strats)]
         self._edge_cache: dict = {}
@@ -279,8 +281,9 @@ class Problem:
         whole, or with outputs="sharded" a shard at DTensor's boundaries as it is (a strided
         shard, one in whole heads or a balanced one, which a DTensor's Shard cannot describe, is
         gathered; a Partial one all-reduced); any shard as it is where j is `held`, a piece held by
-        its readers cut to the rank's even share inside it (Falcon's cache of expanded K/V)."""
-        if j in self.held and isinstance(src, Shard):
+        its readers cut to the rank's even share inside it (Falcon's cache of expanded K/V); a shard
+        of a held tensor's last dim (a head's features: no decode step reads a cache so) whole."""
+        if j in self.held and isinstance(src, Shard) and src.dim != len(shape) - 1:
             if held_by_readers(src) and cover_cut(int(shape[src.dim]), src, Shard(src.dim), self.p) is not None:
                 return Shard(src.dim)
             return src

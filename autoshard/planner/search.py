@@ -29,6 +29,7 @@ from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers
 WINDOW_DEPTH = 10        # ops a window looks ahead of its anchors
 WINDOW_GROUPS = 4        # groups a window enumerates at most (q, k, v and the out-projection)
 WINDOW_COMBOS = 3 ** 4   # combinations a window enumerates at most
+UNIT_COMBOS = 3 ** 7     # combinations of one group's siblings past which only its own module's enter
 SIGNATURE_DEPTH = 6      # ops past a window's anchors that its cached answer depends on
 
 
@@ -69,7 +70,8 @@ def primary_groups(prob: Problem) -> set:
 
 def windows(prob: Problem) -> tuple[list, dict]:
     """(windows, joint). `windows[g]`: the groups group g is enumerated with: its siblings (anchors
-    reading the same activation: q, k and v; fc1 and a gate), the groups it feeds before the next
+    reading the same activation: q, k and v; fc1 and a gate; where they are too many to enumerate
+    together, those of its own module), the groups it feeds before the next
     anchors (the out-projection after q/k/v, fc2 after fc1) and their siblings, nearest first; a
     group that is not primary (a norm's weight) alone. `joint[g]`, for such a group: itself with the
     nearest primary groups it feeds and their siblings, where that unit fits a window."""
@@ -108,6 +110,9 @@ def windows(prob: Problem) -> tuple[list, dict]:
         for h in sorted(dist, key=lambda h: (h != first, dist[h], h)):
             unit = [u for u in sorted((siblings(h) | {h}) & primary) if u not in chosen]
             n = math.prod(len(prob.groups[u].choices) for u in unit)
+            if n > UNIT_COMBOS:       # (Cohere's q, k, v, gate and up read one norm: 10^5 combinations)
+                unit = [u for u in unit if _parent(prob.groups[u]) == _parent(prob.groups[h])]
+                n = math.prod(len(prob.groups[u].choices) for u in unit)
             if h == first and not own and n > WINDOW_COMBOS:
                 break                         # its readers' unit alone fills a window: flipped alone
             if h == first or (len(chosen) + len(unit) <= WINDOW_GROUPS and combos * n <= WINDOW_COMBOS):
@@ -117,6 +122,11 @@ def windows(prob: Problem) -> tuple[list, dict]:
         if not own and len(chosen) > 1:
             joint[g] = tuple(sorted(chosen))
     return out, joint
+
+
+def _parent(grp) -> str:
+    """The module holding a group's first parameter (`layers.0.self_attn` of its q_proj.weight)."""
+    return grp.names[0].rsplit(".", 2)[0]
 
 
 def _window_shape(prob: Problem, win, reach_nodes):
@@ -158,9 +168,9 @@ def _sweep(prob: Problem, state: State, wins, max_sweeps: int) -> bool:
     cached by (window structure, boundary placements): identical blocks are solved once."""
     anchor_set = {a for grp in prob.groups for a in grp.anchors}
     regions, shapes = {}, {}
-    cache: dict = {}
     changed = False
     for _ in range(max_sweeps):
+        cache: dict = {}
         improved = False
         for win in dict.fromkeys(wins):
             if win not in regions:      # (structure id, boundary nodes): the structure is fixed

@@ -58,7 +58,8 @@ UNARY = [
     aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.rsqrt.default, aten.sqrt.default,
     aten.exp.default, aten.cos.default, aten.sin.default, aten.abs.default, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.where.self, torch.where, aten.native_dropout.default,
-    aten.erf.default, torch.erf,
+    aten.erf.default, torch.erf, torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clamp_, torch.Tensor.clip,
+    torch.Tensor.clip_, aten.clamp.default, aten.clamp_.default, aten.clip.default, aten.clip_.default,
 ]
 SUMS = [operator.add, operator.sub, operator.iadd, operator.isub, torch.add, torch.sub, torch.Tensor.add,
         torch.Tensor.sub, torch.Tensor.add_, torch.Tensor.sub_, aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor,

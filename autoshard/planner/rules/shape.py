@@ -388,7 +388,7 @@ def _stack(info):
     for d in range(nd - 1):
         out = d if d < dim else d + 1
         if info.out_shape[out] > 1:
-            for pl in info.plain_shards(d, info.out_shape[out]):
+            for pl in info.plain_shards(d, info.out_shape[out]) + info.cover_shards(d, info.out_shape[out]):
                 found.append(info.req({n: pl for n in tensors}, f"shard({out})", replace(pl, dim=out), uneven=True))
     found.append(info.req({n: PARTIAL for n in tensors}, "partial", PARTIAL))
     return found
