@@ -92,6 +92,8 @@ MODELS = {
     "olmo_clip": lambda: _arch("OlmoConfig", "OlmoForCausalLM", clip_qkv=8.0),
     "glm": lambda: _arch("GlmConfig", "GlmForCausalLM", head_dim=16),
     "stablelm": lambda: _arch("StableLmConfig", "StableLmForCausalLM", qk_layernorm=True),
+    # sliding-window layers (a window of 4 tokens) and a RMSNorm of each q and k head
+    "gemma3": lambda: _arch("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=16, sliding_window=4),
     # at 4 ranks: 2 K/V heads held by groups of 2 ranks (`Shard(d, replicas=2)`)
     "llama8_2": lambda: hf_models.llama(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
                                         intermediate_size=256, seq=64, max_position_embeddings=128),
@@ -296,15 +298,15 @@ def test_greedy_world3_per_head_key_norm(dist3):
     assert [r[4] for r in results] == [[1, 1], [2, 2], [1, 1]], [r[4] for r in results]
 
 
-def _expanded_cache_case(rank, p, name):
-    """(tokens equal one process's, K and V heads a rank caches, one process's), dynamic and static
-    cache, for a model whose cache holds K/V expanded to the query heads."""
+def _expanded_cache_case(rank, p, name, static=True):
+    """(tokens equal one process's, K and V heads a rank caches, one process's), dynamic and (with
+    `static`) static cache, for a model whose cache holds K/V expanded to the query heads."""
     import autoshard
     model, kw = MODELS[name]()
     ref = copy.deepcopy(model).eval()
     gm = autoshard.parallelize(model, p, kw, tracer="export").eval()
     out = []
-    for extra in ({}, {"cache_implementation": "static"}):
+    for extra in ({}, {"cache_implementation": "static"})[:2 if static else 1]:
         options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, use_cache=True, return_dict_in_generate=True,
                        **extra)
         got, want = gm.generate(**_prompts(kw, 1), **options), ref.generate(**_prompts(kw, 1), **options)
@@ -316,18 +318,21 @@ def _expanded_cache_case(rank, p, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,heads", [("cohere", [2, 2, 2]), ("olmo_clip", [1, 2, 1]), ("glm", [1, 2, 1]),
-                                        ("stablelm", [2, 2, 2])])
+                                        ("stablelm", [2, 2, 2]), ("gemma3", [1, 2, 1])])
 def test_unnamed_architectures_world3(name, heads, dist3):
-    """Decoders no other test is written for, at 3 ranks, dynamic and static cache: the tokens of
-    one process. Before: OLMo's in-place clamp had no rule (the first step failed its shape check);
-    Cohere's, GLM's and StableLM's generation steps cut K by heads where a later op (a stack, a
-    cat) could not read the piece (a ShardingError at the first call), and Cohere's plan took
-    minutes (its five projections reading one norm enumerated together). Cohere and StableLM
-    still cache both K/V heads on every rank (the step is searched again without the cut)."""
-    results = dist3.run(_expanded_cache_case, name, timeout=900)
+    """Decoders no other test is written for, at 3 ranks, dynamic and static cache (Gemma 3's
+    sliding-window layers: dynamic only, the static one is refused by name): the tokens of one
+    process. Before: OLMo's in-place clamp had no rule (the first step failed its shape check);
+    Cohere's, GLM's, StableLM's and Gemma 3's generation steps cut K by heads where a later op (a
+    stack, a cat, the sliding window's concatenation to an empty tensor) could not read the piece
+    (a ShardingError at the first call), and Cohere's plan took minutes (its five projections
+    reading one norm enumerated together). Cohere and StableLM still cache both K/V heads on every
+    rank (the step is searched again without the cut)."""
+    static = name != "gemma3"
+    results = dist3.run(_expanded_cache_case, name, static, timeout=900)
     for rank in results:
-        assert rank[0][0] and rank[1][0], (name, rank)
-    assert [r[0][1] for r in results] == [r[1][1] for r in results] == heads, results
+        assert all(r[0] for r in rank), (name, rank)
+    assert [[r[1] for r in rank] for rank in results] == [[h] * (1 + static) for h in heads], results
 
 
 def test_expanded_cache_world3(dist3):

@@ -37,12 +37,12 @@ def step_forward(self, input_ids, attention_mask=None, position_ids=None, keys=(
     """One generation step of a causal LM (the forward `Step` captures): the logits of the last
     position and the key/value cache after it, as tuples of tensors (one per layer)."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
     cache = DynamicCache(config=self.config)
     for layer, k, v in zip(cache.layers, keys, values):
         fill(layer, k, v)
     for layer in cache.layers[len(keys):]:
-        if type(layer) is DynamicLayer:
+        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
             layer.update = types.MethodType(_first_update, layer)
     out = type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=True, logits_to_keep=1, return_dict=True, **{cache_name(type(self)): cache})
@@ -53,10 +53,16 @@ def step_forward(self, input_ids, attention_mask=None, position_ids=None, keys=(
 def _first_update(layer, key_states, value_states, *args, **kwargs):
     """DynamicLayer.update of an empty layer without its concatenation to an empty 1-D tensor
     (the same values; the planner keeps a concatenation with a 1-D tensor whole, which would
-    gather the new keys and values)."""
-    if layer.is_initialized:
+    gather the new keys and values, or, for a piece held by the ranks that read it, cannot run).
+    A sliding-window layer keeps the last `sliding_window - 1` tokens, as its update does."""
+    if layer.is_initialized or getattr(layer, "record_past", False):
         return type(layer).update(layer, key_states, value_states, *args, **kwargs)
     fill(layer, key_states, value_states)
+    window = getattr(layer, "sliding_window", None)
+    if window is not None:
+        layer._sliding_window_tensor = layer._sliding_window_tensor.to(layer.device)
+        layer.cumulative_length += key_states.shape[-2]
+        layer.keys, layer.values = key_states[:, :, -window + 1:, :], value_states[:, :, -window + 1:, :]
     return key_states, value_states
 
 
