@@ -172,3 +172,37 @@ def test_codegen_groups_at_2(dist2, tmp_path):
     assert not any(info.values()), info
     got, want = model.state_dict(), results[0][2]
     assert all(torch.equal(got[k], v) for k, v in want.items() if k in got) and set(want) <= set(got)
+
+
+class _Twice(torch.nn.Module):
+    """Pure computations written twice: one copy of `x * 2` written into in place (`add_`), of
+    `x * 4` fed to a ReLU module that may be in place; `x * 3` and `x - 1` read only."""
+
+    def __init__(self):
+        super().__init__()
+        self.relu = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        a, b = x * 2, x * 2
+        b.add_(1)
+        c, d = x * 3, x * 3
+        d += 1
+        e, f = x - 1, x - 1
+        g, h = x * 4, x * 4
+        return a + b + c + d + e * f + g + self.relu(h)
+
+
+@pytest.mark.parametrize("tracer", ["symbolic_trace", "export"])
+def test_duplicates_merged_unless_written_into(tracer):
+    """`merge_duplicates` makes one node of a pure computation written twice (Cohere's LayerNorm
+    computes `x - mean` twice), but never one that an op may write into: merged, `b.add_(1)`
+    would change `a` too (symbolic_trace keeps the in-place ops; export's graph has none, and
+    keeps the values)."""
+    from autoshard.capture.trace import capture
+    model, x = _Twice(), torch.randn(4, 8)
+    gm = capture(model, (x,), tracer=tracer).gm
+    torch.testing.assert_close(gm(x.clone()), model(x.clone()))
+    if tracer == "symbolic_trace":
+        names = [getattr(n.target, "__name__", "") for n in gm.graph.nodes if n.op == "call_function"]
+        # x - 1 once, x * 3 once (fx traces `d += 1` as a new `d + 1`); x * 2 and x * 4 twice each
+        assert names.count("sub") == 1 and names.count("mul") == 6, names

@@ -398,6 +398,22 @@ def _pure(n: fx.Node) -> bool:
     return name in _PURE_NAMES and (t is getattr(operator, name, None) or t is getattr(torch, name, None))
 
 
+_IN_PLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow,
+                                  operator.imatmul})
+
+
+def _mutates(u: fx.Node) -> bool:
+    """Whether node u may write into its inputs: a mutable aten op, an in-place method or function
+    (`add_`, `x += y`), or a module (`nn.ReLU(inplace=True)`)."""
+    t = u.target
+    if u.op == "call_module":
+        return True
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable
+    name = t if isinstance(t, str) else getattr(t, "__name__", "")
+    return t in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+
+
 def _frozen(a):
     if isinstance(a, (list, tuple)):
         return (type(a).__name__, *map(_frozen, a))
@@ -413,14 +429,14 @@ def merge_duplicates(gm: fx.GraphModule) -> int:
     LayerNorm computes `x - mean` once for the variance and again for its output. Two nodes
     made whole apart cost two collectives where the planner can make one whole and read it
     twice (a Partial stream all-reduced once a norm, as Megatron does). Values are the same; a
-    node a mutating op reads is left alone (it must stay a tensor of its own), and only nodes of
-    one module merge (a layer reading another layer's node would make alike layers' block graphs
-    differ: `rewrite.blocks`)."""
+    node an op may write into is left alone (`_mutates`: it must stay a tensor of its own), and
+    only nodes of one module merge (a layer reading another layer's node would make alike layers'
+    block graphs differ: `rewrite.blocks`)."""
     seen: dict = {}
     merged = 0
     for n in list(gm.graph.nodes):
-        if not _pure(n) or not n.all_input_nodes or not isinstance(n.meta.get("val"), torch.Tensor) or any(
-                isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable for u in n.users):
+        if not _pure(n) or not n.all_input_nodes or not isinstance(n.meta.get("val"), torch.Tensor) or \
+                any(_mutates(u) for u in n.users):
             continue
         key = (n.op, n.target, _frozen(n.args), _frozen(n.kwargs), tuple(module_paths(n)))
         try:
