@@ -459,3 +459,35 @@ def test_falcon_mixed_part_shards_checkpoint_across_degrees(dist2, dist3, dist4,
         for loaded in pool.run(_falcon_load, path, timeout=300):
             for k, v in saved.items():
                 assert torch.equal(loaded[k], v), f"{k} at {pool.world_size}"
+
+
+def _grouped_case(rank, p, kv_heads, dropout):
+    """8 query heads over `kv_heads` at `p` ranks: each rank's attention reads its K/V heads
+    grouped (`enable_gqa=True`, no per-query-head copies) where the heads split alike, and the
+    repeat capture wrote stays where they do not; the step equals one process's (with attention
+    dropout under one process's masks), bytes as planned."""
+    import hf_models
+    model, kw = hf_models.qwen2(hidden_size=64, num_attention_heads=8, num_key_value_heads=kv_heads,
+                                intermediate_size=96, vocab_size=128, batch=2, seq=16, attention_dropout=dropout)
+    model.train()
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, kw, tracer="export", dropout_masks="single_process")
+    nodes = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]  # blocks too
+    calls = [n for n in nodes if "scaled_dot_product_attention" in str(n.target)
+             or (n.op == "call_module" and "autoshard_attention" in n.target)]
+    grouped = [n.kwargs.get("enable_gqa", False) for n in calls]
+    expands = [n for n in nodes if n.target is torch.ops.aten.expand.default       # repeat_kv's
+               and any(u in calls for v in n.users for u in v.users)]
+    _step_matches(gm, ref, kw, f"8/{kv_heads} heads at {p}, dropout {dropout}", seed=3 if dropout else None)
+    return len(calls), grouped, len(expands)
+
+
+@pytest.mark.parametrize("world,kv_heads,dropout", [(2, 2, 0.0), (2, 4, 0.1), (4, 4, 0.0), (4, 1, 0.0)])
+def test_grouped_query_attention_runs_grouped(world, kv_heads, dropout, request):
+    for calls, grouped, expands in request.getfixturevalue(f"dist{world}").run(
+            _grouped_case, kv_heads, dropout, timeout=300):
+        assert calls == 2, calls                               # one attention a layer
+        if kv_heads % world == 0:                              # K/V heads split with their queries
+            assert all(grouped) and expands == 0, (grouped, expands)
+        else:                         # one K/V head: repeated whole, cut to the rank's query heads
+            assert not any(grouped), grouped

@@ -73,7 +73,7 @@ def test_parallel_block_with_a_centred_norm(p):
     """Cohere's block (Command R+): attention and MLP read one LayerNorm, which computes `x - mean`
     twice (for the variance and for its output), and a LayerNorm of each q and k head: at most
     1.05 of Megatron's bytes (2 all-reduces a layer). Capture merges the two `x - mean` into one
-    node (`normalize.merge_duplicates`): made whole apart, the Partial stream was all-reduced
+    node (`duplicates.merge_duplicates`): made whole apart, the Partial stream was all-reduced
     twice a layer (1.18 of Megatron's bytes at Command R+'s sizes)."""
     plan, model = _plan("CohereConfig", "AutoModelForCausalLM", p, vocab_size=32000, hidden_size=2048,
                         num_hidden_layers=LAYERS, num_attention_heads=16, num_key_value_heads=4,

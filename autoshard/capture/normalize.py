@@ -46,12 +46,12 @@ from torch.overrides import TorchFunctionMode
 
 from ..nn.functional import regroup
 from .dynamic import DYNAMIC, dynamic_dims
-from .repeats import module_paths
 from .shapes import fetch_attr
 
 aten = torch.ops.aten
 
 VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+UNGROUPED = "autoshard_ungrouped_kv"    # meta key of an sdpa `ungroup_kv_heads` wrote without enable_gqa
 PASS_THROUGH = (aten.lift_fresh_copy.default, aten.detach.default, aten.detach_.default, aten.clone.default)
 
 
@@ -284,6 +284,8 @@ def regroup_blocks(gm: fx.GraphModule) -> int:
     """Rewrite, in place, every view of a tensor's last dim into (G groups, features) whose one
     reader splits the features into K equal parts, each part only viewed as heads (merging G
     and its features): the parts become slices of `regroup(x, G, K)`, the heads views read them.
+    The sdpa is marked (`UNGROUPED`): each rank's module calls it grouped again where its K and V
+    still come straight from that form (`autoshard.rewrite.grouped`).
     Returns how many were rewritten (the caller recompiles)."""
     done = 0
     for view in list(gm.graph.nodes):
@@ -342,6 +344,8 @@ def ungroup_kv_heads(gm: fx.GraphModule) -> int:
     uses with a mask (`repeat_kv`): K and V unsqueezed, expanded over each group and reshaped to
     q's heads, the sdpa without `enable_gqa`. Same values (sdpa repeats the K/V heads so itself);
     the rules split that form (K/V heads gathered or replicated where ranks outnumber them).
+    The sdpa is marked (`UNGROUPED`): each rank's module calls it grouped again where its K and V
+    still come straight from that form (`autoshard.rewrite.grouped`).
     Returns how many were rewritten (the caller recompiles)."""
     done = 0
     for n in list(gm.graph.nodes):
@@ -371,80 +375,19 @@ def ungroup_kv_heads(gm: fx.GraphModule) -> int:
             repeated.append(r)
         n.args = (q, *repeated, *n.args[3:])
         n.kwargs = {key: val for key, val in n.kwargs.items() if key != "enable_gqa"}
+        n.meta[UNGROUPED] = True
         done += 1
     return done
 
 
-# ------------------------------------------------------------------ computations written twice
-_PURE_NAMES = frozenset({
-    "add", "sub", "mul", "div", "truediv", "neg", "pow", "rsqrt", "sqrt", "exp", "mean", "sum", "to", "float",
-    "view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "expand", "matmul",
-    "softmax", "tanh", "sigmoid", "cos", "sin", "cat", "stack", "getitem", "type_as",
-})
-
-
-def _pure(n: fx.Node) -> bool:
-    """Whether node n computes a value from its arguments alone: no mutation, no random draw, no
-    aliasing op, not a module (a module may hold state: dropout)."""
-    t = n.target
-    if n.op == "call_method":
-        return t in _PURE_NAMES
-    if n.op != "call_function":
-        return False
-    if isinstance(t, torch._ops.OpOverload):
-        return not t._schema.is_mutable and not ({torch.Tag.nondeterministic_seeded,
-                                                  torch.Tag.maybe_aliasing_or_mutating} & set(t.tags))
-    name = getattr(t, "__name__", None)
-    return name in _PURE_NAMES and (t is getattr(operator, name, None) or t is getattr(torch, name, None))
-
-
-_IN_PLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow,
-                                  operator.imatmul})
-
-
-def _mutates(u: fx.Node) -> bool:
-    """Whether node u may write into its inputs: a mutable aten op, an in-place method or function
-    (`add_`, `x += y`), or a module (`nn.ReLU(inplace=True)`)."""
-    t = u.target
-    if u.op == "call_module":
-        return True
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.is_mutable
-    name = t if isinstance(t, str) else getattr(t, "__name__", "")
-    return t in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
-
-
-def _frozen(a):
-    if isinstance(a, (list, tuple)):
-        return (type(a).__name__, *map(_frozen, a))
-    if isinstance(a, dict):
-        return ("dict", *sorted((k, _frozen(v)) for k, v in a.items()))
-    if isinstance(a, slice):
-        return ("slice", _frozen(a.start), _frozen(a.stop), _frozen(a.step))
-    return a
-
-
-def merge_duplicates(gm: fx.GraphModule) -> int:
-    """One node for each pure computation of tensors written twice on the same inputs: Cohere's
-    LayerNorm computes `x - mean` once for the variance and again for its output. Two nodes
-    made whole apart cost two collectives where the planner can make one whole and read it
-    twice (a Partial stream all-reduced once a norm, as Megatron does). Values are the same; a
-    node an op may write into is left alone (`_mutates`: it must stay a tensor of its own), and
-    only nodes of one module merge (a layer reading another layer's node would make alike layers'
-    block graphs differ: `rewrite.blocks`)."""
-    seen: dict = {}
-    merged = 0
-    for n in list(gm.graph.nodes):
-        if not _pure(n) or not n.all_input_nodes or not isinstance(n.meta.get("val"), torch.Tensor) or \
-                any(_mutates(u) for u in n.users):
-            continue
-        key = (n.op, n.target, _frozen(n.args), _frozen(n.kwargs), tuple(module_paths(n)))
-        try:
-            other = seen.setdefault(key, n)
-        except TypeError:                # an argument that cannot be compared (left alone)
-            continue
-        if other is not n:
-            n.replace_all_uses_with(other)
-            gm.graph.erase_node(n)
-            merged += 1
-    return merged
+def repeat_source(node) -> fx.Node | None:
+    """`t` where `node` is `ungroup_kv_heads`' form reshape(expand(unsqueeze(t, 2), ...), ...), each
+    step read by the next only (and `node` by one reader), else None."""
+    x = node
+    for target in (aten.reshape.default, aten.expand.default, aten.unsqueeze.default):
+        if not isinstance(x, fx.Node) or x.op != "call_function" or x.target is not target or len(x.users) != 1:
+            return None
+        if target is aten.unsqueeze.default and x.args[1] != 2:
+            return None
+        x = x.args[0]
+    return x

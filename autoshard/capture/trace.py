@@ -23,9 +23,10 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, first_line
 from . import repeats
+from .duplicates import merge_duplicates
 from .dynamic import export_dynamic, mark_by_probes
 from .masks import eager_masks
-from .normalize import (constant_list_indices, merge_duplicates, regroup_blocks, unfuse_head_views, ungroup_kv_heads,
+from .normalize import (constant_list_indices, regroup_blocks, unfuse_head_views, ungroup_kv_heads,
                         unmerge_batch_heads)
 from .shapes import placeholder_inputs
 

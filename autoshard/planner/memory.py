@@ -1,9 +1,6 @@
 """The memory of one training step per rank under a plan: what is held, what autograd saves, the peak.
 
-Which tensors autograd saves is read, not tabulated: the captured graph is run once on fake
-tensors (no memory, no compute) under `torch.autograd.graph.saved_tensors_hooks`, and every saved
-tensor is traced to the node whose output owns its storage (`Saved`): a matmul's inputs, a
-softmax's output, a dropout's mask (a new tensor of the op's own), a norm's statistics. Under a
+Which tensors autograd saves is read, not tabulated (`saved.saved_tensors`). Under a
 plan each saved tensor takes the bytes of its local piece: an input at the placement its reader
 requires (a gathered copy is whole: Replicate; not where linear readers save the rank's tokens and
 gather them again in backward, `sequence.regathered`), an own output at its placement, an op's new
@@ -25,11 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
-import torch.nn as nn
 
-from ..capture.shapes import fetch_attr, reads_scalar, stand_in_scalar
 from ..runtime.placements import Shard, local_numel
+from .saved import Saved, saved_tensors
 from .sequence import regathered, regathered_layers
 
 # optimizer -> moments held per trainable element, in the parameter's dtype (torch.optim's)
@@ -93,123 +88,6 @@ class Memory(Mapping):
 
     def __len__(self) -> int:
         return len(self.KEYS)
-
-
-@dataclass(frozen=True)
-class Saved:
-    """What a graph's forward saves for backward, by storage (ints naming storages of one run).
-
-    storage[i]: the storage of node i's output (None: not one tensor); producer: storage -> the
-    first node whose output holds it; saves[i]: ((storage, bytes), ...) node i saves, tensors held
-    anyway (parameters, buffers, the inputs) left out; exact: False where a stand-in table was used."""
-
-    storage: tuple
-    producer: Mapping
-    saves: tuple
-    exact: bool = True
-    shapes: Mapping = None     # storage -> the shape it was saved with (None: the stand-in table)
-
-
-def _tensors(v):
-    return [t for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)]
-
-
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-class _Recorder(fx.Interpreter):
-    """Runs a captured graph on fake tensors, noting each node's output storage and what each
-    node's autograd saves."""
-
-    def __init__(self, gm, mode, device):
-        super().__init__(gm, garbage_collect_values=False)
-        self.mode, self.device, self.fakes = mode, device, {}
-        self.current, self.producer, self.records = -1, {}, []
-        self.index = {n: i for i, n in enumerate(gm.graph.nodes)}
-
-    def fake(self, t):
-        from torch._subclasses.fake_tensor import FakeTensor
-        if not isinstance(t, torch.Tensor):
-            return t
-        if id(t) not in self.fakes:
-            if isinstance(t, FakeTensor) and t.fake_mode is self.mode:
-                f = t
-            else:
-                with self.mode:
-                    f = torch.empty(t.shape, dtype=t.dtype, device=self.device if t.is_meta else t.device)
-            if isinstance(t, nn.Parameter):
-                f = nn.Parameter(f, requires_grad=t.requires_grad)
-            self.fakes[id(t)] = f
-        return self.fakes[id(t)]
-
-    def run_node(self, n):
-        self.current = self.index[n]
-        if reads_scalar(n):
-            return stand_in_scalar(self.env[n.all_input_nodes[0]])
-        out = super().run_node(n)
-        for t in _tensors(out):
-            self.producer.setdefault(_key(t), self.current)
-        return out
-
-    def get_attr(self, target, args, kwargs):
-        return self.fake(fetch_attr(self.module, target))
-
-    def call_module(self, target, args, kwargs):
-        from torch.func import functional_call
-        mod = self.fetch_attr(target)
-        state = {k: self.fake(t) for k, t in [*mod.named_parameters(remove_duplicate=False),
-                                               *mod.named_buffers(remove_duplicate=False)]}
-        return functional_call(mod, state, args, kwargs)
-
-    def pack(self, t):
-        self.records.append((self.current, _key(t), t.untyped_storage().nbytes(), t))
-        return t
-
-
-def saved_tensors(prob) -> Saved:
-    """The graph of `prob` (a planner Problem) run once on fake tensors under saved-tensor hooks."""
-    try:
-        return _recorded(prob)
-    except Exception:                  # an op fake tensors cannot run: every activation input saved
-        return _stand_in(prob)
-
-
-def _recorded(prob) -> Saved:
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    fakes = [t for v in prob.val for t in _tensors(v) if isinstance(t, FakeTensor)]
-    mode = fakes[0].fake_mode if fakes else FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = [prob.val[i] for i, k in enumerate(prob.kind) if k == "input"]
-    device = next((t.device for v in inputs for t in _tensors(v)), torch.device("cpu"))
-    rec = _Recorder(prob.gm, mode, device)
-    inputs = [rec.fake(v) for v in inputs]
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
-        rec.run(*inputs)
-    storage = []
-    for n in prob.nodes:
-        ts = _tensors(rec.env.get(n))
-        storage.append(_key(ts[0]) if len(ts) == 1 and not isinstance(rec.env.get(n), (tuple, list)) else None)
-    held = {s for s, i in rec.producer.items() if prob.kind[i] in ("param", "buffer", "input")}
-    saves = [dict() for _ in prob.nodes]
-    shapes = {}
-    for i, s, nb, t in rec.records:
-        if i >= 0 and s not in held:
-            saves[i][s] = max(nb, saves[i].get(s, 0))
-            shapes.setdefault(s, tuple(t.shape))
-    return Saved(tuple(storage), dict(rec.producer), tuple(tuple(d.items()) for d in saves), shapes=shapes)
-
-
-def _stand_in(prob) -> Saved:
-    """Where the fake run fails: every op saves its floating activation inputs (an upper bound)."""
-    storage = tuple(i if prob.kind[i] in ("op", "select") else None for i in range(len(prob.nodes)))
-    producer = {i: i for i in range(len(prob.nodes)) if storage[i] is not None}
-    saves = []
-    for i, k in enumerate(prob.kind):
-        ins = [j for j in prob.ins[i] if storage[j] is not None and isinstance(prob.val[j], torch.Tensor)
-               and prob.val[j].is_floating_point()] if k == "op" else []
-        saves.append(tuple((j, prob.nbytes[j]) for j in ins))
-    return Saved(storage, producer, tuple(saves), exact=False)
-
 
 def _fraction(val, placement, p: int) -> float:
     """The share of `val` one rank holds as `placement` (the largest rank's)."""

@@ -29,6 +29,7 @@ from ..runtime.placements import (Partial, Replicate, ReplicatePartialGrad, Shar
 from ..runtime.sequence import REGATHERED
 from ..runtime.state_dict import register_parallel_attribute
 from ..runtime.transitions import fused_backward, redistribute
+from .grouped import regroup_kv_heads
 from .local_ops import FRESH_OUTPUT_OPS, LocalOps, shard_kw, target_of
 from .outputs import Outputs
 from .overlap import fuse_column_linears, fuse_gathered_linears
@@ -252,6 +253,7 @@ class Rewriter(LocalOps, Outputs):
         self.wrap_outputs()
         self.rewrite_ops()
         self.mode_ops()
+        regroup_kv_heads(self.gm)
         fuse_gathered_linears(self.gm, self.regathered)
         if self.overlap:
             fuse_column_linears(self.gm)
