@@ -380,14 +380,16 @@ def ungroup_kv_heads(gm: fx.GraphModule) -> int:
     return done
 
 
-def repeat_source(node) -> fx.Node | None:
-    """`t` where `node` is `ungroup_kv_heads`' form reshape(expand(unsqueeze(t, 2), ...), ...), each
-    step read by the next only (and `node` by one reader), else None."""
-    x = node
+def repeat_chain(node) -> tuple | None:
+    """(reshape, expand, unsqueeze, t) where `node` is `ungroup_kv_heads`' form
+    reshape(expand(unsqueeze(t, 2), ...), ...), each step read by the next only (and `node` by one
+    reader), else None."""
+    chain, x = [], node
     for target in (aten.reshape.default, aten.expand.default, aten.unsqueeze.default):
         if not isinstance(x, fx.Node) or x.op != "call_function" or x.target is not target or len(x.users) != 1:
             return None
         if target is aten.unsqueeze.default and x.args[1] != 2:
             return None
+        chain.append(x)
         x = x.args[0]
-    return x
+    return (*chain, x) if isinstance(x, fx.Node) else None

@@ -1,7 +1,8 @@
 """The memory of one training step per rank under a plan: what is held, what autograd saves, the peak.
 
-Which tensors autograd saves is read, not tabulated (`saved.saved_tensors`). Under a
-plan each saved tensor takes the bytes of its local piece: an input at the placement its reader
+Which tensors autograd saves is read, not tabulated (`saved.saved_tensors`); a grouped-query
+sdpa capture wrote ungrouped saves K and V where the plan lets the ranks run it grouped (no
+redistribution on the repeat), else their copies. Under a plan each saved tensor takes the bytes of its local piece: an input at the placement its reader
 requires (a gathered copy is whole: Replicate; not where linear readers save the rank's tokens and
 gather them again in backward, `sequence.regathered`), an own output at its placement, an op's new
 tensors at the share of its largest activation input. Dtypes are the stored ones (bf16 halves).
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capture.normalize import repeat_chain
 from ..runtime.placements import Shard, local_numel
 from .saved import Saved, saved_tensors
 from .sequence import regathered, regathered_layers
@@ -143,6 +145,23 @@ def _block_ranges(prob, blocks) -> dict:
     return spans
 
 
+def _runs_grouped(prob, state, i: int, strat) -> bool:
+    """Whether the ranks run sdpa node `i`, which capture wrote ungrouped, grouped again
+    (`rewrite.grouped`): no redistribution on the repeat of its K or of its V under `state`."""
+    n = prob.nodes[i]
+    for a in n.args[1:3]:
+        chain = repeat_chain(a)
+        if chain is None:
+            return False
+        for reader, x in zip((n, *chain[:-1]), chain):
+            r, k = prob.idx[reader], prob.idx[x]
+            s = strat(r)
+            need = s.inputs[prob.ins[r].index(k)] if s is not None else None
+            if need is not None and need != state.place[k]:
+                return False
+    return True
+
+
 def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), device: str = "cpu") -> Memory:
     """Memory of one training step per rank under `state` (a search State of `prob`);
     `checkpointed`: names of blocks whose activations are recomputed in backward."""
@@ -196,7 +215,10 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
     keyed: dict = {}
     for i in range(n):
         s = strat(i)
-        for st, nb in saved.saves[i]:
+        saves = saved.saves[i]
+        if i in (saved.ungrouped or {}) and not _runs_grouped(prob, state, i, strat):
+            saves = saved.ungrouped[i]                  # the repeat's copies per query head
+        for st, nb in saves:
             j = saved.producer.get(st)
             slot = next((q for q, k in enumerate(prob.ins[i]) if saved.storage[k] == st), None)
             if slot is not None and s is not None:

@@ -4,8 +4,9 @@ The captured graph is run once on fake tensors (no memory, no compute) under
 `torch.autograd.graph.saved_tensors_hooks`, and every saved tensor is traced to the node whose
 output owns its storage (`Saved`): a matmul's inputs, a softmax's output, a dropout's mask (a new
 tensor of the op's own), a norm's statistics. A grouped-query sdpa that capture wrote ungrouped
-runs grouped where the ranks' modules run it so (`rewrite.grouped`: K/V heads split evenly): it
-saves K and V, not their copies per query head. Where fake tensors cannot run the graph, every
+is recorded both ways, grouped (K and V saved, as the ranks' modules run it where its K/V come
+straight from the repeat: `rewrite.grouped`) and as written (their copies per query head): which
+one a plan runs is the plan's (`memory.step_memory`). Where fake tensors cannot run the graph, every
 op saves its floating activation inputs (an upper bound). `memory.step_memory` prices the result.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..capture.normalize import UNGROUPED, repeat_source
+from ..capture.normalize import UNGROUPED, repeat_chain
 from ..capture.shapes import fetch_attr, reads_scalar, stand_in_scalar
 
 
@@ -34,6 +35,7 @@ class Saved:
     saves: tuple
     exact: bool = True
     shapes: Mapping = None     # storage -> the shape it was saved with (None: the stand-in table)
+    ungrouped: Mapping = None  # sdpa node -> what it saves run as capture wrote it (saves: run grouped)
 
 
 def _tensors(v):
@@ -48,9 +50,9 @@ class _Recorder(fx.Interpreter):
     """Runs a captured graph on fake tensors, noting each node's output storage and what each
     node's autograd saves."""
 
-    def __init__(self, gm, mode, device, p: int = 1):
+    def __init__(self, gm, mode, device):
         super().__init__(gm, garbage_collect_values=False)
-        self.mode, self.device, self.fakes, self.p = mode, device, {}, p
+        self.mode, self.device, self.fakes, self.ungrouped = mode, device, {}, {}
         self.current, self.producer, self.records = -1, {}, []
         self.index = {n: i for i, n in enumerate(gm.graph.nodes)}
 
@@ -73,21 +75,19 @@ class _Recorder(fx.Interpreter):
         self.current = self.index[n]
         if reads_scalar(n):
             return stand_in_scalar(self.env[n.all_input_nodes[0]])
-        sources = [repeat_source(a) for a in n.args[1:3]] if n.meta.get(UNGROUPED) else None
-        if sources and None not in sources and self._regrouped(n, sources):    # as the ranks run it
-            args = (self.env[n.args[0]], *(self.env[t] for t in sources), *self.map_nodes_to_values(n.args[3:], n))
-            out = n.target(*args, **{**self.map_nodes_to_values(n.kwargs, n), "enable_gqa": True})
-        else:
+        chains = [repeat_chain(a) for a in n.args[1:3]] if n.meta.get(UNGROUPED) else [None]
+        if None in chains:
             out = super().run_node(n)
+        else:             # both ways a rank may run it: grouped (`rewrite.grouped`), then as written
+            args = (self.env[n.args[0]], *(self.env[c[-1]] for c in chains), *self.map_nodes_to_values(n.args[3:], n))
+            out = n.target(*args, **{**self.map_nodes_to_values(n.kwargs, n), "enable_gqa": True})
+            records, self.records = self.records, []
+            alike = {_key(a): _key(b) for a, b in zip(_tensors(super().run_node(n)), _tensors(out))}
+            self.ungrouped[self.current] = [(i, alike.get(s, s), nb, t) for i, s, nb, t in self.records]
+            self.records = records                      # (its output stands for the grouped call's)
         for t in _tensors(out):
             self.producer.setdefault(_key(t), self.current)
         return out
-
-    def _regrouped(self, n, sources) -> bool:
-        """Whether each rank's module calls sdpa `n` grouped (`rewrite.grouped`): its K/V heads
-        and its query heads split evenly over the ranks (else a cut stands between repeat and sdpa)."""
-        heads = [self.env[a].shape[1] for a in (n.args[0], *sources)]
-        return all(h % self.p == 0 for h in heads)
 
     def get_attr(self, target, args, kwargs):
         return self.fake(fetch_attr(self.module, target))
@@ -118,7 +118,7 @@ def _recorded(prob) -> Saved:
     mode = fakes[0].fake_mode if fakes else FakeTensorMode(allow_non_fake_inputs=True)
     inputs = [prob.val[i] for i, k in enumerate(prob.kind) if k == "input"]
     device = next((t.device for v in inputs for t in _tensors(v)), torch.device("cpu"))
-    rec = _Recorder(prob.gm, mode, device, prob.p)
+    rec = _Recorder(prob.gm, mode, device)
     inputs = [rec.fake(v) for v in inputs]
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
         rec.run(*inputs)
@@ -127,13 +127,22 @@ def _recorded(prob) -> Saved:
         ts = _tensors(rec.env.get(n))
         storage.append(_key(ts[0]) if len(ts) == 1 and not isinstance(rec.env.get(n), (tuple, list)) else None)
     held = {s for s, i in rec.producer.items() if prob.kind[i] in ("param", "buffer", "input")}
-    saves = [dict() for _ in prob.nodes]
     shapes = {}
-    for i, s, nb, t in rec.records:
-        if i >= 0 and s not in held:
-            saves[i][s] = max(nb, saves[i].get(s, 0))
-            shapes.setdefault(s, tuple(t.shape))
-    return Saved(tuple(storage), dict(rec.producer), tuple(tuple(d.items()) for d in saves), shapes=shapes)
+
+    def kept(records) -> dict:
+        out = {}
+        for _, s, nb, t in records:
+            if s not in held:
+                out[s] = max(nb, out.get(s, 0))
+                shapes.setdefault(s, tuple(t.shape))
+        return out
+
+    by_node = [[] for _ in prob.nodes]
+    for r in rec.records:
+        if r[0] >= 0:
+            by_node[r[0]].append(r)
+    return Saved(tuple(storage), dict(rec.producer), tuple(tuple(kept(r).items()) for r in by_node), shapes=shapes,
+                 ungrouped={i: tuple(kept(r).items()) for i, r in rec.ungrouped.items()})
 
 
 def _stand_in(prob) -> Saved:

@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..capture.normalize import UNGROUPED, repeat_source
+from ..capture.normalize import UNGROUPED, repeat_chain
 from .local_ops import local_size
 
 aten = torch.ops.aten
@@ -24,15 +24,17 @@ _SIZE_OPS = {aten.unsqueeze.default, aten.expand.default, aten.sym_size.int, loc
              operator.floordiv, operator.add, operator.sub}
 
 
-def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
-    """Erase `node` and then, recursively, the views and size computations only it read."""
-    if node.users:
+def _erase_unused(graph: fx.Graph, node: fx.Node, gone: set) -> None:
+    """Erase `node` and then, recursively, the views and size computations only it read (`gone`:
+    the nodes erased so far, which two readers may share)."""
+    if node.users or node in gone:
         return
     inputs = node.all_input_nodes
     graph.erase_node(node)
+    gone.add(node)
     for a in inputs:
         if a.op == "call_function" and a.target in _SIZE_OPS:
-            _erase_unused(graph, a)
+            _erase_unused(graph, a, gone)
 
 
 def regroup_kv_heads(gm: fx.GraphModule) -> int:
@@ -42,13 +44,15 @@ def regroup_kv_heads(gm: fx.GraphModule) -> int:
     for n in list(gm.graph.nodes):
         if not n.meta.get(UNGROUPED) or n.op not in ("call_function", "call_module") or len(n.args) < 3:
             continue
-        k, v = (repeat_source(a) for a in n.args[1:3])
-        if k is None or v is None:
+        chains = [repeat_chain(a) for a in n.args[1:3]]
+        if None in chains:
             continue
+        k, v = (c[-1] for c in chains)
         old = n.args[1:3]
         n.args = (n.args[0], k, v, *n.args[3:])
         n.kwargs = {**n.kwargs, "enable_gqa": True}
+        gone = set()
         for r in old:
-            _erase_unused(gm.graph, r)
+            _erase_unused(gm.graph, r, gone)
         done += 1
     return done
