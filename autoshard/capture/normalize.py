@@ -284,8 +284,6 @@ def regroup_blocks(gm: fx.GraphModule) -> int:
     """Rewrite, in place, every view of a tensor's last dim into (G groups, features) whose one
     reader splits the features into K equal parts, each part only viewed as heads (merging G
     and its features): the parts become slices of `regroup(x, G, K)`, the heads views read them.
-    The sdpa is marked (`UNGROUPED`): each rank's module calls it grouped again where its K and V
-    still come straight from that form (`autoshard.rewrite.grouped`).
     Returns how many were rewritten (the caller recompiles)."""
     done = 0
     for view in list(gm.graph.nodes):

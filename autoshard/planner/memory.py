@@ -2,10 +2,11 @@
 
 Which tensors autograd saves is read, not tabulated (`saved.saved_tensors`); a grouped-query
 sdpa capture wrote ungrouped saves K and V where the plan lets the ranks run it grouped (no
-redistribution on the repeat), else their copies. Under a plan each saved tensor takes the bytes of its local piece: an input at the placement its reader
-requires (a gathered copy is whole: Replicate; not where linear readers save the rank's tokens and
-gather them again in backward, `sequence.regathered`), an own output at its placement, an op's new
-tensors at the share of its largest activation input. Dtypes are the stored ones (bf16 halves).
+redistribution on the repeat), else their copies. Under a plan each saved tensor takes the
+bytes of its local piece: an input at the placement its reader requires (a gathered copy is
+whole: Replicate; not where linear readers save the rank's tokens and gather them again in
+backward, `sequence.regathered`), an own output at its placement, an op's new tensors at the
+share of its largest activation input. Dtypes are the stored ones (bf16 halves).
 
 `step_memory` lays the step out as a timeline (node i's forward at t = i, its backward at
 t = 2N - 1 - i, the optimizer step at t = 2N) and sums what is live at each t: parameters,
