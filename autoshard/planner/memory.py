@@ -272,6 +272,13 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
             nb = int(prob.nbytes[i] * _fraction(prob.val[i], state.place[i], p))
             items.append([nb, i, max(i, last_read.get(st, i)), f"output of {module_of(prob, i)}", "temporary"])
         s = strat(i)
+        if prob.kind[i] == "output":    # gathered for the output alone: the pieces stacked, then joined
+            for k in prob.ins[i]:
+                if isinstance(prob.val[k], torch.Tensor) and prob.kind[k] == "op" and any(
+                        fwd == ("all_gather",) and list(cons) == [i] and via is None
+                        for _, _, fwd, _, cons, via in prob.comms_of(k, state.place, state.sidx)):
+                    items.append([2 * prob.nbytes[k], i, i, f"{prob.nodes[k].name} gathered for the output",
+                                  "temporary"])
         if s is None or prob.kind[i] != "op":
             continue
         for q, k in enumerate(prob.ins[i]):

@@ -199,6 +199,43 @@ def apply(state) -> int:
     return len(moved)
 
 
+def held_chains(prob, place, sidx) -> list:
+    """[(place, sidx)]: for each split tensor that a reader gathers whole only to end in an op that
+    makes its own result whole (the loss over logits split on the vocabulary, gathered for a replicated
+    cross entropy), the labelling with that chain of readers reading it as held down to that op
+    (views, casts, the loss vocabulary-parallel: its statistics all-reduced, a float or two a token),
+    the other readers (a returned output) still gathering it. Megatron keeps its logits split into
+    the loss so; the search never prefers it (the loss's own collectives against a gather it needs
+    anyway for the output), so it is a candidate move of the sequence-parallel twin."""
+    found = []
+    for j in range(len(prob.nodes)):
+        if prob.kind[j] == "param" or not isinstance(place[j], Shard) or not prob.nbytes[j]:
+            continue
+        if not any(isinstance(req, Replicate) and _whole(place[u]) for u in prob.users[j] if prob.strats[u]
+                   for req, k in zip(prob.strats[u][sidx[u]].inputs, prob.ins[u]) if k == j):
+            continue
+        new_place, new_sidx, held, ended = list(place), list(sidx), {j}, False
+        for i in range(j + 1, len(prob.nodes)):
+            if prob.kind[i] != "op" or not prob.strats[i] or not held.intersection(prob.ins[i]):
+                continue
+            cur = prob.strats[i][sidx[i]]
+            reads = [si for si, s in enumerate(prob.strats[i]) if si != sidx[i] and all(
+                req is None or req == (new_place[k] if k in held else cur.inputs[slot])
+                for slot, (req, k) in enumerate(zip(s.inputs, prob.ins[i])))]
+            if not reads:
+                continue
+            si = min(reads, key=lambda si: prob.node_cost[i][si])
+            s = prob.strats[i][si]
+            new_sidx[i], new_place[i] = si, s.output
+            if _whole(s.output):
+                ended = ended or bool(s.comm)
+            else:
+                held.add(i)
+        if ended:
+            found.append((new_place, new_sidx))
+    return found
+
+
 def with_sequence_parallel(state, tokens):
     """`state` (searched on a Problem whose ops keep tokens whole) as a state of `tokens` (the same
     graph's Problem with `tokens=True`: the token splits offered too) with the move applied, or None
