@@ -228,7 +228,8 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
 
 def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str, overlap: bool):
     """How a call with another signature gets its graph (autoshard.rewrite.signatures): captured on the
-    meta copy of the model with the call's inputs, planned with the module's layouts fixed, checked
+    meta copy of the model with the call's inputs, planned with the module's layouts fixed (and its
+    sequence parallelism: a model trained in eval mode, dropout off, keeps the stream split), checked
     to be the same plan on every rank, rewritten for this rank."""
     def build(capture_on, bind_to, call, train, step=None):
         """`step` (autoshard.io.generate): capture `step.module(model)`'s forward instead, every
@@ -252,7 +253,8 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str, overl
                                  notes=cap.notes, example=(cap.args, cap.kwargs), layouts=dict(plan.layouts),
                                  outputs=plan.outputs if step is None else "full",
                                  held=frozenset() if step is None else step.held(cap.gm), inference=step is not None,
-                                 held_inputs=None if step is None else step.held_inputs(cap.gm))
+                                 held_inputs=None if step is None else step.held_inputs(cap.gm),
+                                 sequence_parallel=step is None and bool(plan.sequence_parallel))
         except ShardingError as e:
             raise ShardingError(f"a call with ({call.describe()}) cannot run on this module: {e}") from e
         if pg is not None:

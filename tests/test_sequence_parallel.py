@@ -306,3 +306,41 @@ def test_loss_kept_split_with_whole_outputs(dist2):
     assert plan.memory.activations <= 1.10 * one / p, (plan.memory.activations, one / p)
     assert plan.comm_bytes - gathered.comm_bytes == pytest.approx(_own_bytes(plan) - _own_bytes(gathered))
     assert dist2.run(_whole_outputs_case, seq, timeout=300) == [["vocab"]] * p
+
+
+def _zoo_case(rank, p, name):
+    """A zoo architecture whose norms scale by a weight computed from the parameter (Gemma's
+    `1 + w`, Cohere's weight cast to the activations' dtype) with sequence parallelism: the
+    weight's gradient all-reduce is the norm's own cost, as a plain weight's is, so the stream is
+    split; loss and every gradient equal one process's, the bytes counted the plan's. Then the
+    same model trained in eval mode (dropout off: a graph of its own, built on first use) keeps
+    the stream split too: its backward reduce-scatters."""
+    import refs
+    import zoo
+    from autoshard.runtime.collectives import count_comm
+    arch = zoo.ZOO[name]
+    model, kw = arch.build(0)
+    model.train()                    # (the zoo builds eval-mode models)
+    ref = copy.deepcopy(model)
+    plan = autoshard.plan(model, p, kw, tracer="export", sequence_parallel=True)
+    gm = autoshard.parallelize(model, p, kw, plan=plan)
+    gm.train()
+    for mode in ("train", "eval"):
+        gm.train(mode == "train"), ref.train(mode == "train")
+        with count_comm() as counted:
+            got = arch.loss(gm(**kw))
+            got.backward()
+        want = arch.loss(ref(**kw))
+        want.backward()
+        refs.close_to_scale(got, want, f"{name} loss ({mode})")
+        refs.grads_match(gm, ref, f"{name} sequence parallel ({mode})")
+        assert counted.by_kind.get("reduce_scatter", (0, 0))[0] > 0, (mode, counted.by_kind)
+        if mode == "train":
+            assert counted.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (counted.bytes, plan.comm_bytes)
+        gm.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
+    return plan.sequence_parallel
+
+
+@pytest.mark.parametrize("name", ["gemma", "cohere"])
+def test_norm_weights_computed_from_parameters(dist2, name):
+    assert all(n > 0 for n in dist2.run(_zoo_case, name, timeout=300))

@@ -105,10 +105,23 @@ def _partial_strategy(prob, i, place):
     return None
 
 
+def of_weights(prob) -> set:
+    """Nodes computed from parameters alone (Gemma's norm weight `1 + w`, a weight cast to the
+    activations' dtype): their gradients' all-reduces are the weights' own, not the activations'."""
+    out = set()
+    for i in range(len(prob.nodes)):
+        if prob.kind[i] == "param" or (prob.kind[i] in ("op", "select") and prob.ins[i] and
+                                       all(j in out or prob.kind[j] == "buffer" for j in prob.ins[i]) and
+                                       any(j in out for j in prob.ins[i])):
+            out.add(i)
+    return out
+
+
 def _activation_bytes(prob, place, sidx) -> float:
     """Ring bytes a rank sends for the activations (not the parameters' gradients) under a labelling."""
+    weights = of_weights(prob)
     return sum(ring_bytes(k, prob.nbytes[j], prob.p) for j in range(len(prob.nodes))
-               if prob.nbytes[j] and prob.kind[j] != "param"
+               if prob.nbytes[j] and j not in weights
                for _, _, fwd, bwd, _, _ in prob.comms_of(j, place, sidx) for k in fwd + bwd)
 
 
