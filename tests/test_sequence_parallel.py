@@ -309,12 +309,10 @@ def test_loss_kept_split_with_whole_outputs(dist2):
 
 
 def _zoo_case(rank, p, name):
-    """A zoo architecture whose norms scale by a weight computed from the parameter (Gemma's
-    `1 + w`, Cohere's weight cast to the activations' dtype) with sequence parallelism: the
-    weight's gradient all-reduce is the norm's own cost, as a plain weight's is, so the stream is
-    split; loss and every gradient equal one process's, the bytes counted the plan's. Then the
-    same model trained in eval mode (dropout off: a graph of its own, built on first use) keeps
-    the stream split too: its backward reduce-scatters."""
+    """A zoo architecture (tests/zoo.py, built in train mode) with sequence parallelism: loss and
+    every gradient equal one process's and the bytes counted are the plan's; then the same module
+    trained in eval mode (dropout off: a graph of its own, built on first use), exact too. Returns
+    (ops split on tokens, reduce-scatters counted in each mode)."""
     import refs
     import zoo
     from autoshard.runtime.collectives import count_comm
@@ -324,7 +322,7 @@ def _zoo_case(rank, p, name):
     ref = copy.deepcopy(model)
     plan = autoshard.plan(model, p, kw, tracer="export", sequence_parallel=True)
     gm = autoshard.parallelize(model, p, kw, plan=plan)
-    gm.train()
+    scattered = []
     for mode in ("train", "eval"):
         gm.train(mode == "train"), ref.train(mode == "train")
         with count_comm() as counted:
@@ -334,13 +332,36 @@ def _zoo_case(rank, p, name):
         want.backward()
         refs.close_to_scale(got, want, f"{name} loss ({mode})")
         refs.grads_match(gm, ref, f"{name} sequence parallel ({mode})")
-        assert counted.by_kind.get("reduce_scatter", (0, 0))[0] > 0, (mode, counted.by_kind)
+        scattered.append(counted.by_kind.get("reduce_scatter", (0, 0))[0])
         if mode == "train":
             assert counted.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (counted.bytes, plan.comm_bytes)
         gm.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
-    return plan.sequence_parallel
+    return plan.sequence_parallel, scattered
 
 
 @pytest.mark.parametrize("name", ["gemma", "cohere"])
 def test_norm_weights_computed_from_parameters(dist2, name):
-    assert all(n > 0 for n in dist2.run(_zoo_case, name, timeout=300))
+    """Norms that scale by a weight computed from the parameter (Gemma's `1 + w`, Cohere's weight
+    cast to the activations' dtype): the weight's gradient all-reduce is the norm's own cost, as a
+    plain weight's is, so the stream is split; trained in eval mode too (its backward reduce-scatters)."""
+    for split, scattered in dist2.run(_zoo_case, name, timeout=300):
+        assert split > 0 and all(n > 0 for n in scattered), (split, scattered)
+
+
+@pytest.mark.zoo
+def test_zoo_sequence_parallel(dist2):
+    """Every zoo architecture that captures, with sequence_parallel=True, in train and eval mode:
+    exact, and the bytes counted the plan's (docs/benchmarks.md section 12: 32 of 54 split the
+    stream; the others are planned without, with a note)."""
+    import zoo
+    split = 0
+    for name in zoo.ZOO:
+        try:
+            n, scattered = dist2.run(_zoo_case, name, timeout=300)[0]
+        except Exception as e:  # noqa: BLE001 - a capture failure (the zoo's known one) is not this test's
+            if "CaptureError" not in str(e):
+                raise
+            continue
+        split += n > 0
+        assert not n or scattered[1] > 0, (name, scattered)
+    assert split >= 32, split
