@@ -14,7 +14,8 @@ each). The search's objective never prefers it (comm-neutral, memory of activati
 it is applied here, after the search, to whatever plan it found, for any graph whose stream runs
 row layer -> element-wise / norm ops -> column layer, whatever the architecture.
 
-The move: in topological order, an op whose output is held whole (Replicate) takes a strategy that
+The move: in topological order, an op whose output is held whole (Replicate), or a Partial sum that
+reads a whole or moved activation (a residual add left for the next norm to reduce), takes a strategy that
 outputs `Shard(token dim)` where each of its inputs is either moved already (read at its new
 placement), a Partial tensor (reduce-scattered), one split on another dim (an all-to-all where it
 was gathered: a hidden-split embedding's output), a whole activation (sliced locally) or a
@@ -54,10 +55,10 @@ def _whole(pl) -> bool:
     return type(pl) is Replicate
 
 
-def _split_strategy(prob, i, place, moved):
+def _split_strategy(prob, i, place, moved, partial=False):
     """The strategy of node i that outputs Shard(token dim) from the inputs `moved` / as held, or None."""
     d = token_dim(prob.val[i])
-    if d is None or not _whole(place[i]) or prob.kind[i] != "op":
+    if d is None or prob.kind[i] != "op" or not (_whole(place[i]) or partial and _partial_plus(prob, i, place)):
         return None
     want = Shard(d)
     for si, s in enumerate(prob.strats[i]):
@@ -87,6 +88,15 @@ def _split_strategy(prob, i, place, moved):
         if ok and seeded:
             return si
     return None
+
+
+def _partial_plus(prob, i, place) -> bool:
+    """Node i keeps a Partial result while reading a whole or moved activation: a residual add that
+    leaves the stream's reduction to the next norm (OLMo's plan), or a cast of such a sum once moved.
+    Moved, its Partial inputs are reduce-scattered instead. (An op of Partial inputs alone stays
+    Partial: one reduction of the sum, GPT-2's token and position embeddings.)"""
+    acts = [j for j in prob.ins[i] if prob.nbytes[j] and prob.kind[j] not in ("param", "buffer")]
+    return isinstance(place[i], Partial) and not all(isinstance(place[j], Partial) for j in acts)
 
 
 def _partial_strategy(prob, i, place):
@@ -174,16 +184,15 @@ def _gather_readers(prob, place, sidx, moved) -> None:
         sidx[u], place[u] = best[1], prob.strats[u][best[1]].output
 
 
-def apply(state) -> int:
-    """Apply the move to `state` in place (see the module docstring); returns how many ops now hold
-    their output split on tokens (0: nothing to move, or moving would send more bytes). `state` is an
-    `assignment.State`, not imported: the memory model, which the cost model imports, reads this module."""
-    prob = state.prob
+def _moved(prob, state, partial: bool):
+    """(place, sidx, moved) of the move on `state` (the module docstring), Partial sums that read a
+    whole activation moved too where `partial`; None where it moves nothing, sends more bytes or
+    leaves a reader unserved."""
     place, sidx = list(state.place), list(state.sidx)
     moved: set[int] = set()
     passed: dict[int, int] = {}         # whole views of a Partial tensor passed on Partial: node -> strategy
     for i in range(len(prob.nodes)):
-        si = _split_strategy(prob, i, place, moved)
+        si = _split_strategy(prob, i, place, moved, partial)
         if si is None:
             # a whole view of a Partial tensor whose one reader could then take it split
             pi = _partial_strategy(prob, i, place)
@@ -192,7 +201,7 @@ def apply(state) -> int:
             old = place[i], sidx[i]
             place[i], sidx[i] = prob.strats[i][pi].output, pi
             u = prob.users[i][0]
-            if _split_strategy(prob, u, place, moved) is None:
+            if _split_strategy(prob, u, place, moved, partial) is None:
                 place[i], sidx[i] = old
                 continue
             passed[i] = pi
@@ -205,7 +214,23 @@ def apply(state) -> int:
     _prune(prob, place, sidx, moved, state)
     _gather_readers(prob, place, sidx, moved)
     if not moved or _activation_bytes(prob, place, sidx) > _activation_bytes(prob, state.place, state.sidx) * (1 + EPS):
+        return None
+    if any(prob.tensor_cost(j, place, sidx) == float("inf") for j in range(len(prob.nodes))):
+        return None                     # a reader the moved tensors cannot serve (one that needs a Partial sum)
+    return place, sidx, moved
+
+
+def apply(state) -> int:
+    """Apply the move to `state` in place (see the module docstring); returns how many ops now hold
+    their output split on tokens (0: nothing to move, or moving would send more bytes). Tried with
+    and without moving Partial residual sums (OLMo's stream is one; in Swin moving them sends more),
+    the one that splits more ops kept. `state` is an `assignment.State`, not imported: the memory
+    model, which the cost model imports, reads this module."""
+    prob = state.prob
+    found = [m for m in (_moved(prob, state, False), _moved(prob, state, True)) if m is not None]
+    if not found:
         return 0
+    place, sidx, moved = max(found, key=lambda m: len(m[2]))
     state.place[:], state.sidx[:] = place, sidx
     state.tcost = [prob.tensor_cost(j, place, sidx) for j in range(len(prob.nodes))]
     state.total = state.evaluate()
