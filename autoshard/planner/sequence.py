@@ -186,7 +186,7 @@ def _gather_readers(prob, place, sidx, moved) -> None:
 
 def _moved(prob, state, partial: bool):
     """(place, sidx, moved) of the move on `state` (the module docstring), Partial sums that read a
-    whole activation moved too where `partial`; None where it moves nothing, sends more bytes or
+    whole or moved activation moved too where `partial`; None where it moves nothing, sends more bytes or
     leaves a reader unserved."""
     place, sidx = list(state.place), list(state.sidx)
     moved: set[int] = set()
