@@ -30,7 +30,8 @@ from .cost import STATE_TOLERANCE, TIE_PRICE, flops
 from .memory import memory_of
 from .problem import IMBALANCE
 from .search import layer_key, uniform_layers
-from .sequence import EPS, activation_bytes, held_chains, regather_seconds, token_dim, with_sequence_parallel
+from .sequence import (EPS, activation_bytes, held_chains, regather_seconds, relabel, token_dim,
+                       with_sequence_parallel)
 
 # prices of a byte of training state (seconds) the search is run at; the cost model's own is added
 WEIGHTS = (0.0, 1e-12, 1e-10, 1e-8, 1e-6, 1e-3)
@@ -226,9 +227,7 @@ def sequence_twin(state, tokens):
                 twin, state, sent, peak = other, trial, b, mem
     for place, sidx in held_chains(tokens, twin.place, twin.sidx):
         other = copy.copy(twin)
-        other.place, other.sidx = place, sidx
-        other.tcost = [tokens.tensor_cost(j, place, sidx) for j in range(len(tokens.nodes))]
-        other.total = other.evaluate()
+        relabel(other, place, sidx)
         b, mem = activation_bytes(other), held(other)
         own = _own_bytes(tokens, sidx) - _own_bytes(tokens, twin.sidx)
         if b <= sent * (1 + EPS) and mem < peak and own <= CHAIN_SHARE * (peak[1] - mem[1]):

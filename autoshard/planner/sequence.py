@@ -184,10 +184,10 @@ def _gather_readers(prob, place, sidx, moved) -> None:
         sidx[u], place[u] = best[1], prob.strats[u][best[1]].output
 
 
-def _moved(prob, state, partial: bool):
+def _moved(prob, state, partial: bool, sent: float):
     """(place, sidx, moved) of the move on `state` (the module docstring), Partial sums that read a
-    whole or moved activation moved too where `partial`; None where it moves nothing, sends more bytes or
-    leaves a reader unserved."""
+    whole or moved activation moved too where `partial`; None where it moves nothing, sends more
+    bytes than `sent` (the state's activations') or leaves a reader unserved."""
     place, sidx = list(state.place), list(state.sidx)
     moved: set[int] = set()
     passed: dict[int, int] = {}         # whole views of a Partial tensor passed on Partial: node -> strategy
@@ -213,7 +213,7 @@ def _moved(prob, state, partial: bool):
             sidx[i], place[i] = state.sidx[i], state.place[i]
     _prune(prob, place, sidx, moved, state)
     _gather_readers(prob, place, sidx, moved)
-    if not moved or _activation_bytes(prob, place, sidx) > _activation_bytes(prob, state.place, state.sidx) * (1 + EPS):
+    if not moved or _activation_bytes(prob, place, sidx) > sent * (1 + EPS):
         return None
     if any(prob.tensor_cost(j, place, sidx) == float("inf") for j in range(len(prob.nodes))):
         return None                     # a reader the moved tensors cannot serve (one that needs a Partial sum)
@@ -227,14 +227,22 @@ def apply(state) -> int:
     the one that splits more ops kept. `state` is an `assignment.State`, not imported: the memory
     model, which the cost model imports, reads this module."""
     prob = state.prob
-    found = [m for m in (_moved(prob, state, False), _moved(prob, state, True)) if m is not None]
+    sent = _activation_bytes(prob, state.place, state.sidx)
+    found = [m for m in (_moved(prob, state, False, sent), _moved(prob, state, True, sent)) if m is not None]
     if not found:
         return 0
     place, sidx, moved = max(found, key=lambda m: len(m[2]))
-    state.place[:], state.sidx[:] = place, sidx
+    relabel(state, place, sidx)
+    return len(moved)
+
+
+def relabel(state, place, sidx) -> None:
+    """Give `state` the labelling (`place`, `sidx`: lists of its own, not shared) and the costs that
+    follow from it."""
+    prob = state.prob
+    state.place, state.sidx = place, sidx
     state.tcost = [prob.tensor_cost(j, place, sidx) for j in range(len(prob.nodes))]
     state.total = state.evaluate()
-    return len(moved)
 
 
 def held_chains(prob, place, sidx) -> list:
