@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import capture, has_meta
-from .capture.trace import fake_mode_of
+from .capture.trace import autocast_as, fake_mode_of
 from .errors import CaptureError, LoadError, ProcessGroupError, ShardingError
 from .io import hf, loading
 from .nn.dropout import MASKS
@@ -71,7 +71,7 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     result = plan_graph(cap.gm, world_size, cost, pin=pin, search=search, tracer=cap.tracer,
                         notes=cap.notes, example=(cap.args, cap.kwargs), outputs=outputs,
                         blocks=B.resolve_blocks(model, "auto") if cost.memory_budget is not None else (),
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel, autocast=cap.autocast)
     _without_weights(cap.gm, model)
     return result
 
@@ -210,19 +210,29 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
         rng.ensure_seeded(rank)
     if plan.checkpointed and not set(plan.checkpointed) <= set(block_names):     # recomputed blocks are kept as modules
         block_names = B.resolve_blocks(model, [*block_names, *plan.checkpointed])
+    with autocast_as(plan.autocast):     # the recipe the plan's graph was captured under, whatever the caller's
+        gm = _rewritten(plan, model, rank, key, pg if D.is_initialized() else None, block_names, load, device,
+                        progress, source, chosen, dropout_masks, overlap)
+    return gm
+
+
+def _rewritten(plan: Plan, model: nn.Module, rank: int, key, pg, block_names, load, device, progress, source,
+               chosen, dropout_masks: str, overlap: bool) -> fx.GraphModule:
+    """parallelize's second half: the plan rewritten for `rank`, filled, its blocks kept, its call
+    dispatcher installed (its example keyed by the plan's precision recipe)."""
+    world_size = plan.world_size
     gm = rewrite(plan, rank, key, model, dropout_masks, overlap)
     if load is not None or device is not None or has_meta(model):
         loading.materialize(gm, model, rank, world_size, source=source, chosen=chosen, device=device,
                             progress=progress)
     for note in B.keep_blocks(gm, block_names, {n: type(model.get_submodule(n)).__name__ for n in block_names}):
-        warnings.warn(f"autoshard: {note}", stacklevel=2)
+        warnings.warn(f"autoshard: {note}", stacklevel=3)
     gm.__dict__["_autoshard_blocks"] = {n: gm.get_submodule(n) for n in block_names
                                         if isinstance(gm.get_submodule(n), fx.GraphModule)}
     recompute_blocks(gm, plan.checkpointed)
     gm.train(model.training)             # captured in train mode; the module starts in the model's mode
     hf.attach(gm, model)             # a Hugging Face model's config, generation_config, save_pretrained
-    signatures.install(gm, model, plan.example,
-                       _signature_builder(plan, rank, key, pg if D.is_initialized() else None, dropout_masks, overlap))
+    signatures.install(gm, model, plan.example, _signature_builder(plan, rank, key, pg, dropout_masks, overlap))
     return gm
 
 
@@ -254,7 +264,8 @@ def _signature_builder(plan: Plan, rank: int, key, pg, dropout_masks: str, overl
                                  outputs=plan.outputs if step is None else "full",
                                  held=frozenset() if step is None else step.held(cap.gm), inference=step is not None,
                                  held_inputs=None if step is None else step.held_inputs(cap.gm),
-                                 sequence_parallel=step is None and bool(plan.sequence_parallel))
+                                 sequence_parallel=step is None and bool(plan.sequence_parallel),
+                                 autocast=cap.autocast)
         except ShardingError as e:
             raise ShardingError(f"a call with ({call.describe()}) cannot run on this module: {e}") from e
         if pg is not None:

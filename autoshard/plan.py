@@ -99,6 +99,7 @@ class Plan:
     output_placements: Mapping[str, Placement] = field(default_factory=dict)   # node the output reads -> as returned
     checkpointed: tuple = ()                  # blocks whose activations are recomputed in backward
     sequence_parallel: int = 0                # ops holding the stream split on tokens (planner.sequence)
+    autocast: tuple = ()                      # ((device, dtype), ...): the torch.autocast captured under
     memory_model: Any = field(default=None, compare=False, repr=False)   # Lazy of the step's Memory
 
     @functools.cached_property

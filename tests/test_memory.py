@@ -89,14 +89,20 @@ def _build(name, seq):
     return model, kw, lambda m: m(**kw).loss
 
 
-def _measure(rank, p, name, seq, optimizer, outputs="full"):
+def _measure(rank, p, name, seq, optimizer, outputs="full", autocast=False):
     import refs
     model, example, loss_of = _build(name, seq)
-    plan = autoshard.plan(model, p, example, optimizer=optimizer, outputs=outputs)
+    recipe = lambda: torch.autocast("cpu", torch.bfloat16, enabled=autocast)     # noqa: E731
+    with recipe():                       # planned under the recipe it runs: the plan's graph is captured so
+        plan = autoshard.plan(model, p, example, optimizer=optimizer, outputs=outputs)
     gm = autoshard.parallelize(model, p, example, plan=plan)
     gm.train()
     opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)(gm.parameters(), lr=1e-3)
-    peak, _ = refs.measured_step_peak(gm, loss_of, opt)
+
+    def step_loss(m):
+        with recipe():
+            return loss_of(m)
+    peak, _ = refs.measured_step_peak(gm, step_loss, opt)
     return plan.memory.peak, peak, plan.memory.activations
 
 
@@ -112,6 +118,18 @@ def test_predicted_peak_is_measured_peak(dist2, name, seq, optimizer, outputs):
     for predicted, measured, activations in dist2.run(_measure, name, seq, optimizer, outputs, timeout=240):
         assert abs(predicted - measured) <= tolerance * measured, (name, predicted, measured)
         assert activations < single.activations
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_predicted_peak_under_bf16_autocast(dist2, name):
+    """Under torch.autocast(bf16) (fp32 weights): each linear saves a bf16 copy of its input, held
+    as the linear reads it (whole on every rank for a column layer), and torch's cross entropy runs
+    in float32, so its backward makes float32 gradients of bf16 logits. GPT (symbolic_trace: the
+    loss one call) and LLaMA (export: the upcast a node of its own, the bf16 logits returned
+    beside the loss, which takes no gradient through them): predicted within 2% of measured
+    (GPT's was 0.82 of it before these were counted)."""
+    for predicted, measured, _ in dist2.run(_measure, name, 256, "adamw", "full", True, timeout=240):
+        assert abs(predicted - measured) <= 0.02 * measured, (name, predicted, measured)
 
 
 def test_grouped_attention_counted_as_the_ranks_run_it(dist3):

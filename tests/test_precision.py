@@ -128,6 +128,45 @@ def test_recipe_at_world_4(dist4):
     dist4.run(_case, "llama", "autocast_bf16", True)
 
 
+def _planned_apart(rank, p, planned_under, parallelized_under):
+    """A plan captured under one recipe and parallelized under another: parallelize rewrites and
+    checks the plan under the recipe it was captured under (torch.export bakes it into the graph),
+    the module serves that recipe with the plan's own graph and the other on first use; both equal
+    the model under the same recipe."""
+    import autoshard
+    model, kw = _build("plain")
+    recipes = {"fp32": contextlib.nullcontext, "autocast_bf16": lambda: torch.autocast("cpu", torch.bfloat16)}
+    with recipes[planned_under]():
+        plan = autoshard.plan(model, p, kw, tracer="export")
+    assert plan.autocast == ((("cpu", torch.bfloat16),) if planned_under != "fp32" else ()), plan.autocast
+    assert ("captured under                    torch.autocast('cpu', torch.bfloat16)" in str(plan)) == \
+        (planned_under != "fp32"), str(plan)
+    with recipes[parallelized_under]():
+        gm = autoshard.parallelize(copy.deepcopy(model), p, kw, plan=plan)
+    graphs = []
+    for recipe in (planned_under, parallelized_under, "fp32"):
+        ref = copy.deepcopy(model)
+        with recipes[recipe]():
+            got, want = gm(**kw), ref(**kw)
+        got.backward(), want.backward()
+        dtype = torch.bfloat16 if recipe != "fp32" else torch.float32
+        _close(got, want, dtype, f"{recipe}: loss")
+        grads = autoshard.collect_state_dict(gm, refs.grads(gm))
+        for k, g in refs.grads(ref).items():
+            _close(grads[k], g, dtype, f"{recipe}: grad of {k}")
+        gm.zero_grad(set_to_none=True)
+        graphs.append(len(gm._autoshard_signatures.served))
+    return graphs
+
+
+@pytest.mark.parametrize("planned_under,parallelized_under", [("autocast_bf16", "fp32"), ("fp32", "autocast_bf16")])
+def test_plan_captured_under_another_recipe(dist2, planned_under, parallelized_under):
+    """Used to fail inside parallelize ("the plan cannot run": a dtype assertion of the export
+    graph run under the other recipe)."""
+    for graphs in dist2.run(_planned_apart, planned_under, parallelized_under):
+        assert graphs == [1, 2, 2], graphs          # the plan's recipe served by its own graph
+
+
 def _overflow(rank, p):
     """fp16 autocast with autoshard.amp.GradScaler: an inf in rank 1's shard of one weight skips
     the step on every rank and halves every rank's scale; the next, clean step is taken."""

@@ -46,6 +46,27 @@ class Captured:
     args: tuple
     kwargs: dict
     notes: list = field(default_factory=list)
+    autocast: tuple = ()            # the caller's torch.autocast when captured (autocast_state)
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple:
+    """((device, dtype), ...) of each device where torch.autocast is on: the part of a precision
+    recipe a graph is captured under (torch.export bakes its casts and dtypes into the graph)."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple):
+    """Run under exactly the autocast of `state` (autocast_state()), whatever the caller's."""
+    on = dict(state)
+    with contextlib.ExitStack() as stack:
+        for d in AUTOCAST_DEVICES:
+            if d in on or torch.is_autocast_enabled(d):
+                stack.enter_context(torch.autocast(d, dtype=on.get(d), enabled=d in on))
+        yield
 
 
 class InliningTracer(fx.Tracer):
@@ -354,7 +375,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
                 fn = _symbolic if name == "symbolic_trace" else _export
                 gm = _once_per_layer(fn, model, *(on_meta or (args, kwargs)), notes, run_on) if once else \
                     _normalised(fn(model, *(on_meta or (args, kwargs)), notes), run_on)
-                return Captured(gm, name, args, kwargs, notes)
+                return Captured(gm, name, args, kwargs, notes, autocast_state())
             except Exception as e:  # noqa: BLE001 - every tracer failure is reported below
                 errors.append((name, e))
     lines = [f"could not capture {type(model).__name__}:"]

@@ -43,6 +43,8 @@ ANCHOR_PRICE = 1e-9
 # may add that op's own collectives up to this share of the bytes of activations it saves (a loss over
 # a vocabulary of 256 at 2 ranks: 0.023)
 CHAIN_SHARE = 0.1
+# peaks this close are as high (each item's bytes are rounded to whole bytes)
+PEAK_SLACK = 1e-6
 
 
 def _fmt(n: float) -> str:
@@ -223,16 +225,24 @@ def sequence_twin(state, tokens):
             if other is None:
                 continue
             b, mem = activation_bytes(other), held(other)
-            if b <= sent * (1 + EPS) and mem < peak:
+            if b <= sent * (1 + EPS) and _lower(mem, peak):
                 twin, state, sent, peak = other, trial, b, mem
     for place, sidx in held_chains(tokens, twin.place, twin.sidx):
         other = copy.copy(twin)
         relabel(other, place, sidx)
         b, mem = activation_bytes(other), held(other)
         own = _own_bytes(tokens, sidx) - _own_bytes(tokens, twin.sidx)
-        if b <= sent * (1 + EPS) and mem < peak and own <= CHAIN_SHARE * (peak[1] - mem[1]):
+        if b <= sent * (1 + EPS) and _lower(mem, peak) and own <= CHAIN_SHARE * (peak[1] - mem[1]):
             twin, sent, peak = other, b, mem
     return twin
+
+
+def _lower(mem: tuple, than: tuple) -> bool:
+    """(peak, activations) `mem` below `than`: a lower peak, or one as high (within the bytes each
+    item's share rounds off) with fewer bytes of activations."""
+    if abs(mem[0] - than[0]) <= PEAK_SLACK * than[0]:
+        return mem[1] < than[1]
+    return mem[0] < than[0]
 
 
 def _own_bytes(prob, sidx) -> float:

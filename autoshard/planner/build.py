@@ -109,7 +109,8 @@ def unit_candidates(gm: fx.GraphModule) -> tuple:
 
 def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
                tracer="fx", notes=(), example=((), {}), layouts=None, outputs="full", blocks=(),
-               held=frozenset(), sequence_parallel=False, inference=False, held_inputs=None) -> Plan:
+               held=frozenset(), sequence_parallel=False, inference=False, held_inputs=None,
+               autocast=()) -> Plan:
     """Plan an already captured graph (shapes in node.meta['val']); `layouts` (parameter name ->
     placement) fixes the parameters' layouts, leaving the search only the activations; with
     `cost.memory_budget`, the fastest plan that fits (`budget`; `blocks`: the modules it may recompute);
@@ -119,7 +120,8 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     `inference`: the graph runs without backward (a generation step), so rules may offer
     strategies whose gradients would not be placed right;
     `sequence_parallel` (True, False, or None: where a memory budget needs it) holds the stream
-    between row and column layers split on tokens (`planner.sequence`)."""
+    between row and column layers split on tokens (`planner.sequence`); `autocast`: the
+    torch.autocast the graph was captured under (it runs under it only)."""
     check_outputs(outputs)
     if sequence_parallel not in (True, False, None):
         raise ValueError(f"sequence_parallel must be True, False or None, got {sequence_parallel!r}")
@@ -158,7 +160,7 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     seconds = time.perf_counter() - t0
     notes = list(notes) + _divisibility_notes(prob, world_size)
     return build_plan(prob, state, tracer=tracer, search=search, seconds=seconds, notes=notes, example=example,
-                      checkpointed=checkpointed, memory_now=layouts is None)
+                      checkpointed=checkpointed, memory_now=layouts is None, autocast=autocast)
 
 
 def _searched(prob, search):
@@ -227,7 +229,7 @@ def unserved(prob, state) -> str | None:
 
 
 def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {}),
-               checkpointed=(), memory_now=True) -> Plan:
+               checkpointed=(), memory_now=True, autocast=()) -> Plan:
     """Freeze a search State into a Plan. Its memory is worked out now (`memory_now`: the Problem
     holds the model's own weights, which a plan must not keep alive) or on first use (the plans of
     other call signatures, captured on a meta copy: most are never asked)."""
@@ -321,4 +323,5 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         unsupported=unsupported, notes=tuple(notes), fingerprint=fingerprint, cost_model=prob.cost,
         search=search, search_seconds=seconds, objective=state.total, graph_module=prob.gm, example=example,
         outputs=prob.outputs, output_placements=MappingProxyType(returned),
-        checkpointed=tuple(checkpointed), memory_model=memory, sequence_parallel=_sequence.split_ops(prob, state))
+        checkpointed=tuple(checkpointed), memory_model=memory, sequence_parallel=_sequence.split_ops(prob, state),
+        autocast=tuple(autocast))

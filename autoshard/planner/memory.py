@@ -19,6 +19,8 @@ their inputs through the forward and recompute their saved tensors at the start 
 """
 from __future__ import annotations
 
+import math
+
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -108,11 +110,17 @@ def _own_fraction(prob, state, i, s, p: int, shape) -> float:
     dropout noise, a float copy of its mask, a norm's statistics, a loss's log-softmax), of `shape`:
     split as its largest input or its output is where it spans that tensor's split dim whole
     (probabilities [B, H, T, S] follow queries split on heads; a [B, 1, T, S] mask copy, or a norm's
-    [T, 1] statistics beside features split, do not), the smaller share of the two."""
+    [T, 1] statistics beside features split, do not), the smaller share of the two. One with an
+    input's elements is that input's copy (autocast's cast of a linear's input, in the 2-D shape its
+    matmul reads) and is held as the op reads that input."""
     ins = [(prob.nbytes[k], q, k) for q, k in enumerate(prob.ins[i]) if isinstance(prob.val[k], torch.Tensor)
            and prob.kind[k] not in ("param", "buffer")]
     if not ins or s is None:
         return _fraction(prob.val[i], state.place[i], p)
+    copies = [(nb, q, k) for nb, q, k in ins if shape is not None and math.prod(shape) == prob.val[k].numel()]
+    if copies:
+        _, q, k = max(copies)
+        return _fraction(prob.val[k], s.inputs[q] or state.place[k], p)
     _, q, k = max(ins)
     shares = [_aligned_share(prob.val[k], s.inputs[q] or state.place[k], p, shape)]
     if isinstance(prob.val[i], torch.Tensor) and prob.val[i].numel() > 1:
@@ -161,6 +169,18 @@ def _runs_grouped(prob, state, i: int, strat) -> bool:
             if need is not None and need != state.place[k]:
                 return False
     return True
+
+
+def _loss_backward_bytes(prob, i: int, k: int) -> int:
+    """Bytes torch's cross entropy `i` makes in backward beside the gradient of its logits `k`: the
+    log-softmax's gradient, in the loss's dtype. Where the loss computes in a wider dtype than its
+    logits (one call under autocast, which runs it in float32), the logits' gradient is made in that
+    dtype too before its cast back, of which the cast is counted as the logits' gradient."""
+    logits, loss = prob.val[k], prob.val[i]
+    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+        return prob.nbytes[k]
+    wide = logits.numel() * loss.element_size()
+    return wide + max(0, wide - prob.nbytes[k])
 
 
 def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), device: str = "cpu") -> Memory:
@@ -294,7 +314,8 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
             k = prob.ins[i][0]
             pl = s.inputs[0] if s is not None and s.inputs[0] is not None else state.place[k]
             if not isinstance(pl, Shard):
-                items.append([prob.nbytes[k], bwd(i), bwd(i), f"backward of {module_of(prob, i)}", "temporary"])
+                items.append([_loss_backward_bytes(prob, i, k), bwd(i), bwd(i), f"backward of {module_of(prob, i)}",
+                              "temporary"])
 
     for k, readers in gathered.items():     # gathered again where the readers' one backward runs
         items.append([prob.nbytes[k], bwd(min(readers)), bwd(min(readers)), f"{prob.nodes[k].name} gathered again",
@@ -307,7 +328,10 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
         st = saved.storage[i]
         if st is not None:
             root = saved.producer.get(st, i)
-            reader[root] = max(reader.get(root, -1), max(prob.users[i], default=-1))
+            # with a loss in the graph the caller's backward starts there: no gradient comes back
+            # through the other outputs (the logits returned beside it)
+            users = [u for u in prob.users[i] if not (prob.losses and prob.kind[u] == "output")]
+            reader[root] = max(reader.get(root, -1), max(users, default=-1))
             members.setdefault(root, []).append(i)
     for i in range(n):
         if not prob.needs_grad[i] or prob.kind[i] not in ("op", "select"):

@@ -23,13 +23,12 @@ from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
 from ..capture.shapes import placeholder_inputs
-from ..capture.trace import apart, recipe_copy
+from ..capture.trace import apart, autocast_state, recipe_copy
 from ..errors import ShardingError, first_line
 from .blocks import add_variant, keep_blocks, structure
 from .rewriter import InputCheck
 
 _CONSTANTS = (bool, int, float, str, torch.dtype, torch.device)
-_AUTOCAST = ("cpu", "cuda")
 
 
 def _fsdp_param_dtype(module: nn.Module):
@@ -67,10 +66,9 @@ def precision(module: nn.Module) -> tuple:
     FSDP2's MixedPrecisionPolicy; not its buffers, which other signatures' graphs add to). A graph
     is captured under its recipe, since torch.export bakes dtypes into the graph. (About a
     microsecond a module, each call.)"""
-    on = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST if torch.is_autocast_enabled(d))
     dtypes = []
     _walk(module, lambda name, t, dtype: dtypes.append(dtype) if isinstance(t, nn.Parameter) else None)
-    return on, tuple(dtypes)
+    return autocast_state(), tuple(dtypes)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

@@ -86,6 +86,8 @@ def format_plan(plan) -> str:
         ["estimated step time", f"{plan.step_time * 1e3:.3f} ms (comm {plan.comm_time * 1e3:.3f} ms, "
                                 f"compute {plan.compute_time * 1e3:.3f} ms)"],
     ]
+    if plan.autocast:
+        totals.append(["captured under", ", ".join(f"torch.autocast({d!r}, {t})" for d, t in plan.autocast)])
     if plan.memory is not None:
         totals.append(["memory per rank (training step)", memory_line(plan)])
     if plan.outputs == "sharded":
