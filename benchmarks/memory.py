@@ -17,6 +17,8 @@ the captured graph, and the model's own eager step beside it).
                                            # sequence parallelism (`sequence_parallel=True`)
     python benchmarks/memory.py --outputs sharded   # the module returns what each rank holds (the
                                            # logits split over the vocabulary, the loss vocab-parallel)
+    python benchmarks/memory.py --autocast bf16     # planned and stepped under torch.autocast("cpu",
+                                           # bfloat16), fp32 weights (the Trainer's bf16=True)
 """
 from __future__ import annotations
 
@@ -33,6 +35,20 @@ import torch  # noqa: E402
 from benchmarks.common import launch, note_load, print_table, write_json  # noqa: E402
 
 MODELS = ("gpt", "llama", "bert")
+AUTOCAST = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def recipe(autocast: str):
+    """The precision recipe a step is planned and run under: torch.autocast on CPU, or none."""
+    dtype = AUTOCAST[autocast]
+    return torch.autocast("cpu", dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+def under(autocast: str, loss_of):
+    def run(m):
+        with recipe(autocast):
+            return loss_of(m)
+    return run
 
 
 def build(name: str, tokens: int):
@@ -48,7 +64,7 @@ def build(name: str, tokens: int):
     return model, kw, lambda m: m(**kw).loss
 
 
-def measure(name: str, tokens: int, sequence_parallel: bool = False, outputs: str = "full"):
+def measure(name: str, tokens: int, sequence_parallel: bool = False, outputs: str = "full", autocast: str = "off"):
     """On every rank: (predicted memory, measured peak, measured parts), gathered to rank 0."""
     import torch.distributed as dist
 
@@ -56,7 +72,9 @@ def measure(name: str, tokens: int, sequence_parallel: bool = False, outputs: st
     import refs
     p = dist.get_world_size()
     model, example, loss_of = build(name, tokens)
-    plan = autoshard.plan(model, p, example, sequence_parallel=sequence_parallel, outputs=outputs)
+    loss_of = under(autocast, loss_of)
+    with recipe(autocast):
+        plan = autoshard.plan(model, p, example, sequence_parallel=sequence_parallel, outputs=outputs)
     assert bool(plan.sequence_parallel) == sequence_parallel, (name, plan.sequence_parallel)
     gm = autoshard.parallelize(model, p, example, plan=plan)
     gm.train()
@@ -66,13 +84,15 @@ def measure(name: str, tokens: int, sequence_parallel: bool = False, outputs: st
     return out
 
 
-def single(name: str, tokens: int):
+def single(name: str, tokens: int, autocast: str = "off"):
     """One process: the plan's memory at world 1, MemTracker's peak of its module's step (the
     captured graph) and of the model's own step."""
     import autoshard
     import refs
     model, example, loss_of = build(name, tokens)
-    plan = autoshard.plan(model, 1, example)
+    loss_of = under(autocast, loss_of)
+    with recipe(autocast):
+        plan = autoshard.plan(model, 1, example)
     gm = autoshard.parallelize(model, 1, example, plan=plan)
     gm.train()
     peak, _ = refs.measured_step_peak(gm, loss_of)
@@ -92,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--outputs", choices=("full", "sharded"), default="full",
                     help="the module returns its outputs whole (default: the logits gathered, B x T x vocab "
                          "on every rank) or as each rank holds them (outputs='sharded')")
+    ap.add_argument("--autocast", choices=tuple(AUTOCAST), default="off",
+                    help="plan and step under torch.autocast('cpu', bfloat16 / float16), fp32 weights")
     args = ap.parse_args(argv)
     load = note_load()
     sizes = args.tokens or ((512, 1024, 2048, 4096) if args.full else (512, 2048))
@@ -99,25 +121,27 @@ def main(argv=None) -> int:
     rows, records = [], []
     for name in args.models:
         for tokens in sizes:
-            one, one_at, one_measured, own = single(name, tokens)
+            one, one_at, one_measured, own = single(name, tokens, args.autocast)
             rows.append([name, tokens, 1, "", one["peak"] / 2 ** 20, one_measured / 2 ** 20, one["peak"] / one_measured,
                          one["activations"] / 2 ** 20, 1.0, one_at, own / 2 ** 20])
             for p in args.worlds:
                 for sp in modes:
-                    ranks = launch(measure, p, name, tokens, sp, args.outputs, timeout_s=1200)
+                    ranks = launch(measure, p, name, tokens, sp, args.outputs, args.autocast, timeout_s=1200)
                     mem, at, measured, parts = max(ranks, key=lambda r: r[2])
                     predicted = max(r[0]["peak"] for r in ranks)
                     share = mem["activations"] / (one["activations"] / p)
                     rows.append([name, tokens, p, "yes" if sp else "no", predicted / 2 ** 20, measured / 2 ** 20,
                                  predicted / measured, mem["activations"] / 2 ** 20, share, at, ""])
                     records.append(dict(model=name, tokens=tokens, world=p, sequence_parallel=sp, outputs=args.outputs,
+                                        autocast=args.autocast,
                                         predicted=mem,
                                         peak_at=at, measured_peak=measured, measured_parts=parts, single=one,
                                         single_measured_peak=one_measured, model_measured_peak=own))
     print_table(rows, ["model", "tokens", "ranks", "seq. parallel", "predicted peak MiB", "measured MiB", "pred/meas",
                        "activations/rank MiB", "act / (one process / p)", "predicted peak at",
                        "model's own step MiB"],
-                title=f"memory of one AdamW step per rank (MemTracker, gloo CPU ranks, outputs={args.outputs!r})", floatfmt=".3f")
+                title=f"memory of one AdamW step per rank (MemTracker, gloo CPU ranks, outputs={args.outputs!r}, "
+                      f"autocast={args.autocast!r})", floatfmt=".3f")
     ratios = [r[6] for r in rows]
     print(f"\npred/meas: min {min(ratios):.3f}, max {max(ratios):.3f} over {len(ratios)} configurations")
     write_json("memory", dict(load_before=load, rows=records))

@@ -89,12 +89,13 @@ def _build(name, seq):
     return model, kw, lambda m: m(**kw).loss
 
 
-def _measure(rank, p, name, seq, optimizer, outputs="full", autocast=False):
+def _measure(rank, p, name, seq, optimizer, outputs="full", autocast=False, sequence_parallel=False):
     import refs
     model, example, loss_of = _build(name, seq)
     recipe = lambda: torch.autocast("cpu", torch.bfloat16, enabled=autocast)     # noqa: E731
     with recipe():                       # planned under the recipe it runs: the plan's graph is captured so
-        plan = autoshard.plan(model, p, example, optimizer=optimizer, outputs=outputs)
+        plan = autoshard.plan(model, p, example, optimizer=optimizer, outputs=outputs,
+                              sequence_parallel=sequence_parallel)
     gm = autoshard.parallelize(model, p, example, plan=plan)
     gm.train()
     opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)(gm.parameters(), lr=1e-3)
@@ -120,16 +121,19 @@ def test_predicted_peak_is_measured_peak(dist2, name, seq, optimizer, outputs):
         assert activations < single.activations
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_predicted_peak_under_bf16_autocast(dist2, name):
+@pytest.mark.parametrize("name,sequence_parallel", [("gpt", False), ("llama", False), ("llama", True)])
+def test_predicted_peak_under_bf16_autocast(dist2, name, sequence_parallel):
     """Under torch.autocast(bf16) (fp32 weights): each linear saves a bf16 copy of its input, held
     as the linear reads it (whole on every rank for a column layer), and torch's cross entropy runs
     in float32, so its backward makes float32 gradients of bf16 logits. GPT (symbolic_trace: the
     loss one call) and LLaMA (export: the upcast a node of its own, the bf16 logits returned
     beside the loss, which takes no gradient through them): predicted within 2% of measured
-    (GPT's was 0.82 of it before these were counted)."""
-    for predicted, measured, _ in dist2.run(_measure, name, 256, "adamw", "full", True, timeout=240):
-        assert abs(predicted - measured) <= 0.02 * measured, (name, predicted, measured)
+    (GPT's was 0.82 of it before these were counted). With sequence parallelism the column layers
+    save this rank's tokens in their own dtype, not autocast's whole bf16 copy (1.12 before): 3%."""
+    tolerance = 0.03 if sequence_parallel else 0.02
+    for predicted, measured, _ in dist2.run(_measure, name, 256, "adamw", "full", True, sequence_parallel,
+                                            timeout=240):
+        assert abs(predicted - measured) <= tolerance * measured, (name, predicted, measured)
 
 
 def test_grouped_attention_counted_as_the_ranks_run_it(dist3):

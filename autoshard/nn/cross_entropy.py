@@ -43,8 +43,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, weight, ignore_index, reduction, smoothing, pg, total):
         p, rank = dist.get_world_size(pg), dist.get_rank(pg)
         z, t = _flatten(logits, target)
-        if z.dtype in (torch.float16, torch.bfloat16):
-            z = z.float()
+        # half-precision logits are computed on in float32, without a float32 copy of them: the
+        # max is exact in either, and `z - zmax` promotes to float32 as it subtracts
+        dtype = torch.float32 if z.dtype in (torch.float16, torch.bfloat16) else z.dtype
         rows, n_classes = z.shape
         start = chunk_start(total, rank, p)
         valid = t != ignore_index
@@ -53,9 +54,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = t - start
         hit = valid & (local_t >= 0) & (local_t < n_classes)
         local_t = local_t.masked_fill(~hit, 0)
-        w_local = None if weight is None else weight[start:start + n_classes].to(z.dtype)
+        w_local = None if weight is None else weight[start:start + n_classes].to(dtype)
 
-        zmax = z.max(dim=1).values
+        zmax = z.max(dim=1).values.to(dtype)
         if p > 1:
             zmax = raw_all_reduce(zmax, pg, _OP, reduce_op="max")
         shifted = z - zmax.unsqueeze(1)
@@ -70,11 +71,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp, picked = stats[:, 0], stats[:, 1]
         lse = sum_exp.log()
         if weight is None:
-            w_t = valid.to(z.dtype)
+            w_t = valid.to(dtype)
             w_total = float(total)
         else:
-            w_t = weight.to(z.dtype)[t.masked_fill(~valid, 0)].masked_fill(~valid, 0)
-            w_total = weight.to(z.dtype).sum()
+            w_t = weight.to(dtype)[t.masked_fill(~valid, 0)].masked_fill(~valid, 0)
+            w_total = weight.to(dtype).sum()
         loss = (1 - smoothing) * w_t * (lse - picked)
         if smoothing > 0:
             loss = loss + (smoothing / total) * (lse * w_total - stats[:, 2]).masked_fill(~valid, 0)

@@ -250,6 +250,12 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
                 f = _fraction(prob.val[k], s.inputs[slot] if moved else state.place[k], p)
             elif j is not None and saved.storage[j] == st:
                 k, moved, f = j, False, _fraction(prob.val[j], state.place[j], p)
+            elif i in again:            # gathered linears save this rank's tokens and the weights only;
+                k = again[i]            # autocast's casts are made inside their forward: the cast of the
+                shape = (saved.shapes or {}).get(st)      # input stands for the tokens, in their dtype
+                if shape is None or math.prod(shape) != prob.val[k].numel():
+                    continue
+                st, nb, j, moved, f = saved.storage[k], prob.nbytes[k], k, False, _fraction(prob.val[k], state.place[k], p)
             else:                       # a tensor of the op's own: split as the op's work is
                 f = _own_fraction(prob, state, i, s, p, (saved.shapes or {}).get(st))
                 j, moved = i, False
