@@ -30,8 +30,14 @@ import torch.nn as nn
 
 from ..capture.repeats import STACK, find_blocks, owner
 from ..errors import ShardingError
+from ..runtime.collectives import copy_to, scatter_to, slice_partial
 
 SKELETON = None
+# collectives whose forward may return a view of their input (an identity, a contiguous piece): a
+# block must not return one beside the tensor it views, since AOT autograd then rebuilds the view
+# outside the compiled graph as a plain view and drops the collective's backward (the all-reduce of
+# copy_to's gradient): read in several places, they run in the skeleton
+VIEWING = (copy_to, scatter_to, slice_partial)
 
 
 def resolve_blocks(model: nn.Module, blocks) -> list[str]:
@@ -75,6 +81,8 @@ def membership(graph: fx.Graph, names: list[str]) -> dict:
             inputs = {label[i] for i in n.all_input_nodes}
             if users and "?" not in users and len(users) == 1:
                 label[n] = users.pop()
+            elif users and "?" not in users and n.op == "call_function" and n.target in VIEWING:
+                label[n] = SKELETON
             elif "?" not in inputs and len(inputs - {SKELETON}) == 1:
                 label[n] = (inputs - {SKELETON}).pop()
             elif "?" not in users and "?" not in inputs:
