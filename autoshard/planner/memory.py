@@ -20,7 +20,6 @@ their inputs through the forward and recompute their saved tensors at the start 
 from __future__ import annotations
 
 import math
-
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
