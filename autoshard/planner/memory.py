@@ -182,6 +182,25 @@ def _loss_backward_bytes(prob, i: int, k: int) -> int:
     return wide + max(0, wide - prob.nbytes[k])
 
 
+def _autocast_cache(prob, state, cached, p: int) -> list:
+    """Timeline items of the bf16 casts of weights that gathered linears make under autocast: not
+    saved for backward (made inside the layers' forward), but held by autocast's cache of casts of
+    leaf tensors until the autocast region ends, taken as the end of forward. `cached`: (node,
+    strategy, storage, bytes, shape) of each own tensor of such a layer that is not its input's cast."""
+    from .decisions import module_of
+    out, seen = [], set()
+    for i, s, st, nb, shape in cached:
+        weights = [(q, k) for q, k in enumerate(prob.ins[i]) if prob.kind[k] == "param" and shape is not None
+                   and isinstance(prob.val[k], torch.Tensor) and math.prod(shape) == prob.val[k].numel()]
+        if not weights or st in seen:
+            continue
+        seen.add(st)
+        q, k = weights[0]
+        f = _fraction(prob.val[k], (s.inputs[q] if s is not None else None) or state.place[k], p)
+        out.append([int(nb * f), i, len(prob.nodes) - 1, f"cast of a weight of {module_of(prob, i)}", "temporary"])
+    return out
+
+
 def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), device: str = "cpu") -> Memory:
     """Memory of one training step per rank under `state` (a search State of `prob`);
     `checkpointed`: names of blocks whose activations are recomputed in backward."""
@@ -233,6 +252,7 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
     gathered = regathered(prob, state)
     again = {i: k for k, readers in gathered.items() for i in regathered_layers(prob, k, readers)}
     keyed: dict = {}
+    cached = []                 # autocast's casts of weights inside gathered linears (_autocast_cache)
     for i in range(n):
         s = strat(i)
         saves = saved.saves[i]
@@ -253,6 +273,7 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
                 k = again[i]            # autocast's casts are made inside their forward: the cast of the
                 shape = (saved.shapes or {}).get(st)      # input stands for the tokens, in their dtype
                 if shape is None or math.prod(shape) != prob.val[k].numel():
+                    cached.append((i, s, st, nb, shape))
                     continue
                 st, nb, j, moved, f = saved.storage[k], prob.nbytes[k], k, False, _fraction(prob.val[k], state.place[k], p)
             else:                       # a tensor of the op's own: split as the op's work is
@@ -261,6 +282,7 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
             key = (st, round(f, 9)) if moved else (st, "own")
             rec = keyed.setdefault(key, [int(nb * f), i if moved or j is None else j, [], module_of(prob, i)])
             rec[2].append(i)
+    items += _autocast_cache(prob, state, cached, p)
     activations = 0
     kept_inputs = {}
     for key, (nb, born, savers, what) in keyed.items():
