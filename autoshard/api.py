@@ -210,29 +210,22 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
         rng.ensure_seeded(rank)
     if plan.checkpointed and not set(plan.checkpointed) <= set(block_names):     # recomputed blocks are kept as modules
         block_names = B.resolve_blocks(model, [*block_names, *plan.checkpointed])
-    with autocast_as(plan.autocast):     # the recipe the plan's graph was captured under, whatever the caller's
-        gm = _rewritten(plan, model, rank, key, pg if D.is_initialized() else None, block_names, load, device,
-                        progress, source, chosen, dropout_masks, overlap)
-    return gm
-
-
-def _rewritten(plan: Plan, model: nn.Module, rank: int, key, pg, block_names, load, device, progress, source,
-               chosen, dropout_masks: str, overlap: bool) -> fx.GraphModule:
-    """parallelize's second half: the plan rewritten for `rank`, filled, its blocks kept, its call
-    dispatcher installed (its example keyed by the plan's precision recipe)."""
-    world_size = plan.world_size
-    gm = rewrite(plan, rank, key, model, dropout_masks, overlap)
+    with autocast_as(plan.autocast):      # the recipe the plan's graph was captured under, whatever the caller's
+        gm = rewrite(plan, rank, key, model, dropout_masks, overlap)
     if load is not None or device is not None or has_meta(model):
         loading.materialize(gm, model, rank, world_size, source=source, chosen=chosen, device=device,
                             progress=progress)
     for note in B.keep_blocks(gm, block_names, {n: type(model.get_submodule(n)).__name__ for n in block_names}):
-        warnings.warn(f"autoshard: {note}", stacklevel=3)
+        warnings.warn(f"autoshard: {note}", stacklevel=2)
     gm.__dict__["_autoshard_blocks"] = {n: gm.get_submodule(n) for n in block_names
                                         if isinstance(gm.get_submodule(n), fx.GraphModule)}
     recompute_blocks(gm, plan.checkpointed)
     gm.train(model.training)             # captured in train mode; the module starts in the model's mode
     hf.attach(gm, model)             # a Hugging Face model's config, generation_config, save_pretrained
-    signatures.install(gm, model, plan.example, _signature_builder(plan, rank, key, pg, dropout_masks, overlap))
+    with autocast_as(plan.autocast):      # the example's graph keyed, and an eval-mode one built, under it
+        signatures.install(gm, model, plan.example,
+                           _signature_builder(plan, rank, key, pg if D.is_initialized() else None, dropout_masks,
+                                              overlap))
     return gm
 
 

@@ -116,7 +116,7 @@ def _own_fraction(prob, state, i, s, p: int, shape) -> float:
            and prob.kind[k] not in ("param", "buffer")]
     if not ins or s is None:
         return _fraction(prob.val[i], state.place[i], p)
-    copies = [(nb, q, k) for nb, q, k in ins if shape is not None and math.prod(shape) == prob.val[k].numel()]
+    copies = [(nb, q, k) for nb, q, k in ins if _copy_of(shape, prob.val[k])]
     if copies:
         _, q, k = max(copies)
         return _fraction(prob.val[k], s.inputs[q] or state.place[k], p)
@@ -126,6 +126,12 @@ def _own_fraction(prob, state, i, s, p: int, shape) -> float:
         shares.append(_aligned_share(prob.val[i], state.place[i], p, shape))
     shares = [f for f in shares if f is not None]
     return min(shares) if shares else 1.0
+
+
+def _copy_of(shape, val) -> bool:
+    """Whether a tensor an op saves of its own, of `shape`, has `val`'s elements: a copy of that
+    input (autocast's cast, in the 2-D shape its matmul reads)."""
+    return shape is not None and isinstance(val, torch.Tensor) and math.prod(shape) == val.numel()
 
 
 def _aligned_share(val, placement, p: int, shape) -> float | None:
@@ -190,8 +196,8 @@ def _autocast_cache(prob, state, cached, p: int) -> list:
     from .decisions import module_of
     out, seen = [], set()
     for i, s, st, nb, shape in cached:
-        weights = [(q, k) for q, k in enumerate(prob.ins[i]) if prob.kind[k] == "param" and shape is not None
-                   and isinstance(prob.val[k], torch.Tensor) and math.prod(shape) == prob.val[k].numel()]
+        weights = [(q, k) for q, k in enumerate(prob.ins[i])
+                   if prob.kind[k] == "param" and _copy_of(shape, prob.val[k])]
         if not weights or st in seen:
             continue
         seen.add(st)
@@ -272,10 +278,11 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
             elif i in again:            # gathered linears save this rank's tokens and the weights only;
                 k = again[i]            # autocast's casts are made inside their forward: the cast of the
                 shape = (saved.shapes or {}).get(st)      # input stands for the tokens, in their dtype
-                if shape is None or math.prod(shape) != prob.val[k].numel():
+                if not _copy_of(shape, prob.val[k]):
                     cached.append((i, s, st, nb, shape))
                     continue
-                st, nb, j, moved, f = saved.storage[k], prob.nbytes[k], k, False, _fraction(prob.val[k], state.place[k], p)
+                st, nb, j, moved = saved.storage[k], prob.nbytes[k], k, False
+                f = _fraction(prob.val[k], state.place[k], p)
             else:                       # a tensor of the op's own: split as the op's work is
                 f = _own_fraction(prob, state, i, s, p, (saved.shapes or {}).get(st))
                 j, moved = i, False
