@@ -135,18 +135,19 @@ def _planned_apart(rank, p, planned_under, parallelized_under):
     the model under the same recipe."""
     import autoshard
     model, kw = _build("plain")
-    recipes = {"fp32": contextlib.nullcontext, "autocast_bf16": lambda: torch.autocast("cpu", torch.bfloat16)}
-    with recipes[planned_under]():
+    def recipes(name):
+        return contextlib.nullcontext() if name == "fp32" else _recipe(name)[0]
+    with recipes(planned_under):
         plan = autoshard.plan(model, p, kw, tracer="export")
     assert plan.autocast == ((("cpu", torch.bfloat16),) if planned_under != "fp32" else ()), plan.autocast
     assert ("captured under                    torch.autocast('cpu', torch.bfloat16)" in str(plan)) == \
         (planned_under != "fp32"), str(plan)
-    with recipes[parallelized_under]():
+    with recipes(parallelized_under):
         gm = autoshard.parallelize(copy.deepcopy(model), p, kw, plan=plan)
     graphs = []
     for recipe in (planned_under, parallelized_under, "fp32"):
         ref = copy.deepcopy(model)
-        with recipes[recipe]():
+        with recipes(recipe):
             got, want = gm(**kw), ref(**kw)
         got.backward(), want.backward()
         dtype = torch.bfloat16 if recipe != "fp32" else torch.float32

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from zoo import ZOO  # noqa: E402
+from zoo import ZOO, compiled_case  # noqa: E402
 
 from test_zoo import KNOWN  # noqa: E402
 
@@ -69,32 +69,6 @@ def _autocast_case(rank, p, name):
     return None
 
 
-def _compiled_case(rank, p, name):
-    import torch._dynamo as dynamo
-    from torch._dynamo.utils import counters
-
-    import autoshard
-    import refs
-    arch = ZOO[name]
-    model, kw = arch.build(0)
-    model.train()
-    eager = autoshard.parallelize(copy.deepcopy(model), p, kw, tracer="export")
-    compiled = autoshard.parallelize(model, p, kw, tracer="export")
-    blocks = autoshard.blocks_of(compiled)
-    if not blocks:
-        return "no blocks"
-    dynamo.reset()
-    counters.clear()
-    for block in blocks.values():
-        block.compile(fullgraph=True)
-    got, want = arch.loss(compiled(**kw)), arch.loss(eager(**kw))
-    got.backward(), want.backward()
-    refs.close_to_scale(got, want, f"{name} loss")
-    refs.close_grads(refs.grads(compiled), refs.grads(eager), f"{name}, blocks compiled")
-    assert not sum(counters["graph_break"].values()), dict(counters["graph_break"])
-    return None
-
-
 def _run(pool, case, name):
     if name in KNOWN:
         pytest.skip(KNOWN[name])
@@ -112,4 +86,4 @@ def test_zoo_bf16_autocast(dist2, name):
 @pytest.mark.zoo
 @pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_compiled_blocks(dist2, name):
-    _run(dist2, _compiled_case, name)
+    _run(dist2, compiled_case, name)

@@ -29,7 +29,7 @@ import hf_models
 from autoshard.errors import first_line
 from refs import grads
 
-__all__ = ["Arch", "ZOO", "FAST", "build", "zoo_case", "run_zoo"]
+__all__ = ["Arch", "ZOO", "FAST", "build", "zoo_case", "run_zoo", "compiled_case"]
 
 VOCAB, BATCH, SEQ, HIDDEN, FFN, HEADS, LAYERS, POS = 256, 2, 16, 64, 128, 4, 2, 64
 IMAGE, PATCH, LABELS = 32, 8, 4
@@ -405,3 +405,31 @@ def run_zoo(pool, names, timeout=300.0):
                        status="crash", stage="pool", error=_first_line(e), trace=str(e)[-3000:])
         out.append(rec)
     return out
+
+
+def compiled_case(rank, p, name):
+    """Every block of `name`'s parallel module `.compile(fullgraph=True)` (inductor, fp32): loss and
+    every gradient equal the eager parallel module's, no graph break; "no blocks" where it has none."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    import autoshard
+    import refs
+    arch = ZOO[name]
+    model, kw = arch.build(0)
+    model.train()
+    eager = autoshard.parallelize(copy.deepcopy(model), p, kw, tracer="export")
+    compiled = autoshard.parallelize(model, p, kw, tracer="export")
+    blocks = autoshard.blocks_of(compiled)
+    if not blocks:
+        return "no blocks"
+    dynamo.reset()
+    counters.clear()
+    for block in blocks.values():
+        block.compile(fullgraph=True)
+    got, want = arch.loss(compiled(**kw)), arch.loss(eager(**kw))
+    got.backward(), want.backward()
+    refs.close_to_scale(got, want, f"{name} loss")
+    refs.close_grads(refs.grads(compiled), refs.grads(eager), f"{name}, blocks compiled")
+    assert not sum(counters["graph_break"].values()), dict(counters["graph_break"])
+    return None
