@@ -211,3 +211,30 @@ def phi3(**kwargs):
 
 
 BUILDERS = {"gpt2": gpt2, "llama": llama, "bert": bert, "qwen2": qwen2, "mistral": mistral, "phi3": phi3}
+
+
+# mixtures of experts: family -> (config, model, the config's names for experts / top-k / expert FFN size, extra)
+MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", ("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+                dict(sliding_window=None, router_jitter_noise=0.0)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+                  dict(shared_expert_intermediate_size=64, decoder_sparse_step=1, use_sliding_window=False,
+                       norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+                  dict(head_dim=16, decoder_sparse_step=1, use_sliding_window=False, norm_topk_prob=True)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+                    dict(n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=0, q_lora_rank=32,
+                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                         routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True)),
+}
+
+
+def moe(family, num_experts=8, top_k=2, expert_size=48, batch=2, seq=16, seed=0, **overrides):
+    """A tiny mixture-of-experts causal LM of `family` (MOE): `num_experts` experts of FFN size
+    `expert_size`, `top_k` of them per token, 4 heads / 2 kv heads, hidden 64, 2 layers."""
+    config, model, (n_experts, k, size), extra = MOE[family]
+    kw = {n_experts: num_experts, k: top_k, **extra, **overrides}
+    if size == "intermediate_size":
+        return _gqa_lm(config, model, kw, intermediate_size=expert_size, batch=batch, seq=seq, seed=seed)
+    return _gqa_lm(config, model, {size: expert_size, **kw}, batch=batch, seq=seq, seed=seed)

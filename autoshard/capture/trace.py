@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError, first_line
 from . import repeats
 from .duplicates import merge_duplicates
+from .experts import experts_as_one_op
 from .dynamic import export_dynamic, mark_by_probes
 from .masks import eager_masks
 from .normalize import (constant_list_indices, regroup_blocks, unfuse_head_views, ungroup_kv_heads,
@@ -368,6 +369,7 @@ def capture(model: nn.Module, example_inputs=None, *, tracer: str = "auto", toke
     order = ["symbolic_trace", "export"] if tracer == "auto" else [tracer]
     on_meta, run_on = _meta_inputs(model, args, kwargs)
     with apart(), _without_kv_cache(model, args, kwargs, notes), _in_mode(model, train), \
+            experts_as_one_op(model, notes), \
             eager_masks(_passed(model, args, kwargs)), \
             constant_list_indices() if on_meta else contextlib.nullcontext():
         for name in order:

@@ -18,6 +18,7 @@ import torch
 from ..runtime.counters import ring_bytes, split_kind
 from .memory import optimizer_states, parse_bytes
 from .rules.conv import conv_flops
+from .rules.experts import experts_flops
 from .rules.registry import family_of
 
 
@@ -88,6 +89,8 @@ def flops(node, s) -> float:
     family = family_of(node)
     if family == "conv":
         return conv_flops(node)
+    if family == "experts":
+        return experts_flops(node)
     if family == "matmul":
         for a in node.all_input_nodes:          # x of linear / addmm(b, x, w), a of a @ b
             x = a.meta.get("val")

@@ -20,12 +20,13 @@ import torch.nn.functional as F
 
 from ..capture.ops import CONV_OPS, LAYER_NORMS, conv_groups, node_arg, norm_params, sliced_range, var_args
 from ..errors import ShardingError
+from ..nn import experts as EX
 from ..nn import functional as PF
 from ..nn.dropout import ModeBatchNorm, ParallelAttention, ParallelDropout, TrainOnly
 from ..nn.norm import sharded_layer_norm, sharded_rms_norm, sharded_var
 from ..runtime import collectives as C
 from ..runtime.groups import subgroup
-from ..runtime.placements import (Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, cover_ranges,
+from ..runtime.placements import (Partial, Replicate, ReplicatePartialGrad, Shard, blocks_of, chunk_start, cover_ranges,
                                   groups_of, held_by_groups, layout_of, piece_sizes, shares)
 
 aten = torch.ops.aten
@@ -123,6 +124,10 @@ class LocalOps:
                 self._gathered_heads(n, cut=d.output)
             elif d.strategy == "replicate_cover":
                 self._own_rows(n, t, d.output)
+            elif d.strategy == "expert_parallel":        # this rank's experts start at its block
+                n.update_arg(EX.FIRST, chunk_start(self.val(n.args[EX.UP].name).shape[0], self.rank, self.p))
+            elif d.strategy == "expert_tensor" and n.args[EX.DOWN_BIAS] is not None:
+                n.update_arg(EX.SHARE, self.p)             # the down bias added as bias / p
             if t in DROPOUT_OPS or (n.op == "call_module" and type(self.gm.get_submodule(n.target)) is nn.Dropout):
                 self._mode_dropout(n, t, d.output)
             elif t in SDPA_OPS and node_arg(n, 4, "dropout_p", 0.0):

@@ -25,7 +25,7 @@ from ...runtime.placements import (PARTIAL, REPLICATE, REPLICATE_PG, Partial, Pl
 _RULES: dict[Any, Callable] = {}
 _FAMILY: dict[Callable, str] = {}     # rule -> family name ("matmul", "embedding", "conv")
 # The families of TorchShard's parallel layers: Plan.dims lists their modules (None when whole).
-PARALLEL_LAYERS = ("matmul", "embedding", "conv")
+PARALLEL_LAYERS = ("matmul", "embedding", "conv", "experts")
 # Ops whose result is shape metadata (size, dim, ...): they accept any input placement.
 SHAPE_OPS: set[Any] = set()
 
