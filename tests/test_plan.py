@@ -300,7 +300,7 @@ def test_report_lists_unsupported_ops():
             return torch.cumsum(self.fc2(torch.relu(self.fc1(x))), dim=1)
     plan = autoshard.plan(meta(WithCumsum), 2, x_in())
     assert plan.unsupported == ("cumsum: cumsum",)
-    assert "ops with no sharding rule (kept replicated, inputs gathered): cumsum" in plan.report()
+    assert "ops with no sharding rule (run whole, a split input gathered first): cumsum" in plan.report()
     # the op's input is gathered first: never a silent wrong answer
     assert plan.nodes["cumsum"].inputs == (Replicate(),)
 

@@ -34,6 +34,27 @@ def _fmt_dim(d) -> str:
     return "None" if d is None else str(d)
 
 
+def grouped(names) -> str:
+    """Names counted, in first-seen order: "topk.default x 96, to.device"."""
+    counts: dict[str, int] = {}
+    for n in names:
+        counts[n] = counts.get(n, 0) + 1
+    return ", ".join(n if c == 1 else f"{n} x {c}" for n, c in counts.items())
+
+
+def experts_line(plan, params_of: dict) -> str:
+    """How the plan splits each mixture-of-experts layer (`autoshard::experts`), grouped by way."""
+    p, gm = plan.world_size, plan.graph_module
+    ways = []
+    for name, d in plan.nodes.items():
+        if d.op.split(".")[0] == "experts" and params_of.get(name):
+            e = fetch_attr(gm, params_of[name][0]).shape[0]
+            per = {"expert_parallel": f"{math.ceil(e / p)} of {e} experts a rank",
+                   "expert_tensor": f"each of {e} experts' FFN split {p} ways"}.get(d.strategy, f"{e} experts whole")
+            ways.append(f"{d.strategy} ({per})")
+    return f"mixture-of-experts layers: {grouped(ways)}" if ways else ""
+
+
 def format_plan(plan) -> str:
     """Render `plan` as text (tabulate tables)."""
     p = plan.world_size
@@ -95,8 +116,12 @@ def format_plan(plan) -> str:
         totals.append(["outputs", "sharded: " + (", ".join(split) + " returned as DTensors" if split else
                                                  "every output is whole")])
     out = [f"autoshard plan ({len(rows)} sharded or communicating nodes)", table, "", tabulate(totals, tablefmt="plain")]
+    moe = experts_line(plan, params_of)
+    if moe:
+        out.append(moe)
     if plan.unsupported:
-        out.append("ops with no sharding rule (kept replicated, inputs gathered): " + ", ".join(plan.unsupported))
+        out.append("ops with no sharding rule (run whole, a split input gathered first): " +
+                   grouped(op for _, _, op in (u.partition(": ") for u in plan.unsupported)))
     for note in plan.notes:
         out.append(f"note: {note}")
     return "\n".join(out)
