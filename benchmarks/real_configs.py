@@ -4,6 +4,8 @@
     python benchmarks/real_configs.py                          # every configuration, degrees 2, 4, 8
     python benchmarks/real_configs.py --only llama3-8b,gpt2    # a few (names: --list)
     python benchmarks/real_configs.py --degrees 4 --no-layers --no-depth  # one degree, 2-layer plans only
+    python benchmarks/real_configs.py --moe                    # the mixtures of experts only (--only works too)
+    python benchmarks/real_configs.py --moe-memory             # Mixtral-8x7B's activations against its dense twin
 
 What is measured. Each configuration below is typed in from the published config.json of its
 Hugging Face checkpoint (vocabulary, widths, heads, key/value heads, head_dim, tied embeddings,
@@ -45,6 +47,36 @@ with the node that reads them and its module, largest first) are kept in the JSO
 configuration with a row above --flag (default 1.25) the largest of its worst row are printed under
 the table.
 
+Mixtures of experts (`Spec.moe`: Mixtral-8x7B, Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B,
+OLMoE-1B-7B, DeepSeek-V2-Lite). Capture writes each transformers experts module (3-D `gate_up_proj`
+[E, 2I, h] and `down_proj` [E, h, I]) as one op, `autoshard::experts`, placed "expert_parallel" (E/p
+whole experts a rank) or "expert_tensor" (each expert's FFN split); either way its output is
+Partial. The hand plan of an MoE layer moves the layer's output exactly as a dense MLP's: the
+router replicated, the experts split (Megatron's expert tensor parallelism, or expert parallelism
+over the tensor-parallel group with the tokens already replicated there), one all-reduce of T x h
+forward (the experts' summands, with a shared expert's row-parallel output added before it) and one
+backward (the input gradient of the experts and the router). So `megatron()` applies unchanged,
+4 all-reduces of T x h a layer. What an exact step adds to it and the formula leaves out, all of
+T floats or T x k: the router's gradient (the routing weights' gradient, T x k, comes back Partial
+from the ranks' experts and is all-reduced), Qwen2-MoE's shared-expert gate (its sigmoid's
+gradient, T floats), OLMoE's RMSNorm of q and k over all heads (its statistics, T floats, each way).
+DeepSeek-V2-Lite's multi-head latent attention (a compressed K/V of kv_lora_rank + rope dims read by
+every head) has no place in the dense formula: its row has `bar=False`, no `ratio`, and the formula's
+ratio is kept apart as `dense_formula_ratio`, never flagged nor counted as a target.
+For each MoE row also: the strategy of each experts op (`plan.nodes[n].strategy`), the collectives
+that move an expert weight (a redistribution of a 3-D expert parameter or of what an experts op
+reads as one; an all-gather of one is what must not happen; the experts ops' own outputs gathered
+are counted too), the router's gradient bytes, and `plan.memory` (activations, peak). On a model
+built on meta `plan.memory` is the stand-in upper bound (`exact=False`: the fake run of the saved
+tensors fails on meta), so the memory of each 2-layer MoE row comes from the same call on a copy of
+the model with fake tensors (`autoshard.capture.trace.recipe_copy`), whose plan moves the same bytes
+(checked: `memory_plan_comm_bytes`).
+
+`--moe-memory`: Mixtral-8x7B at 8 ranks, input ids of shape (1, 4096), 32 layers, fake tensors,
+activations per rank (`plan.memory.activations`) against its dense twin (MistralConfig with the same
+attention, hidden size, FFN size 14336, vocabulary and depth) planned alike; written to
+benchmarks/results/real_configs_moe_memory.json.
+
 Results: a markdown table on stdout, benchmarks/results/real_configs.json (every row, the
 hyperparameters, torch / transformers versions). Shapes only: one process, CPU, no GPU needed.
 """
@@ -67,6 +99,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import autoshard  # noqa: E402
+from autoshard.capture.trace import recipe_copy  # noqa: E402
+from autoshard.nn.experts import DOWN, DOWN_BIAS, EXPERTS_OPS, UP, UP_BIAS, WEIGHTS  # noqa: E402
 from autoshard.runtime.collectives import ring_bytes  # noqa: E402
 from common import env_info  # noqa: E402
 
@@ -77,6 +111,7 @@ BYTES = 4                       # fp32
 LAYERS = 2
 MODES = ("full", "sharded")
 TOP = 6                         # largest collectives printed per flagged configuration
+MOE_MEMORY = {"p": 8, "shape": (1, 4096), "layers": 32, "outputs": "sharded", "target": 2.2}   # --moe-memory
 
 
 @dataclass
@@ -95,6 +130,8 @@ class Spec:
     remark: str = ""
     extra: dict = field(default_factory=dict)
     per_layer: dict = field(default_factory=dict)   # kwargs listing a value per layer: {key: (value, layers per entry)}
+    moe: bool = False           # a mixture of experts: experts' strategies, expert weights moved, memory recorded
+    bar: bool = True            # False: Megatron's dense formula is not this configuration's bar (no `ratio`)
 
 
 # Hyperparameters as published in each checkpoint's config.json (the depth is replaced by 2 layers).
@@ -239,6 +276,58 @@ CONFIGS: dict[str, Spec] = {
         max_position_embeddings=2048, activation_function="gelu_new", bos_token_id=50256, eos_token_id=50256),
         attn="eager", layers_key="num_layers", per_layer={"attention_types": (["global", "local"], 2)},
         remark="global and local (window 256) attention alternate; tied embeddings"),
+    # Mixtures of experts (the module docstring: Megatron's formula applies unchanged).
+    "mixtral-8x7b": Spec("mistralai/Mixtral-8x7B-v0.1", "MixtralConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, hidden_act="silu",
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
+        attention_dropout=0.0, output_router_logits=False, router_aux_loss_coef=0.02, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2), moe=True, remark="8 experts top-2"),
+    "qwen3-30b-a3b": Spec("Qwen/Qwen3-30B-A3B", "Qwen3MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu",
+        max_position_embeddings=40960, max_window_layers=48, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        attention_bias=False, use_sliding_window=False, sliding_window=None, attention_dropout=0.0,
+        output_router_logits=False, router_aux_loss_coef=0.001, tie_word_embeddings=False, bos_token_id=151643,
+        eos_token_id=151645), moe=True, remark="128 experts top-8; per-head q/k RMSNorm"),
+    "qwen1.5-moe-a2.7b": Spec("Qwen/Qwen1.5-MoE-A2.7B", "Qwen2MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+        num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, hidden_act="silu",
+        max_position_embeddings=8192, max_window_layers=21, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        use_sliding_window=False, sliding_window=32768, attention_dropout=0.0, output_router_logits=False,
+        router_aux_loss_coef=0.001, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643),
+        moe=True, remark="60 experts top-4 + a sigmoid-gated shared expert"),
+    "qwen2-57b-a14b": Spec("Qwen/Qwen2-57B-A14B", "Qwen2MoeConfig", dict(
+        vocab_size=151936, hidden_size=3584, intermediate_size=18944, moe_intermediate_size=2560,
+        shared_expert_intermediate_size=20480, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, decoder_sparse_step=1, hidden_act="silu",
+        max_position_embeddings=131072, max_window_layers=28, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        use_sliding_window=False, sliding_window=131072, attention_dropout=0.0, output_router_logits=False,
+        router_aux_loss_coef=0.001, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643),
+        moe=True, remark="64 experts top-8 + a sigmoid-gated shared expert"),
+    "olmoe-1b-7b": Spec("allenai/OLMoE-1B-7B-0924", "OlmoeConfig", dict(
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, hidden_act="silu",
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=False, clip_qkv=None,
+        attention_dropout=0.0, output_router_logits=False, router_aux_loss_coef=0.01, tie_word_embeddings=False,
+        pad_token_id=1, bos_token_id=None, eos_token_id=50279), moe=True,
+        remark="64 experts top-8; RMSNorm of q and of k over all heads"),
+    "deepseek-v2-lite": Spec("deepseek-ai/DeepSeek-V2-Lite", "DeepseekV2Config", dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1, n_group=1,
+        topk_group=1, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0, scoring_func="softmax",
+        aux_loss_alpha=0.001, seq_aux=True, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_theta=10000, rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                        "mscale": 0.707, "mscale_all_dim": 0.707,
+                                        "original_max_position_embeddings": 4096},
+        attention_bias=False, tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001),
+        moe=True, bar=False,
+        remark="multi-head latent attention (not the dense formula's); 64 routed experts top-6 + 2 shared; "
+               "layer 0 dense"),
 }
 
 
@@ -299,6 +388,65 @@ def carriers(plan) -> list[dict]:
     return out
 
 
+def experts_nodes(plan) -> list:
+    """The graph's `autoshard::experts` nodes, in order."""
+    return [n for n in plan.graph_module.graph.nodes if n.op == "call_function" and n.target in EXPERTS_OPS]
+
+
+def moe_of(plan, model) -> dict:
+    """What `plan` does with a mixture of experts' experts: each experts op's module and strategy, the
+    placements its weights are read in and laid out in, every collective that moves an expert weight
+    (a redistribution of a 3-D parameter, or of what an experts op reads as its weights or biases,
+    back to the parameter), the experts ops' outputs gathered, and the router's gradient bytes (the
+    routing weights' gradient, Partial from each rank's experts)."""
+    p = plan.world_size
+    params = dict(model.named_parameters(remove_duplicate=False))
+    weights = {n.name for n in plan.graph_module.graph.nodes
+               if n.op == "get_attr" and n.target in params and params[n.target].dim() == 3}
+    ops = experts_nodes(plan)
+    router, inputs = {}, set()
+    for n in ops:
+        d = plan.nodes[n.name]
+        for i in (UP, DOWN, UP_BIAS, DOWN_BIAS):
+            a = n.args[i]
+            if isinstance(a, torch.fx.Node):
+                inputs.add(str(d.inputs[i]) if i < len(d.inputs) else "?")
+            while isinstance(a, torch.fx.Node):          # back through casts and views to the parameter
+                weights.add(a.name)
+                ins = a.all_input_nodes
+                a = ins[0] if a.op == "call_function" and len(ins) == 1 else None
+        router[n.args[WEIGHTS].name] = n.name
+    names = {n.name for n in ops}
+    moved, gathered_out, router_bytes = [], [], 0.0
+    for r in plan.redistributions:
+        what = {"node": r.node, "what": f"{r.src}->{r.dst}", "forward": list(r.forward), "backward": list(r.backward),
+                "tensor_bytes": r.nbytes, "ring_bytes": r.ring_bytes(p)}
+        if r.node in weights and (r.forward or r.backward):
+            moved.append(what)
+        if r.node in names and "all_gather" in r.forward:
+            gathered_out.append(what)
+        if r.node in router:
+            router_bytes += r.ring_bytes(p)
+    strategies = {plan.nodes[n.name].module or n.name: plan.nodes[n.name].strategy for n in ops}
+    counts = {}
+    for v in strategies.values():
+        counts[v] = counts.get(v, 0) + 1
+    layouts = {str(plan.layouts[k]) for k, t in params.items() if t.dim() == 3 and k in plan.layouts}
+    return {"experts_ops": len(ops), "strategies": strategies, "strategy_counts": counts,
+            "expert_weight_inputs": sorted(inputs), "expert_layouts": sorted(layouts),
+            "expert_weight_collectives": moved,
+            "expert_weight_gathers": sum("all_gather" in m["forward"] for m in moved),
+            "experts_output_gathers": gathered_out, "router_grad_ring_bytes": router_bytes}
+
+
+def memory_of(plan) -> dict | None:
+    """`plan.memory` as a dictionary (bytes per rank)."""
+    m = plan.memory
+    if m is None:
+        return None
+    return {**{k: m[k] for k in m.KEYS}, "buffers": m.buffers, "peak_at": m.peak_at, "exact": m.exact}
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
@@ -307,8 +455,10 @@ def first_line(exc: BaseException) -> str:
 COST = {}          # cost-model knobs of every plan (--memory-weight W: {"memory_weight": W})
 
 
-def timed_plan(model, p: int, mode: str):
-    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+def timed_plan(model, p: int, mode: str, shape=(BATCH, SEQ), device="meta"):
+    """`autoshard.plan` of `model` on input ids (and labels) of `shape`, timed; on meta for a model on
+    meta, on `device="cpu"` for a copy with fake tensors (`recipe_copy`: its inputs become fake too)."""
+    ids = torch.zeros(*shape, dtype=torch.long, device=device)
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings():
@@ -324,13 +474,14 @@ def timed_plan(model, p: int, mode: str):
 def run_config(name: str, spec: Spec, degrees, with_layers: bool, log, with_depth: bool = True) -> tuple[dict, list[dict]]:
     info = {"hf_id": spec.hf_id, "config_class": spec.config, "model_class": None, "published": spec.kwargs,
             "layers_built": LAYERS, "attn_implementation": spec.attn, "parallel_layers": spec.parallel,
-            "remark": spec.remark}
+            "remark": spec.remark, "moe": spec.moe, "dense_formula_is_bar": spec.bar}
     rows = []
     try:
         cfg, model = build(spec, LAYERS)
         cfg4, model4 = build(spec, 2 * LAYERS) if with_layers else (None, None)
         depth = spec.kwargs[spec.layers_key]
         cfgD, modelD = build(spec, depth) if with_depth else (None, None)
+        fake = recipe_copy(model, {}, fake=True) if spec.moe else None     # plan.memory exact (docstring)
     except Exception as exc:                                     # noqa: BLE001
         info["build_error"] = first_line(exc)
         log(f"{name}: build failed: {info['build_error']}")
@@ -360,9 +511,24 @@ def run_config(name: str, spec: Spec, degrees, with_layers: bool, log, with_dept
             else:
                 row.update(comm_bytes=plan.comm_bytes, comm_by_kind={k: list(v) for k, v in plan.comm_by_kind.items()},
                            params_per_rank=plan.params_per_rank, plan_params_total=plan.params_total,
-                           tracer=plan.tracer, ratio=plan.comm_bytes / ref["total"],
-                           params_ratio=plan.params_per_rank / (total / p), collectives=carriers(plan),
-                           unsupported=len(plan.unsupported))
+                           tracer=plan.tracer, params_ratio=plan.params_per_rank / (total / p),
+                           collectives=carriers(plan), unsupported=len(plan.unsupported))
+                row["ratio" if spec.bar else "dense_formula_ratio"] = plan.comm_bytes / ref["total"]
+                if not spec.bar:
+                    notes.append(f"no dense bar ({spec.remark.split(';')[0]}): dense formula "
+                                 f"x{row['dense_formula_ratio']:.3f}")
+            if spec.moe and plan is not None:
+                row["moe"] = moe_of(plan, model)
+                row["memory_meta_stand_in"] = memory_of(plan)
+                planF, secsF, errF = timed_plan(fake, p, mode, device="cpu")
+                row["plan_seconds_memory"] = secsF
+                if errF is not None:
+                    notes.append("fake-tensor plan (memory) failed: " + first_line(errF))
+                else:
+                    row.update(memory=memory_of(planF), memory_plan_comm_bytes=planF.comm_bytes)
+                    if planF.comm_bytes != plan.comm_bytes:
+                        notes.append(f"the fake-tensor plan moves {planF.comm_bytes / plan.comm_bytes:.4f} of the bytes")
+                del planF
             if model4 is not None:
                 plan4, secs4, err4 = timed_plan(model4, p, mode)
                 row["plan_seconds_4_layers"] = secs4
@@ -370,7 +536,8 @@ def run_config(name: str, spec: Spec, degrees, with_layers: bool, log, with_dept
                     notes.append("4-layer plan failed: " + first_line(err4))
                 elif plan is not None:
                     row["comm_bytes_4_layers"] = plan4.comm_bytes
-                    row["layers_share"] = (plan4.comm_bytes - plan.comm_bytes) / ref["two_layers"]
+                    row["layers_share" if spec.bar else "dense_formula_layers_share"] = \
+                        (plan4.comm_bytes - plan.comm_bytes) / ref["two_layers"]
                 del plan4
             if modelD is not None:                       # the published depth: what a user's step moves
                 planD, secsD, errD = timed_plan(modelD, p, mode)
@@ -379,16 +546,23 @@ def run_config(name: str, spec: Spec, degrees, with_layers: bool, log, with_dept
                     notes.append(f"{depth}-layer plan failed: " + first_line(errD))
                 else:
                     refD = megatron(h, vocab, depth, p, mode, spec.parallel, spec.norms)
-                    row.update(depth=depth, comm_bytes_depth=planD.comm_bytes, megatron_depth=refD["total"],
-                               ratio_depth=planD.comm_bytes / refD["total"])
+                    row.update(depth=depth, comm_bytes_depth=planD.comm_bytes, megatron_depth=refD["total"])
+                    row["ratio_depth" if spec.bar else "dense_formula_ratio_depth"] = planD.comm_bytes / refD["total"]
+                    if spec.moe:
+                        row["moe_depth"] = {k: v for k, v in moe_of(planD, modelD).items() if k != "strategies"}
                 del planD
             row["note"] = "; ".join(notes)
             rows.append(row)
             log(f"{name:13s} p={p} {mode:7s} " + (
                 f"comm {row['comm_bytes'] / 2**20:9.1f} MiB  Megatron {ref['total'] / 2**20:9.1f} MiB  "
-                f"ratio {row['ratio']:.3f}  layers {fmt(row.get('layers_share'))}  params {row['params_ratio']:.3f}"
-                f"  at L={row.get('depth', '-')} {fmt(row.get('ratio_depth'), 3)}"
-                if "ratio" in row else "") + f"  {secs:.1f} s  {row['note']}")
+                f"ratio {fmt(row.get('ratio'), 3)}  layers {fmt(row.get('layers_share'))}  "
+                f"params {row['params_ratio']:.3f}  at L={row.get('depth', '-')} {fmt(row.get('ratio_depth'), 3)}"
+                if "comm_bytes" in row else "") + (
+                f"  experts {row['moe']['strategy_counts']} expert-weight gathers "
+                f"{row['moe']['expert_weight_gathers']} (at L={row.get('depth', '-')}: "
+                f"{row.get('moe_depth', {}).get('expert_weight_gathers', '-')})  activations "
+                f"{row['memory']['activations'] / 2**20:.0f} MiB peak {row['memory']['peak'] / 2**30:.2f} GiB"
+                if row.get("memory") else "") + f"  {secs:.1f} s  {row['note']}")
             del plan
     return info, rows
 

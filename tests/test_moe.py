@@ -186,3 +186,61 @@ def test_memory_budget_on_moe():
     assert fit.memory.peak <= budget, (fit.memory, budget)
     _no_expert_gathered(fit, model)
     assert set(_strategies(fit).values()) <= set(WAYS), _strategies(fit)
+
+
+class _TinyMoE(torch.nn.Module):
+    """A mixture-of-experts LM no transformers model is: an embedding, a softmax top-2 router, one
+    transformers experts module of the given layout (`test_moe_op.experts_class`) on the residual
+    stream, and a head with its loss."""
+
+    def __init__(self, **layout):
+        super().__init__()
+        from test_moe_op import E, H, _Config, experts_class
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, H)
+        self.router = torch.nn.Linear(H, E, bias=False)
+        self.experts = experts_class(**layout)(_Config())
+        self.head = torch.nn.Linear(H, 64)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        flat = x.view(-1, x.shape[-1])
+        w, idx = torch.topk(torch.softmax(self.router(flat), dim=-1), 2, dim=-1)
+        y = (flat + self.experts(flat, idx, w)).view_as(x)
+        return torch.nn.functional.cross_entropy(self.head(y).flatten(0, 1), labels.flatten())
+
+
+def _layout_case(rank, p, layout, way, tracer):
+    from refs import close_grads, grads
+    model = _TinyMoE(**layout).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, p, (ids, ids), tracer=tracer, pin={"experts": WAYS[way]})
+    assert gm._autoshard_plan.tracer == tracer
+    with count_comm() as c:
+        loss = gm(ids, ids)
+        loss.backward()
+    want = ref(ids, ids)
+    want.backward()
+    close_to_scale(loss, want, f"{layout} {way}: loss")
+    close_grads(autoshard.collect_state_dict(gm, grads(gm)), grads(ref), f"{layout} {way}")
+    assert c.bytes == pytest.approx(gm._autoshard_plan.comm_bytes, rel=1e-9)
+    return True
+
+
+@pytest.mark.parametrize("layout,way,tracer", [
+    (dict(bias=True), "expert_tensor", "symbolic_trace"),   # the down bias added as bias / p; view_as of a split x
+    (dict(bias=True, transposed=True), "expert_parallel", "export"),
+    (dict(gated=False, bias=True, transposed=True), "expert_tensor", "export"),
+    (dict(transposed=True, bias=True, own_gate=True), "expert_parallel", "symbolic_trace"),   # GPT-OSS's gate
+])
+def test_expert_layouts_exact(layout, way, tracer, dist2):
+    dist2.run(_layout_case, layout, way, tracer, timeout=300)
+
+
+def test_own_gate_is_never_split():
+    """A module's own gate may read an expert's features together: only whole experts are placed."""
+    model = _TinyMoE(transposed=True, bias=True, own_gate=True)
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    with pytest.raises(autoshard.errors.ShardingError, match="cannot pin 'experts' to dim -1"):
+        autoshard.plan(model, 2, (ids, ids), pin={"experts": -1})

@@ -8,12 +8,14 @@ gathering every expert's weights. All of them compute the same thing (`nn.expert
 duration of a capture each such module's forward calls that one op, which one rule places
 (`planner.rules.experts`): experts placed on ranks or each expert's FFN split, never gathered.
 
-A module whose gate or post-expert norm is its own (GPT-OSS's clamped gate) keeps its captured
-ops, with a note.
+A module with a gate of its own (`_apply_gate`: GPT-OSS's clamped SwiGLU) runs that gate inside
+the op, on whole experts only (expert parallel); one with a norm after each expert keeps its
+captured ops, with a note.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 
 import torch
@@ -30,25 +32,26 @@ def _is_experts(m: nn.Module) -> bool:
         isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor) and up.dim() == 3 == down.dim()
 
 
-def _own_gate(m: nn.Module) -> str | None:
-    """Why `m`'s computation is not the standard one (`nn.experts`), or None."""
-    gate = getattr(type(m), "_apply_gate", None)
-    if m.has_gate and getattr(gate, "__name__", "") != "_default_apply_gate":
-        return f"its own gate ({type(m).__name__}._apply_gate)"
+def _has_own_gate(m: nn.Module) -> bool:
+    return bool(m.has_gate) and getattr(getattr(type(m), "_apply_gate", None), "__name__", "") != "_default_apply_gate"
+
+
+def _unlike(m: nn.Module) -> str | None:
+    """Why `m`'s computation is not the one `nn.experts` runs, or None."""
     if getattr(m, "has_post_expert_norm", False):
         return "a norm after each expert"
-    if not getattr(m, "is_concatenated", True) and not m.has_gate:
-        return "interleaved weights without a gate"
     return None
 
 
-def _forward(self, hidden_states, top_k_index, top_k_weights):
+def _forward(self, *args, **kwargs):
+    bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
+    hidden_states, top_k_index, top_k_weights = list(bound.arguments.values())[1:4]
     up = self.gate_up_proj if self.has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
     down_bias = self.down_proj_bias if self.has_bias else None
     return experts(hidden_states, top_k_index, top_k_weights, up, self.down_proj, up_bias, down_bias, 0,
-                   bool(self.has_gate), bool(self.is_transposed), bool(getattr(self, "is_concatenated", True)),
-                   activation_key(self.act_fn), 1)
+                   bool(self.has_gate), bool(self.is_transposed),
+                   activation_key(self._apply_gate, gate=True) if _has_own_gate(self) else activation_key(self.act_fn), 1)
 
 
 @contextlib.contextmanager
@@ -58,7 +61,7 @@ def experts_as_one_op(model: nn.Module, notes: list):
     for name, m in model.named_modules():
         if not _is_experts(m):
             continue
-        why = _own_gate(m)
+        why = _unlike(m)
         if why is not None:
             kept.append(f"{name} ({why})")
             continue

@@ -42,20 +42,27 @@ _HELD: dict[str, object] = {}
 _COUNT = itertools.count()
 
 
-def activation_key(act) -> str:
+def activation_key(act, gate: bool = False) -> str:
     """The name `experts` calls `act` by: a known activation's name, or a key under which this
-    process holds the callable itself (a parametrised or unknown activation, run as it is)."""
-    name = _BY_CLASS.get(type(act).__name__)
-    if name is None and type(act).__name__ == "GELUActivation" and getattr(act, "act", None) is F.gelu:
+    process holds the callable itself (a parametrised or unknown activation, run as it is). With
+    `gate`, `act` is a module's own gate (`_apply_gate`: [n, 2I] -> [n, I], GPT-OSS's clamped
+    SwiGLU), applied to the up projection's output whole: its key starts with "gate:"."""
+    name = None if gate else _BY_CLASS.get(type(act).__name__)
+    if name is None and not gate and type(act).__name__ == "GELUActivation" and getattr(act, "act", None) is F.gelu:
         name = "gelu"
     if name is not None:
         return name
     for key, held in _HELD.items():
-        if held is act:
+        if held == act and key.startswith("gate:") == gate:
             return key
-    key = f"{type(act).__name__}#{next(_COUNT)}"
+    key = f"{'gate:' if gate else ''}{getattr(act, '__qualname__', type(act).__name__)}#{next(_COUNT)}"
     _HELD[key] = act
     return key
+
+
+def own_gate(act: str) -> bool:
+    """Whether an experts op's `act` is a module's own gate (whose halves no rule may split)."""
+    return act.startswith("gate:")
 
 
 def _act(key: str):
@@ -66,16 +73,19 @@ def _act(key: str):
     return fn
 
 
-def expert_ffn(x, up, down, up_bias, down_bias, gated: bool, transposed: bool, concatenated: bool, act: str,
+def expert_ffn(x, up, down, up_bias, down_bias, gated: bool, transposed: bool, act: str,
                share: int = 1):
-    """One expert's FFN on its tokens `x` [n, h]: up (gate and up halves, concatenated or
-    interleaved), activation, down; the down bias added as bias / `share`."""
+    """One expert's FFN on its tokens `x` [n, h]: up, gate (the first half activated times the
+    second, as transformers' default gate computes it whatever the weights' layout, or the module's
+    own), down; the down bias added as bias / `share`."""
     mid = x @ up if transposed else F.linear(x, up)
     if up_bias is not None:
         mid = mid + up_bias
     fn = _act(act)
-    if gated:
-        g, u = mid.chunk(2, dim=-1) if concatenated else (mid[..., ::2], mid[..., 1::2])
+    if own_gate(act):
+        mid = fn(mid)
+    elif gated:
+        g, u = mid.chunk(2, dim=-1)
         mid = fn(g) * u
     else:
         mid = fn(mid)
@@ -98,7 +108,7 @@ def _slots(index: torch.Tensor, first: int, count: int):
 @torch.library.custom_op("autoshard::experts", mutates_args=())
 def experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
             up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, first: int, gated: bool,
-            transposed: bool, concatenated: bool, act: str, share: int) -> torch.Tensor:
+            transposed: bool, act: str, share: int) -> torch.Tensor:
     """The expert computations of a mixture of experts on tokens `x` [T, h] routed by `index`
     [T, k] with `weights` [T, k], for the experts [first, first + up.shape[0])."""
     k = index.shape[-1]
@@ -113,21 +123,20 @@ def experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, up: tor
         start += n
         tok = s // k
         y = expert_ffn(x[tok], up[e], down[e], None if up_bias is None else up_bias[e],
-                       None if down_bias is None else down_bias[e], gated, transposed, concatenated, act, share)
+                       None if down_bias is None else down_bias[e], gated, transposed, act, share)
         acc.index_add_(0, tok, (y * w[s, None]).to(acc.dtype))
     return acc.to(x.dtype)
 
 
 @experts.register_fake
-def _experts_fake(x, index, weights, up, down, up_bias, down_bias, first, gated, transposed, concatenated, act,
-                  share):
+def _experts_fake(x, index, weights, up, down, up_bias, down_bias, first, gated, transposed, act, share):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("autoshard::experts_backward", mutates_args=())
 def experts_backward(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                      up: torch.Tensor, down: torch.Tensor, up_bias: torch.Tensor | None,
-                     down_bias: torch.Tensor | None, first: int, gated: bool, transposed: bool, concatenated: bool,
+                     down_bias: torch.Tensor | None, first: int, gated: bool, transposed: bool,
                      act: str, share: int) -> list[torch.Tensor]:
     """Gradients of `experts` for x, weights, up, down, up_bias, down_bias (empty where a bias is
     absent): each expert's FFN recomputed on its tokens and differentiated (torch.func.vjp)."""
@@ -154,7 +163,7 @@ def experts_backward(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor, w
         def f(xe, we, u, d, *biases):
             it = iter(biases)
             y = expert_ffn(xe, u, d, None if ub is None else next(it), None if db is None else next(it),
-                           gated, transposed, concatenated, act, share)
+                           gated, transposed, act, share)
             return y * we[:, None]
         out, vjp = torch.func.vjp(f, *primals)
         gx, gw, gu, gd, *gb = vjp(grad[tok].to(out.dtype))
@@ -171,8 +180,7 @@ def experts_backward(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor, w
 
 
 @experts_backward.register_fake
-def _experts_backward_fake(grad, x, index, weights, up, down, up_bias, down_bias, first, gated, transposed,
-                           concatenated, act, share):
+def _experts_backward_fake(grad, x, index, weights, up, down, up_bias, down_bias, first, gated, transposed, act, share):
     return [torch.empty_like(x), torch.empty_like(weights), torch.empty_like(up), torch.empty_like(down),
             torch.empty_like(up_bias) if up_bias is not None else x.new_empty(0),
             torch.empty_like(down_bias) if down_bias is not None else x.new_empty(0)]
@@ -188,13 +196,13 @@ def _backward(ctx, grad):
     x, index, weights, up, down, up_bias, down_bias = ctx.saved_tensors
     dx, dw, dup, ddown, dub, ddb = experts_backward(grad, x, index, weights, up, down, up_bias, down_bias, *ctx.rest)
     return (dx, None, dw, dup, ddown, dub if up_bias is not None else None, ddb if down_bias is not None else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None)
 
 
 experts.register_autograd(_backward, setup_context=_setup)
 
 EXPERTS_OPS = (torch.ops.autoshard.experts, torch.ops.autoshard.experts.default)
 # argument positions of the op
-X, INDEX, WEIGHTS, UP, DOWN, UP_BIAS, DOWN_BIAS, FIRST, GATED, TRANSPOSED, CONCATENATED, ACT, SHARE = range(13)
+X, INDEX, WEIGHTS, UP, DOWN, UP_BIAS, DOWN_BIAS, FIRST, GATED, TRANSPOSED, ACT, SHARE = range(12)
 
-__all__ = ["experts", "experts_backward", "expert_ffn", "activation_key", "EXPERTS_OPS"]
+__all__ = ["experts", "experts_backward", "expert_ffn", "activation_key", "own_gate", "EXPERTS_OPS"]

@@ -7,29 +7,31 @@ weights replicated (their gradients come back Partial):
   expert weight and bias, at torch.chunk's boundaries where E does not divide) and computes only
   the slots routed to them;
 - "expert_tensor" (dim -1): every expert's FFN split as a dense MLP is, its up projection on the
-  intermediate dim (a concatenated gate and up each split: `Shard(d, 2)`) and its down projection
+  intermediate dim (the gate and up halves each split: `Shard(d, 2)`) and its down projection
   on its input dim; a down bias replicated and added as bias / p.
 No strategy gathers an expert weight: the op's own rule offers none.
 """
-from ...nn.experts import CONCATENATED, DOWN, DOWN_BIAS, EXPERTS_OPS, GATED, TRANSPOSED, UP, UP_BIAS
+from ...nn.experts import ACT, DOWN, DOWN_BIAS, EXPERTS_OPS, GATED, TRANSPOSED, UP, UP_BIAS, own_gate
 from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, register_rule
 
 
 def expert_args(node):
-    """(up, down, up_bias, down_bias, gated, transposed, concatenated) of an experts node."""
+    """(up, down, up_bias, down_bias, gated, transposed) of an experts node."""
     a = node.args
-    return a[UP], a[DOWN], a[UP_BIAS], a[DOWN_BIAS], a[GATED], a[TRANSPOSED], a[CONCATENATED]
+    return a[UP], a[DOWN], a[UP_BIAS], a[DOWN_BIAS], a[GATED], a[TRANSPOSED]
 
 
 @register_rule(*EXPERTS_OPS, family="experts")
 def _experts(info: NodeInfo):
-    up, down, ub, db, gated, transposed, concatenated = expert_args(info.node)
+    up, down, ub, db, gated, transposed = expert_args(info.node)
     p = info.world_size
     biases = [b for b in (ub, db) if b is not None]
     found = [info.req({up: Shard(0), down: Shard(0), **{b: Shard(0) for b in biases}}, "expert_parallel", PARTIAL,
                       compute=1 / p, dim=0, uneven=True)]
+    if own_gate(info.node.args[ACT]):
+        return found                 # a gate of the module's own reads each expert's up output whole
     inner_up, inner_down = (2, 1) if transposed else (1, 2)
-    chunks = 2 if gated and concatenated else 1
+    chunks = 2 if gated else 1          # the gate's two halves, each split (transformers' default gate chunks)
     m = {up: Shard(inner_up, chunks), down: Shard(inner_down)}
     if ub is not None:
         m[ub] = Shard(1, chunks)

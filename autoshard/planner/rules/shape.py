@@ -16,7 +16,7 @@ from ...capture.ops import norm_dim, sliced_range
 from ...nn.functional import regroup
 from ...runtime.counters import in_groups
 from ...runtime.placements import block_sizes, cover_ranges, padded
-from .registry import PARTIAL, REPLICATE_PG, NodeInfo, Shard, may_differ, register_rule, register_shape_op
+from .registry import PARTIAL, REPLICATE, REPLICATE_PG, NodeInfo, Shard, may_differ, register_rule, register_shape_op
 
 aten = torch.ops.aten
 
@@ -99,8 +99,28 @@ def whole_units(info: NodeInfo, src) -> list:
                aten.flatten.using_ints, aten.unflatten.int)
 def _view(info):
     src = info.inputs[0]
-    return mapped(info, src, view_map(info.shape(src), info.out_shape)) + whole_units(info, src) + \
-        readers_units(info, src)
+    return like_other(info, mapped(info, src, view_map(info.shape(src), info.out_shape)) + whole_units(info, src) +
+                      readers_units(info, src))
+
+
+LIKE_OTHER = {torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as}
+
+
+def like_other(info: NodeInfo, found: list) -> list:
+    """`x.view_as(other)` (reshape_as, expand_as) takes `other`'s shape: each rank's view takes its
+    local shape, so `other` is read as the output is held (whole where it is whole or Partial),
+    and sends back no gradient. Other ops' strategies pass through."""
+    if info.node.op != "call_method" or getattr(torch.Tensor, info.node.target, None) not in LIKE_OTHER or \
+            len(info.inputs) < 2 or info.inputs[1] is info.inputs[0]:
+        return found
+    other = info.inputs[1]
+    out = []
+    for s in found:
+        i = info.index(other)
+        want = s.output if isinstance(s.output, Shard) else REPLICATE
+        out.append(replace(s, inputs=s.inputs[:i] + (want,) + s.inputs[i + 1:],
+                           grads=s.grads[:i] + (None,) + s.grads[i + 1:]))
+    return out
 
 
 def readers_units(info: NodeInfo, src) -> list:
@@ -133,8 +153,8 @@ def _expand(info):
     src = info.inputs[0]
     s, o = info.shape(src), info.out_shape
     off = len(o) - len(s)
-    return mapped(info, src, {a: (a + off, True) for a in range(len(s)) if s[a] == o[a + off] and s[a] > 1},
-                  partial=False)
+    return like_other(info, mapped(info, src, {a: (a + off, True) for a in range(len(s))
+                                               if s[a] == o[a + off] and s[a] > 1}, partial=False))
 
 
 def _perm(info):
