@@ -184,6 +184,53 @@ def _gather_readers(prob, place, sidx, moved) -> None:
         sidx[u], place[u] = best[1], prob.strats[u][best[1]].output
 
 
+def _whole_region(prob, place, u) -> set:
+    """The ops downstream of reader u (u included) that hold their output whole (Replicate) and
+    read it from u through whole tensors only: the routing of a mixture of experts (router linear,
+    softmax, top-k, normalisation) between the gathered stream and the experts op."""
+    region, todo = set(), [u]
+    while todo:
+        i = todo.pop()
+        held = place[i] if isinstance(place[i], tuple) else (place[i],)
+        if i in region or prob.kind[i] not in ("op", "select") or not all(pl is None or _whole(pl) for pl in held) \
+                or (prob.kind[i] == "op" and not prob.strats[i]):
+            continue
+        region.add(i)
+        todo.extend(prob.users[i])
+    return region
+
+
+def _partial_regions(prob, place, sidx, moved) -> None:
+    """Let the whole region after each gathered reader send Partial gradients back (each op of it
+    `replicate_pg`: run whole, its gradient left a summand per rank) where that moves fewer bytes:
+    a reader gathers the split stream for an op whose input gradient is Partial (the experts, a
+    column layer) and for others whose is whole (a replicated router); the whole ones make the
+    gradient whole with an all-reduce, and the gather's backward cannot be a reduce-scatter. With
+    the region Partial the router's weight gradient is all-reduced instead (experts x hidden), and
+    the stream's gradient reduce-scattered onto the tokens as Megatron's sequence-parallel MoE does."""
+    readers = sorted({u for i in moved for u in prob.users[i] if u not in moved and prob.kind[u] == "op"
+                      and _whole(place[u])})
+    for u in readers:
+        region = _whole_region(prob, place, u)
+        change = {i: si for i in region for si, s in enumerate(prob.strats[i])
+                  if s.name == "replicate_pg" and si != sidx[i]}
+        if not change:
+            continue
+        near = sorted({prob.root[j] for i in change for j in (i, *prob.ins[i], *prob.users[i])
+                       if prob.kind[j] != "param"} | {prob.root[j] for i in change for j in prob.ins[i]})
+        before = sum(prob.tensor_cost(j, place, sidx) for j in near)
+        selects = [j for i in change for j in prob.users[i] if prob.kind[j] == "select"]
+        old = {i: (sidx[i], place[i]) for i in (*change, *selects)}
+        for i, si in change.items():
+            sidx[i], place[i] = si, prob.strats[i][si].output
+        for j in selects:               # a multi-output op's parts (top-k's values) take its new placements
+            place[j] = place[prob.ins[j][0]][prob.nodes[j].args[1]]
+        after = sum(prob.tensor_cost(j, place, sidx) for j in near)
+        if not after < before * (1 - EPS):
+            for i, (si, pl) in old.items():
+                sidx[i], place[i] = si, pl
+
+
 def _moved(prob, state, partial: bool, sent: float):
     """(place, sidx, moved) of the move on `state` (the module docstring), Partial sums that read a
     whole or moved activation moved too where `partial`; None where it moves nothing, sends more
@@ -212,6 +259,7 @@ def _moved(prob, state, partial: bool, sent: float):
         if prob.users[i][0] not in moved:
             sidx[i], place[i] = state.sidx[i], state.place[i]
     _prune(prob, place, sidx, moved, state)
+    _partial_regions(prob, place, sidx, moved)
     _gather_readers(prob, place, sidx, moved)
     if not moved or _activation_bytes(prob, place, sidx) > sent * (1 + EPS):
         return None
