@@ -239,3 +239,20 @@ def test_cli_sequence_parallel_flag(capsys):
         out[flag] = json.loads(capsys.readouterr().out)
     assert out["on"]["sequence_parallel"] > 0 and out["off"]["sequence_parallel"] == 0
     assert out["on"]["memory"]["activations"] < out["off"]["memory"]["activations"]
+
+
+def test_memory_of_a_model_on_meta():
+    """A model built on meta (what `--from-pretrained` plans) gets the memory its saved tensors
+    give, as a copy with fake tensors does, not the upper bound (capture makes the graph's own
+    tensors on CPU; the fake run must too)."""
+    import transformers
+    from autoshard.capture.trace import recipe_copy
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    on_meta = autoshard.plan(model, 2, {"input_ids": ids.to("meta"), "labels": ids.to("meta")}).memory
+    fake = autoshard.plan(recipe_copy(model, {}, fake=True), 2, {"input_ids": ids, "labels": ids}).memory
+    assert on_meta.exact and fake.exact
+    assert on_meta.activations == fake.activations        # (the optimizer step's transient follows the device)

@@ -61,11 +61,12 @@ class _Recorder(fx.Interpreter):
         if not isinstance(t, torch.Tensor):
             return t
         if id(t) not in self.fakes:
-            if isinstance(t, FakeTensor) and t.fake_mode is self.mode:
+            meta = t.device.type == "meta"
+            if isinstance(t, FakeTensor) and t.fake_mode is self.mode and not (meta and self.device.type != "meta"):
                 f = t
             else:
                 with self.mode:
-                    f = torch.empty(t.shape, dtype=t.dtype, device=self.device if t.is_meta else t.device)
+                    f = torch.empty(t.shape, dtype=t.dtype, device=self.device if meta else t.device)
             if isinstance(t, nn.Parameter):
                 f = nn.Parameter(f, requires_grad=t.requires_grad)
             self.fakes[id(t)] = f
@@ -118,6 +119,8 @@ def _recorded(prob) -> Saved:
     mode = fakes[0].fake_mode if fakes else FakeTensorMode(allow_non_fake_inputs=True)
     inputs = [prob.val[i] for i, k in enumerate(prob.kind) if k == "input"]
     device = next((t.device for v in inputs for t in _tensors(v)), torch.device("cpu"))
+    if device.type == "meta":       # a model on meta: capture made the graph's own tensors on CPU (`trace`)
+        device = torch.device("cpu")
     rec = _Recorder(prob.gm, mode, device)
     inputs = [rec.fake(v) for v in inputs]
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
