@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """autoshard's plans against a hand-written Megatron-LM plan, on published Hugging Face configurations.
 
-    python benchmarks/real_configs.py                          # every configuration, degrees 2, 4, 8
+    python benchmarks/real_configs.py                          # every dense configuration, degrees 2, 4, 8
     python benchmarks/real_configs.py --only llama3-8b,gpt2    # a few (names: --list)
     python benchmarks/real_configs.py --degrees 4 --no-layers --no-depth  # one degree, 2-layer plans only
-    python benchmarks/real_configs.py --moe                    # the mixtures of experts only (--only works too)
+    python benchmarks/real_configs.py --moe                    # the mixtures of experts (--only names any)
     python benchmarks/real_configs.py --moe-memory             # Mixtral-8x7B's activations against its dense twin
 
 What is measured. Each configuration below is typed in from the published config.json of its
@@ -67,10 +67,10 @@ For each MoE row also: the strategy of each experts op (`plan.nodes[n].strategy`
 that move an expert weight (a redistribution of a 3-D expert parameter or of what an experts op
 reads as one; an all-gather of one is what must not happen; the experts ops' own outputs gathered
 are counted too), the router's gradient bytes, and `plan.memory` (activations, peak). On a model
-built on meta `plan.memory` is the stand-in upper bound (`exact=False`: the fake run of the saved
-tensors fails on meta), so the memory of each 2-layer MoE row comes from the same call on a copy of
-the model with fake tensors (`autoshard.capture.trace.recipe_copy`), whose plan moves the same bytes
-(checked: `memory_plan_comm_bytes`).
+built on meta `plan.memory` was the stand-in upper bound before commit 398c5da (the fake run of
+the saved tensors failed on meta), so the memory of each 2-layer MoE row comes from the same call
+on a copy of the model with fake tensors (`autoshard.capture.trace.recipe_copy`), whose plan moves
+the same bytes (checked: `memory_plan_comm_bytes`); the meta model's is kept as `memory_meta`.
 
 `--moe-memory`: Mixtral-8x7B at 8 ranks, input ids of shape (1, 4096), 32 layers, fake tensors,
 activations per rank (`plan.memory.activations`) against its dense twin (MistralConfig with the same
@@ -519,7 +519,7 @@ def run_config(name: str, spec: Spec, degrees, with_layers: bool, log, with_dept
                                  f"x{row['dense_formula_ratio']:.3f}")
             if spec.moe and plan is not None:
                 row["moe"] = moe_of(plan, model)
-                row["memory_meta_stand_in"] = memory_of(plan)
+                row["memory_meta"] = memory_of(plan)
                 planF, secsF, errF = timed_plan(fake, p, mode, device="cpu")
                 row["plan_seconds_memory"] = secsF
                 if errF is not None:
@@ -597,6 +597,105 @@ def table(rows, configs) -> str:
     return "\n".join(out)
 
 
+def moe_table(rows) -> str:
+    """The mixtures of experts' rows: bytes against the bar, parameters, what the experts ops run, the
+    expert weights moved, the router's gradient and the memory per rank (2 layers)."""
+    head = ["configuration", "p", "outputs", "comm/Megatron", "params/(1/p)", "experts' strategies",
+            "expert-weight collectives (all-gathers)", "at published depth", "router grad KiB",
+            "activations MiB", "peak GiB (at)", "note"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        m = r.get("moe")
+        if m is None:
+            continue
+        mem, md = r.get("memory") or {}, r.get("moe_depth")
+        ratio = fmt(r.get("ratio"), 3) if "ratio" in r else (
+            f"({r['dense_formula_ratio']:.3f}: no bar)" if "dense_formula_ratio" in r else "-")
+        cells = [r["config"], str(r["p"]), r["outputs"], ratio, fmt(r.get("params_ratio"), 3),
+                 ", ".join(f"{k} x{v}" for k, v in sorted(m["strategy_counts"].items())),
+                 f"{len(m['expert_weight_collectives'])} ({m['expert_weight_gathers']})",
+                 f"L={r['depth']}: {len(md['expert_weight_collectives'])} ({md['expert_weight_gathers']}), "
+                 f"{md['experts_ops']} experts ops" if md else "-",
+                 fmt(m["router_grad_ring_bytes"] / 2**10, 1),
+                 fmt(mem["activations"] / 2**20, 0) if mem else "-",
+                 f"{mem['peak'] / 2**30:.2f} ({mem['peak_at']})" if mem else "-",
+                 (r.get("note") or "").replace("|", "\\|")]
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    out.append("experts' strategies: `plan.nodes[n].strategy` of each `autoshard::experts` node (2 layers). "
+               "expert-weight collectives: redistributions of a 3-D expert parameter or of what an experts op "
+               "reads as its weights (all-gathers among them in brackets). router grad: ring bytes of the "
+               "routing weights' gradient all-reduce (T x k floats a layer). activations, peak: `plan.memory` "
+               "of the same call on a fake-tensor copy of the 2-layer model (the meta model's, kept in the JSON "
+               "as memory_meta, is the same since commit 398c5da).")
+    return "\n".join(out)
+
+
+def dense_twin(spec: Spec) -> Spec:
+    """Mixtral's dense twin: MistralConfig with Mixtral's numbers (attention, hidden size, FFN size
+    14336, vocabulary, depth), no experts."""
+    kw = {k: v for k, v in spec.kwargs.items()
+          if k not in ("num_local_experts", "num_experts_per_tok", "output_router_logits", "router_aux_loss_coef")}
+    return Spec(spec.hf_id + " (dense twin: MistralConfig, the same numbers)", "MistralConfig", kw,
+                remark="Mixtral-8x7B without experts")
+
+
+def moe_memory(log, layers: int = MOE_MEMORY["layers"], p: int = MOE_MEMORY["p"], shape=MOE_MEMORY["shape"],
+               outputs: str = MOE_MEMORY["outputs"]) -> dict:
+    """Mixtral-8x7B's activations per rank (`plan.memory`, a fake-tensor copy: exact) against its dense
+    twin's, both planned alike at `p` ranks on input ids of `shape` with `layers` layers."""
+    mix = CONFIGS["mixtral-8x7b"]
+    res = {"p": p, "input_shape": list(shape), "tokens": shape[0] * shape[1], "layers": layers, "outputs": outputs,
+           "target": MOE_MEMORY["target"], "models": {}}
+    for name, spec in (("mixtral-8x7b", mix), ("dense twin", dense_twin(mix))):
+        rec = {"hf_id": spec.hf_id, "config_class": spec.config}
+        try:
+            cfg, model = build(spec, layers)
+            fake = recipe_copy(model, {}, fake=True)
+        except Exception as exc:                                 # noqa: BLE001
+            rec["build_error"] = first_line(exc)
+            res["models"][name] = rec
+            log(f"{name}: build failed: {rec['build_error']}")
+            continue
+        rec.update(model_class=type(model).__name__, params_total=sum(t.numel() for t in model.parameters()))
+        plan, secs, err = timed_plan(fake, p, outputs, shape=shape, device="cpu")
+        rec["plan_seconds"] = secs
+        if err is not None:
+            rec.update(error=first_line(err), error_traceback=traceback.format_exception(err)[-3:])
+            log(f"{name}: plan failed: {rec['error']}")
+        else:
+            t0 = time.perf_counter()
+            rec["memory"] = memory_of(plan)
+            rec.update(memory_seconds=time.perf_counter() - t0, comm_bytes=plan.comm_bytes,
+                       params_per_rank=plan.params_per_rank, largest=[list(x) for x in plan.memory.largest])
+            if spec.moe:
+                m = moe_of(plan, fake)
+                rec["moe"] = {k: v for k, v in m.items() if k != "strategies"}
+            mem = rec["memory"]
+            log(f"{name:13s} L={layers} p={p} {tuple(shape)} {outputs}: activations {mem['activations'] / 2**30:.3f} GiB"
+                f"  peak {mem['peak'] / 2**30:.2f} GiB ({mem['peak_at']})  exact {mem['exact']}  "
+                f"comm {plan.comm_bytes / 2**20:.1f} MiB  plan {secs:.1f} s"
+                + (f"  experts {rec['moe']['strategy_counts']} gathers {rec['moe']['expert_weight_gathers']}"
+                   if "moe" in rec else ""))
+            del plan
+        planM, secsM, errM = timed_plan(model, p, outputs, shape=shape)     # on meta, for the record
+        if errM is None:
+            rec.update(memory_meta=memory_of(planM), comm_bytes_meta=planM.comm_bytes,
+                       plan_seconds_meta=secsM)
+        del planM
+        res["models"][name] = rec
+    a, b = (res["models"].get(k, {}).get("memory") for k in ("mixtral-8x7b", "dense twin"))
+    if a and b:
+        res["activations_ratio"] = a["activations"] / b["activations"]
+        res["peak_ratio"] = a["peak"] / b["peak"]
+        log(f"activations per rank, Mixtral-8x7B / dense twin: {res['activations_ratio']:.3f} "
+            f"(target at most {MOE_MEMORY['target']}); peak {res['peak_ratio']:.3f}")
+    a, b = (res["models"].get(k, {}).get("memory_meta") for k in ("mixtral-8x7b", "dense twin"))
+    if a and b:
+        res["activations_ratio_meta"] = a["activations"] / b["activations"]
+    return res
+
+
 def flagged(rows, threshold: float) -> str:
     """Per configuration with a row above `threshold` (comm/Megatron or layers' share): the rows above
     it, then the largest collectives of the worst of them."""
@@ -634,6 +733,12 @@ def main(argv=None) -> int:
     ap.add_argument("--flag", type=float, default=1.25,
                     help="print the largest collectives of rows whose comm/Megatron or layers' share exceeds this")
     ap.add_argument("--list", action="store_true", help="list the configurations and exit")
+    ap.add_argument("--moe", action="store_true",
+                    help="the mixtures of experts only (default JSON benchmarks/results/real_configs_moe.json)")
+    ap.add_argument("--moe-memory", action="store_true",
+                    help=f"only Mixtral-8x7B's activations per rank against its dense twin's ({MOE_MEMORY['p']} "
+                         f"ranks, ids {MOE_MEMORY['shape']}, {MOE_MEMORY['layers']} layers unless --moe-memory-layers)")
+    ap.add_argument("--moe-memory-layers", type=int, default=MOE_MEMORY["layers"], help="depth for --moe-memory")
     ap.add_argument("--memory-weight", type=float, default=None,
                     help="plan at this fixed price of training state, seconds a byte (e.g. 1e-9); default: the "
                          "planner's objective without a price (the fastest plan within about 1/p of the least state)")
@@ -642,9 +747,20 @@ def main(argv=None) -> int:
         COST["memory_weight"] = args.memory_weight
     if args.list:
         for k, s in CONFIGS.items():
-            print(f"{k:14s} {s.hf_id:36s} {s.remark}")
+            print(f"{k:17s} {s.hf_id:36s} {s.remark}")
         return 0
-    names = list(CONFIGS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+    if args.moe_memory:
+        torch.set_num_threads(1)
+        t0 = time.perf_counter()
+        res = moe_memory(lambda s: print(s, flush=True), layers=args.moe_memory_layers)
+        res.update(env=env(), total_seconds=time.perf_counter() - t0)
+        path = Path(args.json) if args.json else RESULTS / "real_configs_moe_memory.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+        print(f"wrote {path}")
+        return 0
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else \
+        [n for n, s in CONFIGS.items() if s.moe == args.moe]          # by default the dense ones, --moe the others
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
@@ -660,13 +776,16 @@ def main(argv=None) -> int:
     total = time.perf_counter() - t0
     print()
     print(table(rows, configs))
+    if any("moe" in r for r in rows):
+        print("\nmixtures of experts:\n")
+        print(moe_table(rows))
     bad = flagged(rows, args.flag)
     if bad:
         print(f"\nlargest collectives of rows above {args.flag} (comm/Megatron or layers' share):")
         print(bad)
     failed = [r for r in rows if "comm_bytes" not in r]
     print(f"\n{len(rows)} rows, {len(failed)} failed to plan; total {total:.0f} s")
-    path = Path(args.json) if args.json else RESULTS / "real_configs.json"
+    path = Path(args.json) if args.json else RESULTS / ("real_configs_moe.json" if args.moe else "real_configs.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     res = {"env": env(), "settings": {"batch": BATCH, "seq": SEQ, "tokens": TOKENS, "bytes_per_element": BYTES,
                                       "layers": LAYERS, "degrees": degrees, "modes": list(MODES),
