@@ -71,6 +71,9 @@ SLOW_REPEATS = {
     "test_parallel_blocks.py::test_parallel_blocks_are_exact_with_dropout[4]",
     "test_normal_forms.py::test_bloom_heads_split_through_batched_scores[4]",
     "test_mesh.py::test_two_d_checkpoints_reshard[2x2-4x1]",
+    # mixtures of experts: the family each repeats runs in the default suite too (sequence parallel, 2 ranks)
+    "test_moe.py::test_moe_exact[4-qwen2_moe-16-chosen-True]",
+    "test_moe.py::test_moe_generates[qwen2_moe]",
 }
 
 
