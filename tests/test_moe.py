@@ -22,7 +22,7 @@ import autoshard  # noqa: E402
 import hf_models  # noqa: E402
 from autoshard.runtime.collectives import count_comm  # noqa: E402
 from autoshard.runtime.placements import Shard  # noqa: E402
-from refs import close_to_scale, grads_match  # noqa: E402
+from refs import close_to_scale, grads_match, hf_step_matches  # noqa: E402
 
 WAYS = {"expert_parallel": 0, "expert_tensor": -1}
 
@@ -61,20 +61,6 @@ def _route_to(model, n):
             m.forward = types.MethodType(forward, m)
 
 
-def _step(gm, ref, kw, what):
-    with count_comm() as c:
-        out = gm(**kw)
-        out.loss.backward()
-    want = ref(**kw)
-    want.loss.backward()
-    close_to_scale(out.loss, want.loss, f"{what}: loss")
-    close_to_scale(out.logits, want.logits, f"{what}: logits")
-    grads_match(gm, ref, what)
-    plan = gm._autoshard_plan
-    assert c.bytes == pytest.approx(plan.comm_bytes, rel=1e-9), (what, c.by_kind, plan.comm_by_kind)
-    return c.bytes
-
-
 def _case(rank, p, family, experts, way, train, routed=None):
     model, kw = hf_models.moe(family, experts)
     model.train(train)
@@ -90,7 +76,8 @@ def _case(rank, p, family, experts, way, train, routed=None):
         assert {chosen[n] for n in _experts_of(model)} == {way}, (way, chosen)
     _no_expert_gathered(plan, model)
     what = f"{family} {experts} experts at {p}, {way}, {'train' if train else 'eval'}"
-    _step(gm, ref, kw, what)
+    counted = hf_step_matches(gm, ref, kw, what)          # loss, logits, every gradient
+    assert counted == pytest.approx(plan.comm_bytes, rel=1e-9), (what, counted, plan.comm_by_kind)
     return {n: chosen[n] for n in _experts_of(model)}
 
 

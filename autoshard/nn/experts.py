@@ -95,14 +95,20 @@ def expert_ffn(x, up, down, up_bias, down_bias, gated: bool, transposed: bool, a
     return y
 
 
-def _slots(index: torch.Tensor, first: int, count: int):
-    """The routing slots (flat positions in `index`) of experts [first, first + count), sorted by
-    expert, and how many each expert has."""
+def routed(index: torch.Tensor, first: int, count: int):
+    """For each expert of [first, first + count) that some slot is routed to: (its local index,
+    its slots (flat positions in `index`), their tokens)."""
+    k = index.shape[-1]
     flat = index.reshape(-1) - first
     mine = ((flat >= 0) & (flat < count)).nonzero().squeeze(1)
     local = flat[mine]
-    order = torch.argsort(local, stable=True)
-    return mine[order], torch.bincount(local, minlength=count).tolist()
+    slots = mine[torch.argsort(local, stable=True)]
+    start = 0
+    for e, n in enumerate(torch.bincount(local, minlength=count).tolist()):
+        if n:
+            s = slots[start:start + n]
+            start += n
+            yield e, s, s // k
 
 
 @torch.library.custom_op("autoshard::experts", mutates_args=())
@@ -111,17 +117,9 @@ def experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, up: tor
             transposed: bool, act: str, share: int) -> torch.Tensor:
     """The expert computations of a mixture of experts on tokens `x` [T, h] routed by `index`
     [T, k] with `weights` [T, k], for the experts [first, first + up.shape[0])."""
-    k = index.shape[-1]
     acc = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-    slots, counts = _slots(index, first, up.shape[0])
     w = weights.reshape(-1)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        s = slots[start:start + n]
-        start += n
-        tok = s // k
+    for e, s, tok in routed(index, first, up.shape[0]):
         y = expert_ffn(x[tok], up[e], down[e], None if up_bias is None else up_bias[e],
                        None if down_bias is None else down_bias[e], gated, transposed, act, share)
         acc.index_add_(0, tok, (y * w[s, None]).to(acc.dtype))
@@ -140,24 +138,15 @@ def experts_backward(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor, w
                      act: str, share: int) -> list[torch.Tensor]:
     """Gradients of `experts` for x, weights, up, down, up_bias, down_bias (empty where a bias is
     absent): each expert's FFN recomputed on its tokens and differentiated (torch.func.vjp)."""
-    k = index.shape[-1]
     dx = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
     dw = torch.zeros(weights.numel(), dtype=weights.dtype, device=weights.device)
     dup, ddown = torch.zeros_like(up), torch.zeros_like(down)
     dub = torch.zeros_like(up_bias) if up_bias is not None else x.new_empty(0)
     ddb = torch.zeros_like(down_bias) if down_bias is not None else x.new_empty(0)
-    slots, counts = _slots(index, first, up.shape[0])
     w = weights.reshape(-1)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        s = slots[start:start + n]
-        start += n
-        tok = s // k
+    for e, s, tok in routed(index, first, up.shape[0]):
         ub = None if up_bias is None else up_bias[e]
         db = None if down_bias is None else down_bias[e]
-
         primals = [x[tok], w[s], up[e], down[e]] + [b for b in (ub, db) if b is not None]
 
         def f(xe, we, u, d, *biases):
@@ -205,4 +194,4 @@ EXPERTS_OPS = (torch.ops.autoshard.experts, torch.ops.autoshard.experts.default)
 # argument positions of the op
 X, INDEX, WEIGHTS, UP, DOWN, UP_BIAS, DOWN_BIAS, FIRST, GATED, TRANSPOSED, ACT, SHARE = range(12)
 
-__all__ = ["experts", "experts_backward", "expert_ffn", "activation_key", "own_gate", "EXPERTS_OPS"]
+__all__ = ["experts", "experts_backward", "expert_ffn", "routed", "activation_key", "own_gate", "EXPERTS_OPS"]
