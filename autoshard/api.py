@@ -12,7 +12,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import capture, has_meta
-from .capture.trace import autocast_as, fake_mode_of
+from .capture.trace import fake_mode_of
+from .runtime.autocast import autocast_as
 from .errors import CaptureError, LoadError, ProcessGroupError, ShardingError
 from .io import hf, loading
 from .nn.dropout import MASKS

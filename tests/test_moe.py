@@ -61,24 +61,26 @@ def _route_to(model, n):
             m.forward = types.MethodType(forward, m)
 
 
-def _case(rank, p, family, experts, way, train, routed=None):
-    model, kw = hf_models.moe(family, experts)
+def _case(rank, p, family, experts, way, train, routed=None, seq=16, latency=None):
+    from autoshard.planner.cost import CostModel
+    model, kw = hf_models.moe(family, experts, seq=seq)
     model.train(train)
     if routed is not None:
         _route_to(model, routed)
     pins = {n: WAYS[way] for n in _experts_of(model)} if way in WAYS else {}
     ref = copy.deepcopy(model)
-    gm = autoshard.parallelize(model, p, kw, tracer="export", pin=pins)
+    cost = {} if latency is None else dict(cost_model=CostModel(latency=latency))
+    gm = autoshard.parallelize(model, p, kw, tracer="export", pin=pins, **cost)
     plan = gm._autoshard_plan
     chosen = _strategies(plan)
     assert set(chosen) >= set(_experts_of(model)), (chosen, plan.report())
-    if way in WAYS:
-        assert {chosen[n] for n in _experts_of(model)} == {way}, (way, chosen)
+    ways = {chosen[n] for n in _experts_of(model)}
+    assert ways == {way} if way in WAYS else ways <= set(WAYS), (way, chosen)      # the chosen: never whole
     _no_expert_gathered(plan, model)
     what = f"{family} {experts} experts at {p}, {way}, {'train' if train else 'eval'}"
     counted = hf_step_matches(gm, ref, kw, what)          # loss, logits, every gradient
     assert counted == pytest.approx(plan.comm_bytes, rel=1e-9), (what, counted, plan.comm_by_kind)
-    return {n: chosen[n] for n in _experts_of(model)}
+    return [r.node for r in plan.redistributions if r.via is not None and not r.forward]
 
 
 @pytest.mark.parametrize("world,family,experts,way,train", [
@@ -91,6 +93,15 @@ def _case(rank, p, family, experts, way, train, routed=None):
 ])
 def test_moe_exact(world, family, experts, way, train, request):
     request.getfixturevalue(f"dist{world}").run(_case, family, experts, way, train, timeout=600)
+
+
+def test_view_of_a_gather_reduce_scattered(dist2):
+    """DeepSeek-V3 at 32 tokens, latency free: layer 0's post-attention norm output is gathered for
+    the shared expert (its backward a reduce-scatter of their Partial gradients) and the experts
+    read a view of it, reusing that gather. Their Partial gradient joins the reduce-scatter as it
+    is; all-reduced first, it was counted once per rank (layer 0's gradients up to 88% off)."""
+    reused = dist2.run(_case, "deepseek_v3", 8, "chosen", True, None, 32, 0.0, timeout=600)[0]
+    assert reused, "the plan no longer reuses a gather for a view: the case is not exercised"
 
 
 def test_rank_without_tokens(dist4):

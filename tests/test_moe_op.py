@@ -82,3 +82,67 @@ def test_one_op_equals_transformers(layout, impl):
     assert "autoshard" not in str(type(m).forward)          # the module's forward is its own again
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_under_dispatch_modes():
+    """The op's backward is written out, so it runs under a TorchDispatchMode (a FLOP counter, the
+    memory tracker) and gives the same gradients."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+    m = experts_class(bias=True)(_Config())
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    idx = torch.randint(0, E, (T, K), generator=g)
+    with experts_as_one_op(m, []):
+        want = _run(m, x, idx, w)
+        for mode in (FlopCounterMode(display=False), MemTracker()):
+            with mode:
+                got = _run(m, x, idx, w)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_backward_recomputes_under_the_forwards_autocast():
+    """Forward under bf16 autocast, backward outside it (the usual recipe): the gradients are those
+    of the bf16 forward (as transformers' are), the same as a backward run inside autocast."""
+    cfg = _Config()
+    cfg._experts_implementation = "batched_mm"
+    m = experts_class()(cfg)
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    idx = torch.randint(0, E, (T, K), generator=g)
+
+    def run(inside):
+        xx = x.clone().requires_grad_()
+        m.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            out = m(xx, idx, w)
+            if inside:
+                out.float().sum().backward()
+        if not inside:
+            out.float().sum().backward()
+        return [xx.grad] + [q.grad.clone() for q in m.parameters()]
+    hf = run(False)
+    with experts_as_one_op(m, []):
+        outside, inside = run(False), run(True)
+    for a, b, c in zip(outside, inside, hf):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=2e-2, atol=2e-2 * c.abs().max().item())
+
+
+def test_malformed_routing_is_refused_on_fake_tensors():
+    """Routing of the wrong shape fails on fake tensors (inside capture), naming the sizes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from autoshard.nn.experts import experts
+    with FakeTensorMode():
+        x, up, down = torch.empty(T, H), torch.empty(E, 2 * I, H), torch.empty(E, H, I)
+        idx, w = torch.zeros(T, K, dtype=torch.long), torch.empty(T, K)
+        experts(x, idx, w, up, down, None, None, 0, True, False, "silu", 1)       # well formed
+        for bad, match in ((dict(index=idx[: T // 2]), r"routing indices \(10, 2\)"),
+                           (dict(weights=torch.empty(T, E)), r"routing weights \(20, 6\)"),
+                           (dict(index=idx.float()), "not integers"),
+                           (dict(x=torch.empty(2, T, H)), r"tokens of shape \(2, 20, 16\)")):
+            args = dict(x=x, index=idx, weights=w)
+            args.update(bad)
+            with pytest.raises(ValueError, match=match):
+                experts(args["x"], args["index"], args["weights"], up, down, None, None, 0, True, False, "silu", 1)

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, first_line
+from ..runtime.autocast import autocast_state
 from . import repeats
 from .duplicates import merge_duplicates
 from .experts import experts_as_one_op
@@ -48,26 +49,6 @@ class Captured:
     kwargs: dict
     notes: list = field(default_factory=list)
     autocast: tuple = ()            # the caller's torch.autocast when captured (autocast_state)
-
-
-AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-def autocast_state() -> tuple:
-    """((device, dtype), ...) of each device where torch.autocast is on: the part of a precision
-    recipe a graph is captured under (torch.export bakes its casts and dtypes into the graph)."""
-    return tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
-
-
-@contextlib.contextmanager
-def autocast_as(state: tuple):
-    """Run under exactly the autocast of `state` (autocast_state()), whatever the caller's."""
-    on = dict(state)
-    with contextlib.ExitStack() as stack:
-        for d in AUTOCAST_DEVICES:
-            if d in on or torch.is_autocast_enabled(d):
-                stack.enter_context(torch.autocast(d, dtype=on.get(d), enabled=d in on))
-        yield
 
 
 class InliningTracer(fx.Tracer):

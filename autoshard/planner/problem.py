@@ -293,19 +293,17 @@ class Problem:
 
     def class_comms(self, r: int, place, sidx):
         """tensor_comms of every member of root r's class as (member, required, gradient,
-        forward, backward, consumers, via): a member that needs to be made whole while a view
-        parent above it is made whole too takes that one's (`via`, the topmost such member)
-        and runs no forward collective of its own. None if a consumer cannot be served."""
-        out, whole_from = [], {}
+        forward, backward, consumers, via): a member made whole while a view parent above it is
+        takes that one's (`via`, the topmost such member), with no forward collective of its
+        own. None if a consumer cannot be served (a whole gradient into a reduce-scatter)."""
+        out, whole_from, fused = [], {}, set()
         for m in self.members[r]:
             comms = self.tensor_comms(m, place[m], sidx)
             if comms is None:
                 return None
             parent = self.view_parent[m]
             above = whole_from.get(parent) if parent is not None else None
-            gathers = redistribute(place[m], REPLICATE)
-            collective = bool(gathers and gathers[0])
-            mine = None
+            collective, mine = bool((gathers := redistribute(place[m], REPLICATE)) and gathers[0]), None
             made_whole = any(isinstance(c[0], Replicate) for c in comms)
             for req, g, fwd, bwd, consumers in comms:
                 via = None
@@ -314,13 +312,19 @@ class Problem:
                     via, fwd = whole, ()
                 elif collective and isinstance(req, Replicate):
                     if above is not None:
-                        if bwd == ("reduce_scatter",) and fused_backward(fwd, g, req):
+                        if above in fused and bwd:   # its backward reduce-scatters: a Partial gradient joins
+                            if not isinstance(g, Partial):
+                                return None          # (a whole one would be counted once per rank)
+                            bwd = ()
+                        elif bwd == ("reduce_scatter",) and fused_backward(fwd, g, req):
                             bwd = ("all_reduce",)        # another's gather serves it: reduce, then slice
                         via, fwd = above, ()
                     else:
                         mine = m
                 out.append((m, req, g, fwd, bwd, consumers, via))
             whole_from[m] = above if above is not None else mine
+            if mine == m and [c[3] for c in comms if isinstance(c[0], Replicate)] == [("reduce_scatter",)]:
+                fused.add(m)                # (the rewrite fuses its gather with that backward)
         return out
 
     def comms_of(self, j: int, place, sidx):

@@ -23,7 +23,8 @@ from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
 from ..capture.shapes import placeholder_inputs
-from ..capture.trace import apart, autocast_state, recipe_copy
+from ..capture.trace import apart, recipe_copy
+from ..runtime.autocast import autocast_state
 from ..errors import ShardingError, first_line
 from .blocks import add_variant, keep_blocks, structure
 from .rewriter import InputCheck

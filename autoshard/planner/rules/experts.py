@@ -11,7 +11,7 @@ weights replicated (their gradients come back Partial):
   on its input dim; a down bias replicated and added as bias / p.
 No strategy gathers an expert weight: the op's own rule offers none.
 """
-from ...nn.experts import ACT, DOWN, DOWN_BIAS, EXPERTS_OPS, GATED, TRANSPOSED, UP, UP_BIAS, own_gate
+from ...nn.experts import ACT, DOWN, DOWN_BIAS, EXPERTS_OPS, GATED, TRANSPOSED, UP, UP_BIAS, elementwise
 from .registry import PARTIAL, REPLICATE, NodeInfo, Shard, register_rule
 
 
@@ -28,8 +28,8 @@ def _experts(info: NodeInfo):
     biases = [b for b in (ub, db) if b is not None]
     found = [info.req({up: Shard(0), down: Shard(0), **{b: Shard(0) for b in biases}}, "expert_parallel", PARTIAL,
                       compute=1 / p, dim=0, uneven=True)]
-    if own_gate(info.node.args[ACT]):
-        return found                 # a gate of the module's own reads each expert's up output whole
+    if not elementwise(info.node.args[ACT]):
+        return found                 # a gate of the module's own, or an unknown activation, may read the features together
     inner_up, inner_down = (2, 1) if transposed else (1, 2)
     chunks = 2 if gated else 1          # the gate's two halves, each split (transformers' default gate chunks)
     m = {up: Shard(inner_up, chunks), down: Shard(inner_down)}
