@@ -279,3 +279,21 @@ def _sequence_case(rank, p, family):
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_moe_sequence_parallel(family, dist2):
     dist2.run(_sequence_case, family, timeout=600)
+
+
+def _memory_case(rank, p, way):
+    """plan.memory against what torch's MemTracker measures of a step (the experts save only their
+    inputs, and each rank holds its experts' weights, gradients and AdamW state)."""
+    import refs
+    model, kw = hf_models.moe("mixtral", 8, batch=2, seq=128)
+    model.train()
+    gm = autoshard.parallelize(model, p, kw, tracer="export", pin={n: WAYS[way] for n in _experts_of(model)})
+    plan = gm._autoshard_plan
+    peak, _ = refs.measured_step_peak(gm, lambda m: m(**kw).loss)
+    return plan.memory.peak, peak
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+def test_moe_predicted_peak_is_measured_peak(way, dist2):
+    for predicted, measured in dist2.run(_memory_case, way, timeout=600):
+        assert abs(predicted - measured) <= 0.05 * measured, (way, predicted, measured)
