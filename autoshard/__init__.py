@@ -16,6 +16,7 @@ from .api import from_pretrained, parallelize, plan
 from .plan import Plan
 from .planner.cost import CostModel
 from .rewrite.blocks import blocks_of
+from .pipe import pipeline, plan_pipeline
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,201 @@
+"""The pipeline plan: predicted time of each block from a tensor-parallel Plan, the cuts that
+balance the stages (autoshard.planner.stages.balance), and what the schedule then costs.
+
+A node's time is its share of the step's compute (`cost.flops`, divided by the degree where the plan
+splits it) plus the collectives the plan runs for it; a block's time is the sum over its nodes; the
+nodes before the first block (embeddings) are the first stage's, those after the last (final norm,
+head, loss) the last stage's, those between two blocks the later block's. Forward is a third of
+a node's time, backward two thirds (the cost model's 3 x 2 flops per multiply-add). A stage's
+memory: its parameters with their gradient and optimizer state, plus its blocks' saved activations
+for each microbatch the schedule holds in flight on that rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..capture.repeats import owner
+from ..errors import ShardingError
+from ..runtime.placements import Replicate
+from .cost import flops
+from .stages import balance, check_split, simulate
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Which blocks each stage holds and what a step is predicted to cost."""
+
+    schedule: str
+    pp: int
+    tp: int
+    dp: int
+    microbatches: int
+    stages_per_rank: int
+    stages: tuple                 # per stage: tuple of block names
+    forward: tuple                # per stage: predicted seconds of one microbatch's forward
+    backward: tuple               # per stage: ... backward
+    memory: tuple                 # per stage: predicted peak bytes of the rank for that stage's share
+    sent_bytes: tuple             # per boundary: bytes one microbatch sends forward (and its gradient back)
+    step_time: float              # predicted seconds of a step (the schedule's makespan)
+    bubble: float                 # predicted idle fraction, mean over ranks
+    idle: tuple                   # predicted idle fraction per rank
+    seconds: float = 0.0          # planning time
+
+    @property
+    def stage_times(self) -> tuple:
+        return tuple(f + b for f, b in zip(self.forward, self.backward))
+
+    @property
+    def balance(self) -> float:
+        """The slowest stage's time over the mean."""
+        times = self.stage_times
+        return max(times) / (sum(times) / len(times))
+
+    def report(self) -> str:
+        from ..views.stages import format_pipeline
+        return format_pipeline(self)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+def _node_seconds(plan, node, p: int) -> float:
+    cost = plan.cost_model
+    dec = plan.nodes.get(node.name)
+    share = 1.0 if dec is None or isinstance(dec.output, Replicate) or p == 1 else 1.0 / p
+    seconds = cost.compute_time(flops(node, None) * share)
+    if dec is not None:
+        seconds += sum(cost.comm_time(kind, nbytes, p) for kind, nbytes in dec.comm)
+    return seconds
+
+
+def _redistribution_seconds(plan, p: int) -> dict:
+    out: dict = {}
+    for r in plan.redistributions:
+        t = sum(plan.cost_model.comm_time(k, r.nbytes, p) for k in r.forward + r.backward)
+        out[r.node] = out.get(r.node, 0.0) + t
+    return out
+
+
+def _param_bytes(plan, node, p: int) -> float:
+    v = node.meta.get("val")
+    if not hasattr(v, "numel"):
+        return 0.0
+    layout = plan.layouts.get(node.target)
+    return v.numel() * v.element_size() / (1 if layout is None or isinstance(layout, Replicate) else p)
+
+
+def block_costs(plan, names: list) -> tuple:
+    """(first, per-block seconds, last, per-block parameter bytes, first bytes, last bytes) of one
+    training step of one microbatch on a rank of `plan` (the tensor-parallel plan at that size)."""
+    if not names:
+        raise ShardingError("pipeline: the model has no blocks to cut into stages (no ModuleList / Sequential of "
+                            "layers of one class); name them with blocks=")
+    by_len = sorted(names, key=len, reverse=True)
+    p = plan.world_size
+    comm = _redistribution_seconds(plan, p)
+    index = {n: i for i, n in enumerate(names)}
+    costs, params = [0.0] * len(names), [0.0] * len(names)
+    first = last = first_bytes = last_bytes = 0.0
+    pending = pending_bytes = 0.0
+    seen_block = False
+    seen_params: set = set()
+    for node in plan.graph_module.graph.nodes:
+        block = owner(node, by_len) if node.op not in ("placeholder", "output") else None
+        if node.op == "get_attr":
+            if node.target in plan.layouts and id(node.meta.get("val")) not in seen_params:
+                seen_params.add(id(node.meta.get("val")))
+                size = _param_bytes(plan, node, p)
+                if block in index:
+                    params[index[block]] += size
+                elif not seen_block:
+                    first_bytes += size
+                else:
+                    pending_bytes += size
+            continue
+        seconds = _node_seconds(plan, node, p) + comm.get(node.name, 0.0)
+        if block in index:
+            seen_block = True
+            costs[index[block]] += seconds + pending
+            params[index[block]] += pending_bytes
+            pending = pending_bytes = 0.0
+        elif not seen_block:
+            first += seconds
+        else:
+            pending += seconds
+    last, last_bytes = pending, pending_bytes
+    return first, costs, last, params, first_bytes, last_bytes
+
+
+def in_flight(schedule: str, pp: int, rank: int, microbatches: int, stages_per_rank: int) -> int:
+    """Microbatches whose activations a rank holds at once for one of its stages: GPipe all of
+    them; 1F1B those of its warm-up plus one; interleaved, the warm-up spread over its stages."""
+    if schedule == "GPipe":
+        return microbatches
+    if stages_per_rank == 1:
+        return min(microbatches, pp - rank)
+    warmup = (stages_per_rank - 1) * pp + 2 * (pp - 1 - rank) + 1
+    return min(microbatches, -(-warmup // stages_per_rank) + 1)
+
+
+def plan_pipeline(plan, names: list, *, pp: int, dp: int = 1, microbatches: int, schedule: str,
+                  stages_per_rank: int = 1, split=None, activations_per_block=None, send_bandwidth=None,
+                  seconds: float = 0.0) -> PipelinePlan:
+    """Cut the blocks `names` of `plan`'s model (at one microbatch) into pp x stages_per_rank stages."""
+    stages = pp * stages_per_rank
+    if stages > len(names):
+        raise ShardingError(f"pipeline: {stages} stages (pp {pp} x {stages_per_rank} a rank) but the model has "
+                            f"{len(names)} blocks ({names[0]} .. {names[-1]}): a stage holds at least one block; "
+                            "use fewer stages")
+    first, costs, last, params, first_bytes, last_bytes = block_costs(plan, names)
+    starts = check_split(split, len(names), stages) if split is not None else \
+        balance(costs, stages, first=first, last=last)
+    bounds = list(starts) + [len(names)]
+    groups = [tuple(names[a:b]) for a, b in zip(bounds, bounds[1:])]
+    totals = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    totals[0] += first
+    totals[-1] += last
+    forward = tuple(t / 3 for t in totals)
+    backward = tuple(2 * t / 3 for t in totals)
+    hidden = _boundary_bytes(plan, names, bounds)
+    bandwidth = send_bandwidth or plan.cost_model.bandwidth
+    send = max(hidden, default=0) / bandwidth + plan.cost_model.latency if stages > 1 else 0.0
+    timeline = simulate(schedule, pp, microbatches, forward, backward, stages_per_rank=stages_per_rank, send=send)
+    state = plan.cost_model.state_factor
+    acts = activations_per_block or _activations_per_block(plan, costs)
+    memory = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        held = sum(params[a:b]) + (first_bytes if s == 0 else 0) + (last_bytes if s == stages - 1 else 0)
+        flight = in_flight(schedule, pp, s % pp, microbatches, stages_per_rank)
+        memory.append(int(held * state + flight * sum(acts[a:b])))
+    return PipelinePlan(schedule=schedule, pp=pp, tp=plan.world_size, dp=dp, microbatches=microbatches,
+                        stages_per_rank=stages_per_rank, stages=tuple(groups), forward=forward, backward=backward,
+                        memory=tuple(memory), sent_bytes=tuple(hidden), step_time=timeline.makespan,
+                        bubble=timeline.bubble, idle=tuple(timeline.per_rank), seconds=seconds)
+
+
+def _activations_per_block(plan, costs: list) -> list:
+    """Saved activations of one microbatch per block: the plan's step total apportioned by time
+    (blocks alike save alike)."""
+    memory = plan.memory
+    total = getattr(memory, "activations", 0) if memory is not None else 0
+    whole = sum(costs) or 1.0
+    return [total * c / whole for c in costs]
+
+
+def _boundary_bytes(plan, names: list, bounds: list) -> list:
+    """Bytes a rank sends at each boundary for one microbatch: the output of the boundary's last
+    block as this rank holds it (the residual stream: whole, or split on tokens under sequence
+    parallelism)."""
+    by_len = sorted(names, key=len, reverse=True)
+    out_of: dict = {}
+    for node in plan.graph_module.graph.nodes:
+        block = owner(node, by_len) if node.op not in ("placeholder", "output", "get_attr") else None
+        if block is None:
+            continue
+        if any(owner(u, by_len) != block for u in node.users if u.op != "output"):
+            v = node.meta.get("val")
+            if hasattr(v, "numel"):
+                dec = plan.nodes.get(node.name)
+                split = dec is not None and not isinstance(dec.output, Replicate) and plan.world_size > 1
+                out_of[block] = v.numel() * v.element_size() / (plan.world_size if split else 1)
+    return [out_of.get(names[b - 1], 0) for b in bounds[1:-1]]
