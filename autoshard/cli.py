@@ -2,13 +2,18 @@
 `python -m autoshard demo ...` runs autoshard.demo; `python -m autoshard convert SRC DST` converts a
 sharded checkpoint (a DCP directory) to one torch.save file of full tensors, or back;
 `python -m autoshard verify CKPT_DIR` checks a checkpoint directory (every block against its
-checksums, .metadata against the files) and prints what is wrong.
+checksums, .metadata against the files) and prints what is wrong. With --pp N, `plan` also cuts the
+model's blocks into N pipeline stages (`autoshard.plan_pipeline`, tensor parallelism of
+--world-size inside each) and prints the stage table after the tensor-parallel report.
 
     python -m autoshard plan tests.factories:gpt --world-size 4 --input-shape 2,64 --dtype long
     python -m autoshard plan tests.models:GPT --world-size 2 --pin head=None --search exact
     python -m autoshard plan path/to/model.py:build --world-size 8 --tracer export --json
     python -m autoshard plan tests.factories:gpt --world-size 2 --input-shape 2,64 --dtype long --draw plan.svg
     python -m autoshard plan --from-pretrained path/to/hf_checkpoint -n 8
+    python -m autoshard plan tests.factories:gpt -n 2 --input-shape 4,64 --dtype long --pp 2 --microbatches 2
+    python -m autoshard plan path/to/model.py:build -n 4 --pp 4 --schedule Interleaved1F1B --stages-per-rank 2
+    python -m autoshard plan path/to/model.py:build -n 2 --pp 3 --split 3,3,2 --json
     python -m autoshard convert ckpt/step100 full.pt        # DCP directory -> torch.save file
     python -m autoshard convert full.pt ckpt/step0          # torch.save file -> DCP directory
     python -m autoshard verify ckpt/step100                 # before resuming, or after a copy
@@ -21,8 +26,22 @@ FACTORY is called with no arguments and returns an nn.Module, or (module, exampl
 example_inputs is a tuple of positional arguments or a dict of keyword arguments (the builders
 of tests/hf_models.py return that). With --input-shape (repeat it for several positional inputs)
 the inputs are zeros of those shapes and --dtype(s); with neither, a batch of --tokens positions
-is synthesised. Exit status: 0 on success, 1 when planning fails (verify: when the checkpoint has a
-problem), 2 on bad arguments.
+is synthesised.
+
+--pp N (default 1: no pipeline) plans N pipeline stages of pp x tp (tp = --world-size) ranks, no
+process group needed. The example batch (dim 0 of the first batched input) is cut into
+--microbatches M equal microbatches, so it must be a multiple of M (exit status 2 otherwise); M
+defaults to N, or to the largest divisor of the batch below N when N does not divide it. A
+synthesised input (neither --input-shape nor a factory's example) holds M sequences of --tokens
+positions. --schedule is GPipe, 1F1B (default) or Interleaved1F1B; --stages-per-rank K (default 1,
+2 with Interleaved1F1B) gives a rank K stages, N x K in all; --split 3,3,2 pins the blocks per stage
+(default: balanced by predicted time). The tensor-parallel report is then that of one microbatch
+(what every stage runs), followed by the pipeline plan: per stage its blocks, predicted forward and
+backward times, peak memory and the bytes it sends, then the step time and bubble; --json adds a
+"pipeline" object with the same (stages as lists of block names).
+
+Exit status: 0 on success, 1 when planning fails (verify: when the checkpoint has a problem), 2 on
+bad arguments.
 """
 from __future__ import annotations
 
@@ -75,6 +94,16 @@ def _pin(text: str) -> tuple:
     return name, value
 
 
+def _split(text: str) -> list:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(c < 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"--split wants blocks per stage like 3,3,2; got {text!r}")
+    return counts
+
+
 def _weight(s: str):
     """--memory-weight: seconds per byte, or 'none' (no price)."""
     return "none" if s.lower() == "none" else float(s)
@@ -116,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "--memory-budget needs it)")
     pp.add_argument("--optimizer", help="optimizer whose state the memory counts: adamw (default), adam, sgd, "
                     "sgd_momentum, adagrad, rmsprop, or a number of moments per parameter")
+    pp.add_argument("--pp", type=int, default=1, metavar="N",
+                    help="pipeline stages: cut the model's blocks into N stages of --world-size tensor-parallel "
+                         "ranks each and print the pipeline plan too (default 1: no pipeline)")
+    pp.add_argument("--microbatches", type=int, metavar="M",
+                    help="--pp: microbatches a step's batch is cut into; the batch must be a multiple "
+                         "(default: N, or the largest divisor of the batch below N)")
+    pp.add_argument("--schedule", choices=("GPipe", "1F1B", "Interleaved1F1B"),
+                    help="--pp: pipeline schedule (default 1F1B)")
+    pp.add_argument("--stages-per-rank", type=int, metavar="K",
+                    help="--pp: stages a pipeline rank holds, N x K in all (default 1; 2 with Interleaved1F1B)")
+    pp.add_argument("--split", type=_split, metavar="B0,B1,...",
+                    help="--pp: blocks per stage, e.g. 3,3,2 (default: balance the stages' predicted time)")
     pp.add_argument("--json", action="store_true", help="print a JSON summary instead of the report")
     pp.add_argument("--export", choices=("dtensor", "hf"),
                     help="print the plan as another engine's plan instead of the report: dtensor (Python for "
@@ -224,10 +265,83 @@ def summary(plan) -> dict:
     }
 
 
+def pipeline_options(args) -> dict | None:
+    """--pp and its options, checked: {pp, schedule, stages_per_rank, split}, or None without a
+    pipeline (--pp 1)."""
+    if args.pp < 1:
+        raise CliError(f"--pp must be >= 1, got {args.pp}")
+    given = [flag for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule),
+                                      ("--stages-per-rank", args.stages_per_rank), ("--split", args.split))
+             if value is not None]
+    if args.pp == 1:
+        if given:
+            raise CliError(f"{', '.join(given)} {'is a pipeline option' if len(given) == 1 else 'are pipeline options'}"
+                           f": give --pp 2 or more with {'it' if len(given) == 1 else 'them'}")
+        return None
+    if args.export:
+        raise CliError("--export writes a tensor-parallel plan for another engine; it does not take --pp")
+    if args.microbatches is not None and args.microbatches < 1:
+        raise CliError(f"--microbatches must be >= 1, got {args.microbatches}")
+    schedule = args.schedule or "1F1B"
+    interleaved = schedule == "Interleaved1F1B"
+    k = args.stages_per_rank if args.stages_per_rank is not None else (2 if interleaved else 1)
+    if interleaved and k < 2:
+        raise CliError(f"--schedule {schedule} runs several stages a rank: give --stages-per-rank 2 or more")
+    if not interleaved and k != 1:
+        raise CliError(f"--schedule {schedule} runs one stage a rank; for --stages-per-rank {k} use "
+                       "--schedule Interleaved1F1B")
+    return {"pp": args.pp, "schedule": schedule, "stages_per_rank": k, "split": args.split}
+
+
+def pipeline_example(model, example, source: str | None, args) -> tuple:
+    """(example, microbatches) for --pp: the example whose batch splits into the microbatches
+    (--microbatches, or the largest divisor of the batch up to --pp). `source` None: the example
+    is synthesised (one sequence of --tokens positions), and repeated to one a microbatch."""
+    import torch
+    from torch.utils import _pytree as pytree
+    from .pipe import _batch_of
+    if source is None:
+        if example is None:
+            from .capture.trace import synthesize_inputs
+            example = synthesize_inputs(model, args.tokens)
+        m = args.microbatches or args.pp
+
+        def repeat(x):
+            return x.expand(m, *x.shape[1:]).contiguous() \
+                if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == 1 else x
+        return pytree.tree_map(repeat, example), m
+    _, _, batch = _batch_of(example)
+    m = args.microbatches
+    if m is None:
+        m = max(d for d in range(1, min(args.pp, batch) + 1) if batch % d == 0) if batch else args.pp
+        if m < args.pp:
+            print(f"autoshard: {m} microbatch{'es' if m > 1 else ''}: the largest count up to --pp {args.pp} that "
+                  f"divides the batch of {batch} ({source}); a larger batch fills the pipeline better",
+                  file=sys.stderr)
+    if batch % m or batch == 0:
+        raise CliError(f"--microbatches {m}: the example's batch of {batch} ({source}) does not split into {m} "
+                       f"equal microbatches; give a batch that is a multiple of {m}, or other --microbatches")
+    return example, m
+
+
+def pipeline_summary(pplan) -> dict:
+    """The "pipeline" object of --json with --pp: the stages' blocks and the predicted costs."""
+    return {
+        "pp": pplan.pp, "tp": pplan.tp, "dp": pplan.dp, "schedule": pplan.schedule,
+        "microbatches": pplan.microbatches, "stages_per_rank": pplan.stages_per_rank,
+        "stages": [list(names) for names in pplan.stages],
+        "forward": list(pplan.forward), "backward": list(pplan.backward),
+        "memory": [int(b) for b in pplan.memory], "sent_bytes": [int(b) for b in pplan.sent_bytes],
+        "step_time": pplan.step_time, "bubble": pplan.bubble, "idle": list(pplan.idle), "balance": pplan.balance,
+        "seconds": pplan.seconds,
+    }
+
+
 def cmd_plan(args) -> int:
     import autoshard
     if args.world_size < 1:
         raise CliError(f"--world-size must be >= 1, got {args.world_size}")
+    piped = pipeline_options(args)
     if (args.target is None) == (args.from_pretrained is None):
         raise CliError("give either MODULE:FACTORY or --from-pretrained DIR")
     if args.from_pretrained is not None:
@@ -238,13 +352,16 @@ def cmd_plan(args) -> int:
         except (LoadError, ImportError, OSError, ValueError) as e:
             raise CliError(f"--from-pretrained {args.from_pretrained}: {e}") from e
         example = example_ids(model, args.tokens)
+        source = None                       # synthesised
         if args.tracer == "auto":
             args.tracer = "export"
     else:
         model, example = build_model(args.target)
+        source = None if example is None else f"the example of {args.target}"
     inputs = make_inputs(args.input_shape, args.dtype)
     if inputs is not None:
         example = inputs
+        source = "--input-shape " + " --input-shape ".join(",".join(map(str, s)) for s in args.input_shape)
     if args.draw:                           # before planning, which can take a while
         from .views.draw import FORMATS
         if os.path.splitext(args.draw)[1].lower() not in FORMATS:
@@ -257,9 +374,17 @@ def cmd_plan(args) -> int:
         knobs["optimizer"] = int(knobs["optimizer"])
     pins = dict(args.pin)
     sequence = {"auto": None, "on": True, "off": False}[args.sequence_parallel]
-    plan = autoshard.plan(model, args.world_size, example, pin=pins or None, search=args.search,
-                          tracer=args.tracer, tokens=args.tokens, outputs=args.outputs,
-                          sequence_parallel=sequence, **knobs)
+    options = dict(pin=pins or None, search=args.search, tracer=args.tracer, tokens=args.tokens,
+                   outputs=args.outputs, sequence_parallel=sequence, **knobs)
+    pplan = None
+    if piped:
+        from .pipe import _batch_of, _call_example, _microbatch
+        example, microbatches = pipeline_example(model, example, source, args)
+        pplan = autoshard.plan_pipeline(model, example, tp=args.world_size, microbatches=microbatches, **piped,
+                                        **options)
+        positional, keywords, batch = _batch_of(example)     # the report: the plan of one microbatch
+        example = _call_example(*_microbatch(positional, keywords, batch, microbatches))
+    plan = autoshard.plan(model, args.world_size, example, **options)
     if args.export:
         exported = plan.export(args.export, **({"model": model, "loss_parallel": args.loss_parallel}
                                                if args.export == "dtensor" else
@@ -267,13 +392,22 @@ def cmd_plan(args) -> int:
         print(exported.python())
         print(exported, file=sys.stderr)
     elif args.json:
-        print(json.dumps(summary(plan), indent=1))
+        out = summary(plan)
+        if pplan is not None:
+            out["pipeline"] = pipeline_summary(pplan)
+        print(json.dumps(out, indent=1))
     else:
+        if pplan is not None:
+            print(f"tensor-parallel plan of one microbatch ({batch // microbatches} of the batch's {batch}), "
+                  f"as every pipeline stage runs its part of it:\n")
         print(plan)
         print(f"\nmemory per rank of a training step at world size {plan.world_size} (bytes, "
-              f"optimizer {plan.cost_model.optimizer}):")
+              f"optimizer {plan.cost_model.optimizer}{'; the whole model at one microbatch' if pplan else ''}):")
         for k, v in plan.memory.items():
             print(f"  {k:<11} {v:>16,d}  ({v / 2 ** 30:.2f} GiB)")
+        if pplan is not None:
+            print()
+            print(pplan)
     if args.draw:
         try:
             plan.draw(args.draw)
@@ -337,5 +471,6 @@ def main(argv=None) -> int:
     except CliError as e:
         parser.exit(2, f"autoshard: error: {e}\n")
     except (AutoshardError, ValueError, TypeError) as e:
-        parser.exit(1, f"autoshard: planning {args.target or args.from_pretrained} at world size {args.world_size} failed: "
+        at = f"pp {args.pp} x tp {args.world_size}" if args.pp > 1 else f"world size {args.world_size}"
+        parser.exit(1, f"autoshard: planning {args.target or args.from_pretrained} at {at} failed: "
                        f"{type(e).__name__}: {e}\n")

@@ -240,6 +240,7 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
         eflags = _loss_leaves(eplan)
         ecut = cut(gm, served.holder.graph, stage_of, stages, loss_only=False, is_loss=lambda i: eflags[i])
         pipe._loss_index = next((i for i, f in enumerate(eflags) if f), 0)
+        pipe._eval_outputs = ecut.output_leaves
         out = [Stage(s, ecut.modules[s]) for s in mine]
         for st in out:
             st.eval()
@@ -257,9 +258,8 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
     pipe._autoshard_plan = tp_plan
     pipe.__dict__["_autoshard_blocks"] = {n: b for n, b in B.blocks_of(gm).items() if stage_of[n] in mine}
     pipe.__dict__["_autoshard_sent"] = train_cut.sent
-    seed = rng.initial_seed()
-    if seed is not None:
-        rng.manual_seed(seed + PP_SEED_OFFSET * me, rank=torch.distributed.get_rank(tp_mesh.get_group()))
+    pipe.__dict__["_autoshard_pp_group"] = dims["pp"].get_group()        # checkpoints: the groups of every stage
+    rng.offset_stage(PP_SEED_OFFSET * me)
     pipe.train(model.training)
     pipe.plan = pplan.__class__(**{**pplan.__dict__, "seconds": time.perf_counter() - start})
     return pipe

@@ -71,18 +71,35 @@ def _mesh(world, pp, tp, dp=1):
     return init_device_mesh("cpu", tuple(dims), mesh_dim_names=tuple(names))
 
 
-def _train_matches(rank, world, name, pp, tp, schedule, spr, microbatches, tracer="auto"):
-    """Train the pipeline and the unsharded model side by side; compare on this rank's stages."""
-    model, example = (_gpt(blocks=8 if name == "gpt8" else 4), _gpt_batch()) if name.startswith("gpt") \
-        and not name.startswith("gpt2") else _hf(name)
+def _model(name):
+    if name in ("gpt", "gpt8"):
+        return _gpt(blocks=8 if name == "gpt8" else 4), _gpt_batch()
+    return _hf(name)
+
+
+def _part(example, r, n):
+    """Data-parallel rank r's rows of the batch."""
+    def rows(x):
+        return x.chunk(n)[r] if isinstance(x, torch.Tensor) else x
+    return {k: rows(v) for k, v in example.items()} if isinstance(example, dict) else tuple(rows(x) for x in example)
+
+
+def _train_matches(rank, world, name, pp, tp, schedule, spr, microbatches, tracer="auto", dp=1):
+    """Train the pipeline and the unsharded model (on the whole batch) side by side; compare on
+    this rank's stages."""
+    model, example = _model(name)
     ref = copy.deepcopy(model)
-    mesh = _mesh(world, pp, tp)
-    pipe = autoshard.pipeline(model, example, mesh=mesh, microbatches=microbatches, schedule=schedule,
+    mesh = _mesh(world, pp, tp, dp)
+    mine = _part(example, mesh["dp"].get_local_rank(), dp) if dp > 1 else example
+    pipe = autoshard.pipeline(model, mine, mesh=mesh, microbatches=microbatches, schedule=schedule,
                               stages_per_rank=spr, tracer=tracer)
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     ropt = torch.optim.SGD(ref.parameters(), lr=LR)
     for step in range(STEPS):
-        loss = _call(pipe, example)
+        loss = _call(pipe, mine)
+        if dp > 1:                              # the batch's loss: the mean of the data-parallel ranks'
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            loss = loss / dp
         want = _loss(ref, example)
         want.backward()
         close_to_scale(loss, want, f"{name} step {step} loss")
@@ -129,6 +146,13 @@ def test_hf_pp2(dist2, name):
     _covers_model(out, _hf(name)[0].state_dict())
 
 
+def test_llama_pp2_dp2(dist4):
+    """Data parallelism beside the pipeline: each data-parallel rank runs half the batch, the
+    gradients are averaged over "dp" after the schedule."""
+    out = dist4.run(_train_matches, "llama", 2, 1, "1F1B", 1, 2, "export", 2, timeout=500)
+    _covers_model(out, _hf("llama")[0].state_dict())
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_hf_pp2_tp2(dist4, name):
     out = dist4.run(_train_matches, name, 2, 2, "1F1B", 1, 2, "export", timeout=500)
@@ -170,3 +194,99 @@ def test_errors_by_name(dist2):
     assert "4 stages (pp 2 x 2 a rank)" in dist2.run(_refused, "stages")[0]
     assert "has 2 blocks" in dist2.run(_refused, "stages")[0]
     assert "a batch of 6 does not split into 4 equal microbatches" in dist2.run(_refused, "example")[0]
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def _checkpoint_moves(rank, world, path):
+    """Save at pp 2 x tp 2, load at pp 1 x tp 4 and in one process: every tensor and moment bit-exact."""
+    from autoshard.checkpoint import dcp_to_torch_save, get_state_dict, load, save, set_state_dict
+    model, example = _hf("gpt2")
+    fresh = copy.deepcopy(model)
+    for p in fresh.parameters():                 # other values than the saved ones
+        torch.nn.init.normal_(p, std=0.5)
+    pipe = autoshard.pipeline(model, example, mesh=_mesh(world, 2, 2), microbatches=2, tracer="export")
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    pipe.step(**example)
+    opt.step()
+    msd, osd = get_state_dict(pipe, opt)
+    save({"model": msd, "optim": osd}, path)
+    named = dict(pipe.named_parameters())
+    saved = autoshard.collect_state_dict(pipe, pipe.state_dict())
+    moments = autoshard.collect_state_dict(pipe, {n: opt.state[p]["exp_avg"] for n, p in named.items()})
+    every = [None] * world
+    dist.all_gather_object(every, (saved, moments))
+    saved = {k: v for s, _ in every for k, v in s.items()}
+    moments = {k: v for _, m in every for k, v in m.items()}
+    gm = autoshard.parallelize(fresh, 4, example, tracer="export")
+    opt4 = torch.optim.AdamW(gm.parameters(), lr=1e-2)
+    msd4, osd4 = get_state_dict(gm, opt4)
+    load({"model": msd4, "optim": osd4}, path)
+    set_state_dict(gm, opt4, model_state_dict=msd4, optim_state_dict=osd4)
+    full = autoshard.collect_state_dict(gm, gm.state_dict())
+    assert set(full) == set(saved), sorted(set(full) ^ set(saved))
+    for k, v in full.items():
+        assert torch.equal(v, saved[k]), k
+    got = autoshard.collect_state_dict(gm, {n: opt4.state[p]["exp_avg"] for n, p in gm.named_parameters()})
+    for k, v in got.items():
+        assert torch.equal(v, moments[k]), k
+    if rank == 0:                                # one process: the checkpoint as full tensors
+        dcp_to_torch_save(path, path + ".pt")
+        one = torch.load(path + ".pt", weights_only=True)["model"]
+        for k, v in saved.items():
+            assert torch.equal(one[k], v), k
+    return len(full)
+
+
+def test_checkpoint_pp2_tp2_to_tp4_and_one_process(dist4, tmp_path):
+    out = dist4.run(_checkpoint_moves, os.path.join(str(tmp_path), "ckpt"), timeout=500)
+    assert out[0] == len(_hf("gpt2")[0].state_dict())
+
+
+# ----------------------------------------------------------------------------- evaluation, dropout
+
+def _evaluates(rank, world):
+    model, example = _hf("llama")
+    ref = copy.deepcopy(model).eval()
+    pipe = autoshard.pipeline(model, example, mesh=_mesh(world, 2, 1), microbatches=4, tracer="export")
+    pipe.eval()
+    loss, outputs = pipe(**example)
+    want = ref(**example)
+    close_to_scale(loss, want.loss, "evaluation loss")
+    assert loss.requires_grad is False
+    if outputs is not None:                       # the last stage's rank: every output, microbatches joined
+        close_to_scale(outputs[1], want.logits, "evaluation logits")
+    again = pipe.step(**example)                  # eval mode: step is forward only
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe.train()
+    trained = pipe.step(**example)
+    close_to_scale(again, want.loss, "eval step")
+    return outputs is not None, float(trained)
+
+
+def test_eval_forward_only(dist2):
+    out = dist2.run(_evaluates, timeout=300)
+    assert [o[0] for o in out] == [False, True]
+    assert out[0][1] == out[1][1]
+
+
+def _dropout_runs(rank, world, seed):
+    model, example = _gpt(dropout=0.2), _gpt_batch()
+    autoshard.manual_seed(seed)
+    pipe = autoshard.pipeline(model, example, mesh=_mesh(world, 2, 2), microbatches=4)
+    losses = [float(pipe.step(*example)) for _ in range(2)]
+    pipe.eval()
+    off = float(pipe.step(*example))
+    return losses, off
+
+
+def test_dropout_on(dist4):
+    """Dropout runs in every stage, from streams seeded per stage (Megatron's seed + 100 x pp rank):
+    the same seed gives the same losses, another seed others, and eval mode none."""
+    a = dist4.run(_dropout_runs, 5, timeout=300)
+    b = dist4.run(_dropout_runs, 5, timeout=300)
+    c = dist4.run(_dropout_runs, 6, timeout=300)
+    assert a == b
+    assert len({str(x) for x in a}) == 1                    # every rank reports the batch's loss
+    assert a[0][0] != c[0][0]
+    assert a[0][1] == c[0][1] and a[0][1] not in a[0][0]

@@ -84,6 +84,7 @@ class Pipeline(nn.Module):
         self._build_eval = build_eval
         self._device = torch.device(device)
         self._runners = {}                           # training mode -> (schedule, [PipelineStage])
+        self._eval_outputs = 1                       # outputs of the evaluation graph's last stage
         self._last_outputs = None
 
     # ------------------------------------------------------------------ what this rank holds
@@ -104,7 +105,7 @@ class Pipeline(nn.Module):
         if training in self._runners:
             return self._runners[training]
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+        from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
         stages = self._stage_modules if training else self._build_eval()
         cls, multi = schedule_class(self.schedule_name)
         pipes = [PipelineStage(s, s.index, self.num_stages, self._device, group=self._pp) for s in stages]
@@ -115,7 +116,13 @@ class Pipeline(nn.Module):
             return output
         # evaluation: forward only (no loss_fn: the schedule plans no backward); the loss is read
         # from the last stage's outputs
-        kw = dict(loss_fn=loss_fn if training else None, kwargs_chunk_spec=spec, scale_grads=False)
+        # the merged outputs are not used (the last stage's chunks are read as they are): each
+        # output merged as its first chunk, so that merging a scalar loss does not fail
+        leaves = 1 if training else self._eval_outputs
+        keep = _CustomReducer(None, lambda kept, x: x if kept is None else kept)
+        merge = keep if training else tuple(keep for _ in range(leaves))
+        kw = dict(loss_fn=loss_fn if training else None, kwargs_chunk_spec=spec, output_merge_spec=merge,
+                  scale_grads=False)
         schedule = cls(pipes if multi else pipes[0], self.microbatches, **kw)
         self._runners[training] = (schedule, pipes, stages, spec, _Replicate)
         return self._runners[training]
@@ -140,20 +147,23 @@ class Pipeline(nn.Module):
         schedule, pipes, stages, spec, replicate = self._runner(self.training)
         tensors = {n: v for n, v in flat.items() if isinstance(v, torch.Tensor)}
         schedule._kwargs_chunk_spec = {n: spec.get(n, replicate()) for n in tensors}
-        target = torch.zeros(batch, device=self._device) if backward else None
+        target = torch.zeros(batch, device=self._device) if self.training else None
         losses: list = []
         for s in stages:
             s.train(self.training)
         last = next((p for p in pipes if p.is_last), None)
+        self._last_outputs = None
         if backward:
             schedule.step(target=target, losses=losses, return_outputs=False, **tensors)
-            self._last_outputs = None
+        elif self.training:                          # forward only through the training graphs: the loss
+            with torch.no_grad():
+                schedule.eval(target=target, losses=losses, **tensors)
         else:
             with torch.no_grad():
-                schedule.step(return_outputs=False, **tensors)
-            self._last_outputs = list(last.output_chunks) if last is not None else None
+                schedule.step(**tensors)
             if last is not None:
-                losses = [c if isinstance(c, torch.Tensor) else c[self._loss_index] for c in self._last_outputs]
+                self._last_outputs = list(last.output_chunks)
+                losses = [c[self._loss_index] for c in self._last_outputs]
         if backward:
             self._finish_gradients()
         return self._share_loss(losses)

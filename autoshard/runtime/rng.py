@@ -24,7 +24,7 @@ from .groups import device_of, get_rank, is_initialized
 SHARDED_OFFSET = 2718            # Megatron's offset of the tensor-parallel stream
 STREAMS = ("replicated", "sharded")
 
-_STATE: dict = {"seed": None, "rank": 0}
+_STATE: dict = {"seed": None, "rank": 0, "stage": 0}
 _GENERATORS: dict = {}            # (stream, device) -> torch.Generator
 
 
@@ -40,7 +40,15 @@ def manual_seed(seed: int, rank: int | None = None) -> None:
 
 def reset() -> None:
     """Forget the seed and the streams (the next `parallelize` synchronises a new seed)."""
-    _STATE.update(seed=None, rank=0)
+    _STATE.update(seed=None, rank=0, stage=0)
+    _GENERATORS.clear()
+
+
+def offset_stage(offset: int) -> None:
+    """Draw this process's streams at `seed + offset` (a pipeline rank's: Megatron's seed + 100 x
+    pipeline rank, so that stages draw different masks), the seed itself unchanged: the ranks of a
+    tensor-parallel group still agree on it, and `manual_seed` keeps the offset."""
+    _STATE["stage"] = int(offset)
     _GENERATORS.clear()
 
 
@@ -89,7 +97,7 @@ def generator(stream: str, device) -> torch.Generator:
     if g is None:
         if _STATE["seed"] is None:
             ensure_seeded(_tp_rank())
-        seed = _STATE["seed"] + (SHARDED_OFFSET + _STATE["rank"] if stream == "sharded" else 0)
+        seed = _STATE["seed"] + _STATE["stage"] + (SHARDED_OFFSET + _STATE["rank"] if stream == "sharded" else 0)
         g = _GENERATORS[key] = torch.Generator(device=device).manual_seed(seed)
     return g
 
@@ -113,13 +121,14 @@ def fork(stream: str, device):
 
 def get_rng_state() -> dict:
     """The streams' seed and states (for a checkpoint): {"seed", "rank", (stream, device): state}."""
-    return {"seed": _STATE["seed"], "rank": _STATE["rank"],
+    return {"seed": _STATE["seed"], "rank": _STATE["rank"], "stage": _STATE["stage"],
             "states": {f"{s}@{d}": g.get_state() for (s, d), g in _GENERATORS.items()}}
 
 
 def set_rng_state(state: dict) -> None:
     """Restore what `get_rng_state` returned."""
     manual_seed(state["seed"], state["rank"])
+    _STATE["stage"] = state.get("stage", 0)
     for key, st in state["states"].items():
         s, _, d = key.partition("@")
         generator(s, d).set_state(st)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.distributed as dist
 
 from ...errors import CheckpointError
 from ...runtime.pieces import boxes, fill_boxes
@@ -86,7 +87,23 @@ def get_state_dict(gm, optimizer=None):
     names = {id(p): name for name, p in entries}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
-    return msd, {"state": state, "param_groups": groups}
+    return msd, {"state": state, "param_groups": _whole_groups(gm, groups)}
+
+
+def _whole_groups(gm, groups: list) -> list:
+    """A pipeline rank's parameter groups name its stages' parameters only; every rank saves the
+    groups under the same keys, so each group lists the names of every pipeline rank's (merged
+    over the "pp" group, in stage order), as one process's optimizer would."""
+    pg = gm.__dict__.get("_autoshard_pp_group")
+    if pg is None or dist.get_world_size(pg) == 1:
+        return groups
+    every = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(every, [g["params"] for g in groups], group=pg)
+    if len({len(x) for x in every}) > 1:
+        raise CheckpointError(f"the pipeline ranks' optimizers have {[len(x) for x in every]} parameter groups: "
+                              "build the optimizer alike on every rank")
+    merged = [list(dict.fromkeys(n for rank in every for n in rank[i])) for i in range(len(groups))]
+    return [{**g, "params": names} for g, names in zip(groups, merged)]
 
 
 def _expected_model(gm, lay) -> dict:
@@ -179,8 +196,9 @@ def _check_groups(optimizer, osd, names) -> list:
     out = []
     for i, (group, saved) in enumerate(zip(optimizer.param_groups, groups)):
         mine = list(itertools.islice(it, len(group["params"])))
-        if list(saved.get("params", [])) != mine:
-            out.append(f"parameter group {i} holds {list(saved.get('params', []))}, the optimizer's {mine}")
+        given = list(saved.get("params", []))
+        if sorted(given) != sorted(mine) and not set(mine) <= set(given):    # a pipeline rank holds a part
+            out.append(f"parameter group {i} holds {given}, the optimizer's {mine}")
     return out
 
 

@@ -35,15 +35,17 @@ def _flat(state_dict) -> dict:
     return flatten_state_dict(state_dict)[0]
 
 
-def check_checkpoint(state_dict, metadata) -> None:
+def check_checkpoint(state_dict, metadata, asked=None) -> None:
     """Refuse `metadata` (a DCP checkpoint's) for `state_dict`: keys the state dict asks for that the
     checkpoint lacks, keys the checkpoint has under the state dict's top-level names that nobody
-    asks for, and tensors whose global shapes differ. Raises CheckpointError naming all of them."""
+    asks for (`asked`: the keys every rank asks for, where ranks hold different parts: pipeline
+    stages), and tensors whose global shapes differ. Raises CheckpointError naming all of them."""
     flat = _flat(state_dict)
     saved = metadata.state_dict_metadata
-    tops = {k.split(".", 1)[0] for k in flat}
+    asked = set(flat) if asked is None else set(asked)
+    tops = {k.split(".", 1)[0] for k in asked}
     missing = sorted(k for k in flat if k not in saved)
-    extra = sorted(k for k in saved if k not in flat and k.split(".", 1)[0] in tops)
+    extra = sorted(k for k in saved if k not in asked and k.split(".", 1)[0] in tops)
     shapes = []
     for key, value in flat.items():
         md = saved.get(key)
@@ -175,13 +177,23 @@ def load(state_dict, checkpoint_id, *, process_group=None) -> None:
     checkpoint without `.checksums` loads unchecked, with a one-line note."""
     path = os.fspath(checkpoint_id)
     metadata = _read_metadata(path)
-    check_checkpoint(state_dict, metadata)
+    check_checkpoint(state_dict, metadata, _asked_by_all(state_dict, process_group))
     try:
         with quiet_single_process():
             dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=DefaultLoadPlanner(),  # checked above
                      process_group=process_group, no_dist=not dist.is_initialized())
     except CheckpointException as e:
         raise CheckpointError(f"loading {path} failed: {_failures(e)}") from e
+
+
+def _asked_by_all(state_dict, pg):
+    """The keys every rank of `pg` asks for (ranks of a pipeline hold different stages); one
+    exchange of the key lists."""
+    if not dist.is_initialized() or dist.get_world_size(pg) == 1:
+        return None
+    every = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(every, sorted(_flat(state_dict)), group=pg)
+    return set().union(*every)
 
 
 # ----------------------------------------------------------------------------- conversion
