@@ -153,6 +153,44 @@ class Plan:
         return draw(self, path, **options)
 
 
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Which blocks each stage holds and what a step is predicted to cost."""
+
+    schedule: str
+    pp: int
+    tp: int
+    dp: int
+    microbatches: int
+    stages_per_rank: int
+    stages: tuple                 # per stage: tuple of block names
+    forward: tuple                # per stage: predicted seconds of one microbatch's forward
+    backward: tuple               # per stage: ... backward
+    memory: tuple                 # per stage: predicted peak bytes of the rank for that stage's share
+    sent_bytes: tuple             # per boundary: bytes one microbatch sends forward (and its gradient back)
+    step_time: float              # predicted seconds of a step (the schedule's makespan)
+    bubble: float                 # predicted idle fraction, mean over ranks
+    idle: tuple                   # predicted idle fraction per rank
+    seconds: float = 0.0          # planning time
+
+    @property
+    def stage_times(self) -> tuple:
+        return tuple(f + b for f, b in zip(self.forward, self.backward))
+
+    @property
+    def balance(self) -> float:
+        """The slowest stage's time over the mean."""
+        times = self.stage_times
+        return max(times) / (sum(times) / len(times))
+
+    def report(self) -> str:
+        from ..views.stages import format_pipeline
+        return format_pipeline(self)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
 class Lazy:
     """A value made by `make()` on the first call, which then drops `make` (and what it holds)."""
 
