@@ -84,7 +84,12 @@ def _part(example, r, n):
     return {k: rows(v) for k, v in example.items()} if isinstance(example, dict) else tuple(rows(x) for x in example)
 
 
-def _train_matches(rank, world, name, pp, tp, schedule, spr, microbatches, tracer="auto", dp=1):
+def _whole(t):
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train_matches(rank, world, name, pp, tp, schedule, spr, microbatches, tracer="auto", dp=1, fsdp=False):
     """Train the pipeline and the unsharded model (on the whole batch) side by side; compare on
     this rank's stages."""
     model, example = _model(name)
@@ -93,6 +98,10 @@ def _train_matches(rank, world, name, pp, tp, schedule, spr, microbatches, trace
     mine = _part(example, mesh["dp"].get_local_rank(), dp) if dp > 1 else example
     pipe = autoshard.pipeline(model, mine, mesh=mesh, microbatches=microbatches, schedule=schedule,
                               stages_per_rank=spr, tracer=tracer)
+    if fsdp:                                    # FSDP2 over "dp" per block; the rest averaged by the pipeline
+        from torch.distributed.fsdp import fully_shard
+        for block in autoshard.blocks_of(pipe).values():
+            fully_shard(block, mesh=mesh["dp"])
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     ropt = torch.optim.SGD(ref.parameters(), lr=LR)
     for step in range(STEPS):
@@ -104,7 +113,7 @@ def _train_matches(rank, world, name, pp, tp, schedule, spr, microbatches, trace
         want.backward()
         close_to_scale(loss, want, f"{name} step {step} loss")
         if step == 0:                          # every gradient this rank holds, whole, against the reference
-            held = {n: p.grad for n, p in pipe.named_parameters()}
+            held = {n: None if p.grad is None else _whole(p.grad) for n, p in pipe.named_parameters()}
             assert all(g is not None for g in held.values()), [n for n, g in held.items() if g is None]
             grads = autoshard.collect_state_dict(pipe, held)
             rgrads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
@@ -114,7 +123,7 @@ def _train_matches(rank, world, name, pp, tp, schedule, spr, microbatches, trace
         ropt.step()
         opt.zero_grad()
         ropt.zero_grad()
-    full = autoshard.collect_state_dict(pipe, pipe.state_dict())
+    full = autoshard.collect_state_dict(pipe, {k: _whole(v) for k, v in pipe.state_dict().items()})
     want = ref.state_dict()
     for k, v in full.items():
         torch.testing.assert_close(v, want[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {k} after: {m}")
@@ -150,6 +159,21 @@ def test_llama_pp2_dp2(dist4):
     """Data parallelism beside the pipeline: each data-parallel rank runs half the batch, the
     gradients are averaged over "dp" after the schedule."""
     out = dist4.run(_train_matches, "llama", 2, 1, "1F1B", 1, 2, "export", 2, timeout=500)
+    _covers_model(out, _hf("llama")[0].state_dict())
+
+
+@pytest.fixture(scope="module")
+def dist8():
+    from launcher import RankPool
+    pool = RankPool(8)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.slow
+def test_llama_pp2_dp2_tp2_fsdp2(dist8):
+    """8 ranks: pipeline x FSDP2 (per block, over "dp") x tensor parallel."""
+    out = dist8.run(_train_matches, "llama", 2, 2, "1F1B", 1, 2, "export", 2, True, timeout=900)
     _covers_model(out, _hf("llama")[0].state_dict())
 
 
