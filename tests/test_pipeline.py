@@ -143,8 +143,9 @@ def test_gpt_tied_pp2(dist2, schedule):
     assert "wte.weight" in out[0][0] and "wte.weight" in out[1][0]      # the tied weight on both ends
 
 
-def test_gpt_interleaved_four_stages_on_two_ranks(dist2):
-    out = dist2.run(_train_matches, "gpt", 2, 1, "Interleaved1F1B", 2, 4, timeout=300)
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble"])
+def test_gpt_interleaved_four_stages_on_two_ranks(dist2, schedule):
+    out = dist2.run(_train_matches, "gpt", 2, 1, schedule, 2, 4, timeout=300)
     _covers_model(out, _gpt().state_dict())
     assert out[0][1] == [1, 1, 1, 1]
 

@@ -311,3 +311,20 @@ def test_interleaved_one_stage_per_rank_warms_up_longer_than_1f1b():
     inter, plain = S.orders("Interleaved1F1B", 4, 8, 1), S.orders("1F1B", 4, 8)
     assert [warmup(o) for o in inter] == [7, 5, 3, 1]
     assert [warmup(o) for o in plain] == [4, 3, 2, 1]
+
+
+def test_zero_bubble_splits_backward_and_shrinks_the_bubble():
+    """torch's ScheduleInterleavedZeroBubble: each backward split into the input's gradient (I),
+    which the previous stage waits for, and the weights' (W), which fills the bubble."""
+    ops = S.orders("InterleavedZeroBubble", 2, 4, 2)
+    kinds = {k for rank in ops for k, _, _ in rank}
+    assert kinds == {"F", "I", "W"}
+    for rank in ops:
+        for k, s, m in rank:
+            if k == "W":
+                assert rank.index(("I", s, m)) < rank.index(("W", s, m))
+    fwd, bwd = (1.0,) * 4, (2.0,) * 4
+    zb = S.simulate("InterleavedZeroBubble", 2, 4, fwd, bwd, stages_per_rank=2)
+    one = S.simulate("Interleaved1F1B", 2, 4, fwd, bwd, stages_per_rank=2)
+    assert zb.busy == one.busy == (24.0, 24.0)
+    assert zb.makespan < one.makespan

@@ -22,11 +22,12 @@ from functools import lru_cache
 from typing import Sequence
 
 from ..errors import ShardingError
+from ..runtime.pipeline import SCHEDULES
 
 __all__ = ["SCHEDULES", "Timeline", "balance", "check_schedule", "check_split", "ideal_bubble",
            "orders", "simulate"]
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+MULTI = ("Interleaved1F1B", "InterleavedZeroBubble")      # several stages a rank, order from torch
 
 
 def balance(costs: Sequence[float], parts: int, *, first: float = 0.0,
@@ -158,14 +159,14 @@ def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: i
     if pp < 1 or microbatches < 1 or stages_per_rank < 1:
         raise ValueError(f"pipeline: pp={pp}, microbatches={microbatches} and stages_per_rank="
                          f"{stages_per_rank} must all be >= 1")
-    if schedule != "Interleaved1F1B" and stages_per_rank != 1:
+    if schedule not in MULTI and stages_per_rank != 1:
         raise ShardingError(f"pipeline: {schedule} runs one stage per rank, not {stages_per_rank} "
                             f"(Interleaved1F1B runs several)")
     if schedule == "1F1B" and microbatches < pp:
         raise ShardingError(f"pipeline: torch's 1F1B needs at least as many microbatches as "
                             f"stages: {microbatches} microbatches for {pp} stages")
     rounds = max(1, microbatches // pp)
-    if schedule == "Interleaved1F1B" and microbatches % rounds:
+    if schedule in MULTI and microbatches % rounds:
         raise ShardingError(f"pipeline: torch's Interleaved1F1B needs the {microbatches} "
                             f"microbatches to be a multiple of its rounds, max(1, {microbatches} "
                             f"// {pp}) = {rounds}")
@@ -173,8 +174,8 @@ def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: i
 
 def ideal_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
     """Textbook idle fraction (pp-1) / (stages_per_rank*M + pp-1): equal stages, no transfers."""
-    if schedule not in SCHEDULES:
-        raise ShardingError(f"pipeline: unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    if schedule not in SCHEDULES or schedule == "InterleavedZeroBubble":
+        raise ShardingError(f"pipeline: no textbook bubble for schedule {schedule!r}; one of {SCHEDULES[:3]}")
     if schedule != "Interleaved1F1B" and stages_per_rank != 1:
         raise ShardingError(f"pipeline: {schedule} runs one stage per rank, not {stages_per_rank}")
     return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
@@ -198,24 +199,29 @@ def orders(schedule: str, pp: int, microbatches: int,
                     ops.append(("F", r, warm + b))
             out.append(tuple(ops))
         return tuple(out)
-    return _interleaved(pp, m, stages_per_rank)
+    return _interleaved(pp, m, stages_per_rank, schedule)
 
 
 @lru_cache(maxsize=64)
-def _interleaved(pp: int, m: int, v: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+def _interleaved(pp: int, m: int, v: int, schedule: str = "Interleaved1F1B") -> tuple:
+    """Torch's own order ("F", "B"; the zero-bubble schedule's "I" and "W": a backward split into
+    the input's gradient and the weights')."""
     from types import SimpleNamespace
 
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+    import torch.nn as nn
+    from torch.distributed.pipelining import schedules as S
 
+    cls = S.ScheduleInterleaved1F1B if schedule == "Interleaved1F1B" else S.ScheduleInterleavedZeroBubble
     # The constructor reads only these attributes of rank 0's stages; the order covers every rank.
     stages = [SimpleNamespace(num_stages=pp * v, stage_index=k * pp, group_size=pp, group_rank=0,
-                              is_first=k == 0, is_last=k * pp == pp * v - 1) for k in range(v)]
+                              is_first=k == 0, is_last=k * pp == pp * v - 1, submod=nn.Module())
+              for k in range(v)]
     try:
-        order = ScheduleInterleaved1F1B(stages, m).pipeline_order
+        order = cls(stages, m).pipeline_order
     except ValueError as e:
-        raise ShardingError(f"pipeline: Interleaved1F1B at {pp} ranks, {v} stages per rank, {m} "
+        raise ShardingError(f"pipeline: {schedule} at {pp} ranks, {v} stages per rank, {m} "
                             f"microbatches: {e}") from None
-    kinds = {"F", "B"}
+    kinds = {"F", "B", "I", "W"}
     return tuple(tuple((a.computation_type.value, a.stage_index, a.microbatch_index)
                        for a in order[r] if a is not None and a.computation_type.value in kinds)
                  for r in range(pp))
@@ -234,7 +240,7 @@ def simulate(schedule: str, pp: int, microbatches: int, forward: Sequence[float]
     if pp < 1 or microbatches < 1 or stages_per_rank < 1:
         raise ValueError(f"pipeline: pp={pp}, microbatches={microbatches} and stages_per_rank="
                          f"{stages_per_rank} must all be >= 1")
-    if schedule != "Interleaved1F1B" and stages_per_rank != 1:
+    if schedule not in MULTI and stages_per_rank != 1:
         raise ShardingError(f"pipeline: {schedule} runs one stage per rank, not {stages_per_rank} "
                             f"(Interleaved1F1B runs several)")
     n = pp * stages_per_rank
@@ -245,6 +251,7 @@ def simulate(schedule: str, pp: int, microbatches: int, forward: Sequence[float]
     if any(not t >= 0.0 for t in fwd + bwd) or not send >= 0.0:
         raise ValueError("pipeline: stage times and send must be >= 0")
     plan = orders(schedule, pp, microbatches, stages_per_rank)
+    back = "I" if schedule == "InterleavedZeroBubble" else "B"
     done: dict[tuple[str, int, int], float] = {}
     free, busy, pos = [0.0] * pp, [0.0] * pp, [0] * pp
     left = sum(len(ops) for ops in plan)
@@ -255,13 +262,15 @@ def simulate(schedule: str, pp: int, microbatches: int, forward: Sequence[float]
                 kind, s, m = plan[r][pos[r]]
                 if kind == "F":
                     deps = [(("F", s - 1, m), s - 1)] if s > 0 else []
-                else:
-                    deps = [(("F", s, m), s)] + ([(("B", s + 1, m), s + 1)] if s < n - 1 else [])
+                elif kind == "W":                          # the weights' gradient: after the input's
+                    deps = [(("I", s, m), s)]
+                else:                                      # "B", or "I" (the input's gradient)
+                    deps = [(("F", s, m), s)] + ([((back, s + 1, m), s + 1)] if s < n - 1 else [])
                 if any(d not in done for d, _ in deps):
                     break
                 ready = max([done[d] + (send if t % pp != r else 0.0) for d, t in deps],
                             default=0.0)
-                took = fwd[s] if kind == "F" else bwd[s]
+                took = fwd[s] if kind == "F" else bwd[s] if kind == "B" else bwd[s] / 2
                 done[(kind, s, m)] = free[r] = max(free[r], ready) + took
                 busy[r] += took
                 pos[r] += 1
