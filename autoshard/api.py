@@ -119,7 +119,7 @@ def _fingerprint(model: nn.Module) -> tuple:
 def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan: Plan | None = None,
                 group=None, rank: int | None = None, load=None, device=None, progress=None,
                 dropout_masks: str = "independent", blocks="auto", outputs: str | None = None,
-                overlap: bool = False, **plan_options) -> fx.GraphModule:
+                overlap: bool = False, only=None, **plan_options) -> fx.GraphModule:
     """This rank's tensor-parallel GraphModule of `model` (plans first unless `plan` is given).
 
     With a process group (the current tensor-parallel group of autoshard.distributed, or
@@ -150,6 +150,9 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     `.full_tensor()` gathers it), whole ones (the loss) as plain tensors. Every call signature
     of the module follows it. A module built with `rank=` and no process group can be
     inspected but not run: its DTensors need the group.
+
+    `only(name)`: with a model on meta or `load=`, fill only the tensors it keeps (a pipeline
+    rank's stages: autoshard.pipeline); the others stay on meta and cannot run.
 
     `overlap=True`: each column-parallel layer (the linear layers reading one copy of their input)
     runs as one autograd function whose backward all-reduces the input gradient while it computes
@@ -215,7 +218,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
         gm = rewrite(plan, rank, key, model, dropout_masks, overlap)
     if load is not None or device is not None or has_meta(model):
         loading.materialize(gm, model, rank, world_size, source=source, chosen=chosen, device=device,
-                            progress=progress)
+                            progress=progress, only=only)
     for note in B.keep_blocks(gm, block_names, {n: type(model.get_submodule(n)).__name__ for n in block_names}):
         warnings.warn(f"autoshard: {note}", stacklevel=2)
     gm.__dict__["_autoshard_blocks"] = {n: gm.get_submodule(n) for n in block_names

@@ -25,6 +25,8 @@ from .rewrite.stages import cut, input_name
 from .runtime import groups as D, rng
 from .runtime.pipeline import Pipeline, Stage, place, schedule_class
 
+# parallelize's own options (the rest plan): how the module is built, not what it runs
+_BUILD_OPTIONS = ("load", "device", "progress", "dropout_masks", "overlap")
 PP_SEED_OFFSET = 100            # Megatron's seed offset a pipeline rank (dropout masks differ by stage)
 
 
@@ -149,6 +151,19 @@ def _holder(pipe: Pipeline, gm: nn.Module, stage_modules: list) -> None:
             place(pipe, name, t, persistent=name in persistent)
 
 
+def _release(gm: nn.Module, pipe: Pipeline) -> None:
+    """The rank's whole module keeps only this rank's stages' parameters (the others' become meta):
+    it stays alive for the evaluation graph, built on first use, which reads the same ones."""
+    held = {id(t) for t in pipe.parameters()}
+    memo: dict = {}
+    for mod in gm.modules():
+        for k, t in list(mod._parameters.items()):
+            if t is not None and id(t) not in held and not t.is_meta:
+                if id(t) not in memo:
+                    memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+                mod._parameters[k] = memo[id(t)]
+
+
 def _resolve(root, target: str):
     obj = root
     for part in target.split("."):
@@ -201,20 +216,23 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
     if stages > len(names):
         raise ShardingError(f"pipeline: {stages} stages (pp {pp} x {stages_per_rank} a rank) but "
                             f"{type(model).__name__} has {len(names)} blocks: a stage holds at least one block")
-    gm = parallelize(model, tp, _call_example(mb_args, mb_kwargs), group=tp_mesh,
-                     blocks=names, **options)
+    build = {k: options.pop(k) for k in _BUILD_OPTIONS if k in options}
+    mb_example = _call_example(mb_args, mb_kwargs)
+    tp_plan = plan_tp(model, tp, mb_example, **options)       # planned once, then cut, then built
+    pplan = _cut_plan(tp_plan, names, pp=pp, dp=dp, microbatches=microbatches, schedule=schedule,
+                      stages_per_rank=stages_per_rank, split=split)
+    stage_of = {n: s for s, group in enumerate(pplan.stages) for n in group}
+    me = dims["pp"].get_local_rank()
+    mine = [s for s in range(stages) if s % pp == me]
+    others = tuple(n + "." for n in names if stage_of[n] not in mine)
+    gm = parallelize(model, tp, mb_example, plan=tp_plan, group=tp_mesh, blocks=names,
+                     only=lambda name: not (name + ".").startswith(others), **build)
     missing = [n for n in names if n not in B.blocks_of(gm)]
     if missing:
         raise ShardingError(f"pipeline: blocks {missing[:3]} could not be kept as modules (see the warning above), "
                             "so the model cannot be cut there; pass blocks= naming the layers that can")
-    tp_plan = gm._autoshard_plan
-    pplan = _cut_plan(tp_plan, names, pp=pp, dp=dp, microbatches=microbatches, schedule=schedule,
-                      stages_per_rank=stages_per_rank, split=split)
-    stage_of = {n: s for s, group in enumerate(pplan.stages) for n in group}
     flags = _loss_leaves(tp_plan)
     train_cut = cut(gm, gm.graph, stage_of, stages, loss_only=True, is_loss=lambda i: flags[i])
-    me = dims["pp"].get_local_rank()
-    mine = [s for s in range(stages) if s % pp == me]
     train_stages = [Stage(s, train_cut.modules[s]) for s in mine]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tracer = tp_plan.tracer
@@ -260,6 +278,7 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
     pipe.__dict__["_autoshard_sent"] = train_cut.sent
     pipe.__dict__["_autoshard_pp_group"] = dims["pp"].get_group()        # checkpoints: the groups of every stage
     rng.offset_stage(PP_SEED_OFFSET * me)
+    _release(gm, pipe)
     pipe.train(model.training)
     pipe.plan = pplan.__class__(**{**pplan.__dict__, "seconds": time.perf_counter() - start})
     return pipe

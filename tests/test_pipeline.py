@@ -315,3 +315,37 @@ def test_dropout_on(dist4):
     assert len({str(x) for x in a}) == 1                    # every rank reports the batch's loss
     assert a[0][0] != c[0][0]
     assert a[0][1] == c[0][1] and a[0][1] not in a[0][0]
+
+
+# ----------------------------------------------------------------------------- a model on meta
+
+def _meta_loads_own_stages(rank, world, path):
+    """A model built on meta, filled from a checkpoint file: each rank reads and holds only its
+    stages (the other stages' blocks stay on meta), and trains as one process does."""
+    from hf_models import llama as build
+    model, example = _hf("llama")
+    ref = copy.deepcopy(model)
+    if rank == 0:
+        torch.save(model.state_dict(), path)
+    dist.barrier()
+    with torch.device("meta"):
+        empty, _ = build(batch=8, num_hidden_layers=4)
+    empty.train()
+    pipe = autoshard.pipeline(empty, example, mesh=_mesh(world, 2, 1), microbatches=2, tracer="export", load=path)
+    real = {n for n, p in pipe.named_parameters() if not p.is_meta}
+    assert real == {n for n, _ in pipe.named_parameters()}
+    layers = sorted({n.split(".")[2] for n in real if n.startswith("model.layers.")})
+    loss = pipe.step(**example)
+    want = _loss(ref, example)
+    want.backward()
+    close_to_scale(loss, want, "loss of a model built on meta")
+    grads = autoshard.collect_state_dict(pipe, {n: p.grad for n, p in pipe.named_parameters()})
+    rgrads = dict(ref.named_parameters())
+    for n, g in grads.items():
+        close_to_scale(g, rgrads[n].grad, f"grad of {n}")
+    return layers
+
+
+def test_model_on_meta_fills_only_its_stages(dist2, tmp_path):
+    out = dist2.run(_meta_loads_own_stages, os.path.join(str(tmp_path), "llama.pt"), timeout=400)
+    assert out == [["0", "1"], ["2", "3"]]

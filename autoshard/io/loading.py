@@ -292,13 +292,17 @@ def _progress(total: int, enabled):
 
 
 def materialize(gm, model: nn.Module, rank: int, p: int, *, source=None, chosen=None, device=None,
-                progress=None) -> None:
+                progress=None, only=None) -> None:
     """Give `gm` (this rank's rewrite of `model`) real tensors for every tensor of `model`: read
     from `source` (keys as check_source chose them) box by box, initialised by the modules for
     meta tensors the source lacks (or all of them without a source), on `device`. Tensors neither
-    read nor on meta stay as `gm` holds them (moved to `device` when given)."""
+    read nor on meta stay as `gm` holds them (moved to `device` when given). `only(name)`: fill
+    just the tensors it keeps (a pipeline rank's stages); the others stay on meta."""
     layouts = getattr(gm, "_autoshard_layouts", {})
     groups = _groups(model)
+    if only is not None:
+        skipped = {id(t) for names, t in groups if not any(only(n) for n in names)}
+        groups = [(names, t) for names, t in groups if id(t) not in skipped]
     placement_of = {id(t): _placement(layouts, names) for names, t in groups}
     dtype_of = {id(t): t.dtype for _, t in groups}
     local_device = torch.device(device) if device is not None else torch.device("cpu")
@@ -322,10 +326,10 @@ def materialize(gm, model: nn.Module, rank: int, p: int, *, source=None, chosen=
     if wanted:
         filled.update(_initialise(model, wanted, rank, p, placement_of, dtype_of, local_device,
                                   every_module=src is None))
-    _install(gm, groups, filled, device)
+    _install(gm, groups, filled, device, only)
 
 
-def _install(gm, groups, filled, device) -> None:
+def _install(gm, groups, filled, device, only=None) -> None:
     """Put the filled tensors into `gm` under every alias (parameters stay Parameters with their
     TorchShard attributes; buffers keep their persistence); move the others to `device`."""
     from ..runtime.state_dict import ORDER_TYPE, PARALLEL_DIM, register_parallel_attribute
@@ -356,7 +360,8 @@ def _install(gm, groups, filled, device) -> None:
                 register_parallel_attribute(new, getattr(old, PARALLEL_DIM), getattr(old, ORDER_TYPE, 0))
         for d, attr, _ in present:
             d[attr] = new
-    stale = [n for n, t in list(gm.named_parameters()) + list(gm.named_buffers()) if t is not None and t.is_meta]
+    stale = [n for n, t in list(gm.named_parameters()) + list(gm.named_buffers())
+             if t is not None and t.is_meta and (only is None or only(n))]
     stale += [f"{n}.{k}" if n else k for n, m in gm.named_modules() for k, v in vars(m).items()
               if isinstance(v, torch.Tensor) and v.is_meta]
     if stale:
