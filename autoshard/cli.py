@@ -2,9 +2,7 @@
 `python -m autoshard demo ...` runs autoshard.demo; `python -m autoshard convert SRC DST` converts a
 sharded checkpoint (a DCP directory) to one torch.save file of full tensors, or back;
 `python -m autoshard verify CKPT_DIR` checks a checkpoint directory (every block against its
-checksums, .metadata against the files) and prints what is wrong. With --pp N, `plan` also cuts the
-model's blocks into N pipeline stages (`autoshard.plan_pipeline`, tensor parallelism of
---world-size inside each) and prints the stage table after the tensor-parallel report.
+checksums, .metadata against the files) and prints what is wrong.
 
     python -m autoshard plan tests.factories:gpt --world-size 4 --input-shape 2,64 --dtype long
     python -m autoshard plan tests.models:GPT --world-size 2 --pin head=None --search exact
@@ -12,8 +10,7 @@ model's blocks into N pipeline stages (`autoshard.plan_pipeline`, tensor paralle
     python -m autoshard plan tests.factories:gpt --world-size 2 --input-shape 2,64 --dtype long --draw plan.svg
     python -m autoshard plan --from-pretrained path/to/hf_checkpoint -n 8
     python -m autoshard plan tests.factories:gpt -n 2 --input-shape 4,64 --dtype long --pp 2 --microbatches 2
-    python -m autoshard plan path/to/model.py:build -n 4 --pp 4 --schedule Interleaved1F1B --stages-per-rank 2
-    python -m autoshard plan path/to/model.py:build -n 2 --pp 3 --split 3,3,2 --json
+    python -m autoshard plan path/to/model.py:build -n 4 --pp 3 --split 3,3,2 --schedule GPipe --json
     python -m autoshard convert ckpt/step100 full.pt        # DCP directory -> torch.save file
     python -m autoshard convert full.pt ckpt/step0          # torch.save file -> DCP directory
     python -m autoshard verify ckpt/step100                 # before resuming, or after a copy
@@ -26,22 +23,17 @@ FACTORY is called with no arguments and returns an nn.Module, or (module, exampl
 example_inputs is a tuple of positional arguments or a dict of keyword arguments (the builders
 of tests/hf_models.py return that). With --input-shape (repeat it for several positional inputs)
 the inputs are zeros of those shapes and --dtype(s); with neither, a batch of --tokens positions
-is synthesised.
+is synthesised. Exit status: 0 on success, 1 when planning fails (verify: when the checkpoint has a
+problem), 2 on bad arguments.
 
---pp N (default 1: no pipeline) plans N pipeline stages of pp x tp (tp = --world-size) ranks, no
-process group needed. The example batch (dim 0 of the first batched input) is cut into
---microbatches M equal microbatches, so it must be a multiple of M (exit status 2 otherwise); M
-defaults to N, or to the largest divisor of the batch below N when N does not divide it. A
-synthesised input (neither --input-shape nor a factory's example) holds M sequences of --tokens
-positions. --schedule is GPipe, 1F1B (default) or Interleaved1F1B; --stages-per-rank K (default 1,
-2 with Interleaved1F1B) gives a rank K stages, N x K in all; --split 3,3,2 pins the blocks per stage
-(default: balanced by predicted time). The tensor-parallel report is then that of one microbatch
-(what every stage runs), followed by the pipeline plan: per stage its blocks, predicted forward and
-backward times, peak memory and the bytes it sends, then the step time and bubble; --json adds a
-"pipeline" object with the same (stages as lists of block names).
-
-Exit status: 0 on success, 1 when planning fails (verify: when the checkpoint has a problem), 2 on
-bad arguments.
+--pp N (default 1: none) plans N pipeline stages of --world-size tensor-parallel ranks each
+(`autoshard.plan_pipeline`, no process group) and prints the stage table (blocks, predicted times,
+memory, bytes sent, bubble) after the tensor-parallel report, which is then that of one microbatch;
+--json adds a "pipeline" object. The example's batch is cut into --microbatches M (default: N, or
+the largest divisor of the batch below N); a batch M does not divide is a bad argument. A
+synthesised input holds M sequences of --tokens positions. --schedule GPipe, 1F1B (default),
+Interleaved1F1B or InterleavedZeroBubble (the last two: --stages-per-rank K, default 2, stages a
+rank); --split 3,3,2 pins the blocks per stage.
 """
 from __future__ import annotations
 
@@ -145,16 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "--memory-budget needs it)")
     pp.add_argument("--optimizer", help="optimizer whose state the memory counts: adamw (default), adam, sgd, "
                     "sgd_momentum, adagrad, rmsprop, or a number of moments per parameter")
-    pp.add_argument("--pp", type=int, default=1, metavar="N",
-                    help="pipeline stages: cut the model's blocks into N stages of --world-size tensor-parallel "
-                         "ranks each and print the pipeline plan too (default 1: no pipeline)")
-    pp.add_argument("--microbatches", type=int, metavar="M",
-                    help="--pp: microbatches a step's batch is cut into; the batch must be a multiple "
-                         "(default: N, or the largest divisor of the batch below N)")
-    pp.add_argument("--schedule", choices=("GPipe", "1F1B", "Interleaved1F1B"),
+    pp.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages of --world-size ranks each: "
+                    "also print the pipeline plan (default 1: no pipeline)")
+    pp.add_argument("--microbatches", type=int, metavar="M", help="--pp: microbatches of the batch, which M must "
+                    "divide (default: N, or the largest divisor of the batch below N)")
+    pp.add_argument("--schedule", choices=("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"),
                     help="--pp: pipeline schedule (default 1F1B)")
     pp.add_argument("--stages-per-rank", type=int, metavar="K",
-                    help="--pp: stages a pipeline rank holds, N x K in all (default 1; 2 with Interleaved1F1B)")
+                    help="--pp: stages a pipeline rank holds, N x K in all (default 1; 2 with Interleaved*)")
     pp.add_argument("--split", type=_split, metavar="B0,B1,...",
                     help="--pp: blocks per stage, e.g. 3,3,2 (default: balance the stages' predicted time)")
     pp.add_argument("--json", action="store_true", help="print a JSON summary instead of the report")
@@ -266,75 +256,58 @@ def summary(plan) -> dict:
 
 
 def pipeline_options(args) -> dict | None:
-    """--pp and its options, checked: {pp, schedule, stages_per_rank, split}, or None without a
-    pipeline (--pp 1)."""
-    if args.pp < 1:
-        raise CliError(f"--pp must be >= 1, got {args.pp}")
-    given = [flag for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule),
-                                      ("--stages-per-rank", args.stages_per_rank), ("--split", args.split))
-             if value is not None]
+    """--pp and its options, checked: plan_pipeline's keywords, or None for --pp 1."""
+    given = [f for f, v in (("--microbatches", args.microbatches), ("--schedule", args.schedule),
+                            ("--stages-per-rank", args.stages_per_rank), ("--split", args.split)) if v is not None]
+    if args.pp < 1 or args.pp == 1 and given or args.pp > 1 and args.export:
+        raise CliError(f"--pp must be >= 1, got {args.pp}" if args.pp < 1 else
+                       f"{', '.join(given)}: for a pipeline, with --pp 2 or more" if args.pp == 1 else
+                       "--export writes a tensor-parallel plan for another engine; it does not take --pp")
     if args.pp == 1:
-        if given:
-            raise CliError(f"{', '.join(given)} {'is a pipeline option' if len(given) == 1 else 'are pipeline options'}"
-                           f": give --pp 2 or more with {'it' if len(given) == 1 else 'them'}")
         return None
-    if args.export:
-        raise CliError("--export writes a tensor-parallel plan for another engine; it does not take --pp")
     if args.microbatches is not None and args.microbatches < 1:
         raise CliError(f"--microbatches must be >= 1, got {args.microbatches}")
     schedule = args.schedule or "1F1B"
-    interleaved = schedule == "Interleaved1F1B"
-    k = args.stages_per_rank if args.stages_per_rank is not None else (2 if interleaved else 1)
-    if interleaved and k < 2:
-        raise CliError(f"--schedule {schedule} runs several stages a rank: give --stages-per-rank 2 or more")
-    if not interleaved and k != 1:
-        raise CliError(f"--schedule {schedule} runs one stage a rank; for --stages-per-rank {k} use "
-                       "--schedule Interleaved1F1B")
+    many = schedule.startswith("Interleaved")
+    k = args.stages_per_rank if args.stages_per_rank is not None else 2 if many else 1
+    if many != (k > 1) or k < 1:
+        raise CliError(f"--schedule {schedule} runs several stages a rank: give --stages-per-rank 2 or more" if many
+                       else f"--stages-per-rank must be >= 1, got {k}" if k < 1 else f"--schedule {schedule} runs "
+                       f"one stage a rank; for --stages-per-rank {k} use --schedule Interleaved1F1B")
     return {"pp": args.pp, "schedule": schedule, "stages_per_rank": k, "split": args.split}
 
 
 def pipeline_example(model, example, source: str | None, args) -> tuple:
-    """(example, microbatches) for --pp: the example whose batch splits into the microbatches
-    (--microbatches, or the largest divisor of the batch up to --pp). `source` None: the example
-    is synthesised (one sequence of --tokens positions), and repeated to one a microbatch."""
+    """(example, microbatches, batch) for --pp. `source` None: a synthesised example, one sequence
+    a microbatch; else one whose batch (dim 0 of its first batched tensor, as autoshard.pipeline
+    reads it) --microbatches must divide (by default the largest divisor up to --pp)."""
     import torch
     from torch.utils import _pytree as pytree
-    from .pipe import _batch_of
     if source is None:
-        if example is None:
-            from .capture.trace import synthesize_inputs
-            example = synthesize_inputs(model, args.tokens)
+        from .capture.trace import synthesize_inputs
         m = args.microbatches or args.pp
-
-        def repeat(x):
-            return x.expand(m, *x.shape[1:]).contiguous() \
-                if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == 1 else x
-        return pytree.tree_map(repeat, example), m
-    _, _, batch = _batch_of(example)
-    m = args.microbatches
-    if m is None:
-        m = max(d for d in range(1, min(args.pp, batch) + 1) if batch % d == 0) if batch else args.pp
-        if m < args.pp:
-            print(f"autoshard: {m} microbatch{'es' if m > 1 else ''}: the largest count up to --pp {args.pp} that "
-                  f"divides the batch of {batch} ({source}); a larger batch fills the pipeline better",
-                  file=sys.stderr)
+        one = example if example is not None else synthesize_inputs(model, args.tokens)
+        return pytree.tree_map(lambda x: x.expand(m, *x.shape[1:]).contiguous() if isinstance(x, torch.Tensor)
+                               and x.dim() > 0 and x.shape[0] == 1 else x, one), m, m
+    batch = next((x.shape[0] for x in pytree.tree_leaves(example) if isinstance(x, torch.Tensor) and x.dim() > 0),
+                 None)
+    if batch is None:                       # autoshard.plan_pipeline says what is wrong
+        return example, args.microbatches or args.pp, None
+    m = args.microbatches or max(d for d in range(1, max(1, min(args.pp, batch)) + 1) if batch % d == 0)
+    if m < args.pp and not args.microbatches:
+        print(f"autoshard: {m} microbatch(es): the most up to --pp {args.pp} that divide the batch of {batch} "
+              f"({source}); a larger batch fills the pipeline better", file=sys.stderr)
     if batch % m or batch == 0:
         raise CliError(f"--microbatches {m}: the example's batch of {batch} ({source}) does not split into {m} "
                        f"equal microbatches; give a batch that is a multiple of {m}, or other --microbatches")
-    return example, m
+    return example, m, batch
 
 
 def pipeline_summary(pplan) -> dict:
-    """The "pipeline" object of --json with --pp: the stages' blocks and the predicted costs."""
-    return {
-        "pp": pplan.pp, "tp": pplan.tp, "dp": pplan.dp, "schedule": pplan.schedule,
-        "microbatches": pplan.microbatches, "stages_per_rank": pplan.stages_per_rank,
-        "stages": [list(names) for names in pplan.stages],
-        "forward": list(pplan.forward), "backward": list(pplan.backward),
-        "memory": [int(b) for b in pplan.memory], "sent_bytes": [int(b) for b in pplan.sent_bytes],
-        "step_time": pplan.step_time, "bubble": pplan.bubble, "idle": list(pplan.idle), "balance": pplan.balance,
-        "seconds": pplan.seconds,
-    }
+    """The "pipeline" object of --json: the blocks of each stage and the predicted costs."""
+    out = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(pplan).items()}
+    return dict(out, stages=[list(names) for names in pplan.stages], memory=[int(b) for b in pplan.memory],
+                sent_bytes=[int(b) for b in pplan.sent_bytes], balance=pplan.balance)
 
 
 def cmd_plan(args) -> int:
@@ -378,12 +351,12 @@ def cmd_plan(args) -> int:
                    outputs=args.outputs, sequence_parallel=sequence, **knobs)
     pplan = None
     if piped:
-        from .pipe import _batch_of, _call_example, _microbatch
-        example, microbatches = pipeline_example(model, example, source, args)
+        from torch.utils import _pytree as pytree
+        example, microbatches, batch = pipeline_example(model, example, source, args)
         pplan = autoshard.plan_pipeline(model, example, tp=args.world_size, microbatches=microbatches, **piped,
                                         **options)
-        positional, keywords, batch = _batch_of(example)     # the report: the plan of one microbatch
-        example = _call_example(*_microbatch(positional, keywords, batch, microbatches))
+        example = pytree.tree_map(lambda x: x[:batch // microbatches] if getattr(x, "shape", ())[:1] == (batch,)
+                                  else x, example)      # the report: one microbatch, as every stage runs it
     plan = autoshard.plan(model, args.world_size, example, **options)
     if args.export:
         exported = plan.export(args.export, **({"model": model, "loss_parallel": args.loss_parallel}
@@ -398,8 +371,7 @@ def cmd_plan(args) -> int:
         print(json.dumps(out, indent=1))
     else:
         if pplan is not None:
-            print(f"tensor-parallel plan of one microbatch ({batch // microbatches} of the batch's {batch}), "
-                  f"as every pipeline stage runs its part of it:\n")
+            print(f"tensor-parallel plan of one microbatch ({batch // microbatches} of the batch's {batch}):\n")
         print(plan)
         print(f"\nmemory per rank of a training step at world size {plan.world_size} (bytes, "
               f"optimizer {plan.cost_model.optimizer}{'; the whole model at one microbatch' if pplan else ''}):")

@@ -20,10 +20,11 @@ from .api import parallelize, plan as plan_tp
 from .capture.shapes import placeholder_inputs
 from .errors import ProcessGroupError, ShardingError
 from .planner.pipeline import plan_pipeline as _cut_plan
+from .planner.stages import check_schedule
 from .rewrite import blocks as B
 from .rewrite.stages import cut, input_name
 from .runtime import groups as D, rng
-from .runtime.pipeline import Pipeline, Stage, place, schedule_class
+from .runtime.pipeline import Pipeline, Stage, place
 
 # parallelize's own options (the rest plan): how the module is built, not what it runs
 _BUILD_OPTIONS = ("load", "device", "progress", "dropout_masks", "overlap")
@@ -56,15 +57,6 @@ def _call_example(args: tuple, kwargs: dict):
     return kwargs if kwargs else args
 
 
-def _check_schedule(schedule: str, stages_per_rank: int) -> None:
-    _, multi = schedule_class(schedule)
-    if multi and stages_per_rank < 2:
-        raise ShardingError(f"pipeline: schedule {schedule!r} runs several stages a rank: pass stages_per_rank >= 2")
-    if not multi and stages_per_rank != 1:
-        raise ShardingError(f"pipeline: schedule {schedule!r} runs one stage a rank; for stages_per_rank="
-                            f"{stages_per_rank} use 'Interleaved1F1B'")
-
-
 def _loss_leaves(plan) -> list:
     out = next(n for n in plan.graph_module.graph.nodes if n.op == "output")
     leaves, _ = pytree.tree_flatten(out.args[0])
@@ -76,9 +68,9 @@ def plan_pipeline(model: nn.Module, example, *, pp: int, tp: int = 1, dp: int = 
                   schedule: str = "1F1B", stages_per_rank: int = 1, split=None, blocks="auto", **plan_options):
     """The pipeline plan of `model` (which blocks each stage holds, each stage's predicted times
     and memory, the schedule's bubble) at pp x tp, planned on one process (a model on meta too)."""
-    _check_schedule(schedule, stages_per_rank)
     start = time.perf_counter()
     args, kwargs, batch = _batch_of(example)
+    check_schedule(schedule, pp, microbatches, stages_per_rank)
     mb = _microbatch(args, kwargs, batch, microbatches)
     tp_plan = plan_tp(model, tp, _call_example(*mb), **plan_options)
     names = B.resolve_blocks(model, blocks)
@@ -205,9 +197,9 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
         tp_mesh = DeviceMesh.from_group(dist.new_group([dist.get_rank()], use_local_synchronization=True),
                                         D.device_of(None))
     tp, dp = tp_mesh.size(), dims["dp"].size() if "dp" in dims else 1
-    _check_schedule(schedule, stages_per_rank)
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ShardingError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
+    check_schedule(schedule, pp, microbatches, stages_per_rank)
     start = time.perf_counter()
     args, kwargs, batch = _batch_of(example)
     mb_args, mb_kwargs = _microbatch(args, kwargs, batch, microbatches)

@@ -150,10 +150,8 @@ class Timeline:
         return sum(self.per_rank) / len(self.per_rank)
 
 
-def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> None:
-    """Raise ShardingError where torch's schedule class would refuse these sizes: GPipe and 1F1B
-    hold one stage per rank, 1F1B wants microbatches >= pp, Interleaved1F1B microbatches a
-    multiple of its rounds, max(1, microbatches // pp)."""
+def _check_sizes(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> None:
+    """A known schedule, positive sizes, one stage a rank for the schedules that run one."""
     if schedule not in SCHEDULES:
         raise ShardingError(f"pipeline: unknown schedule {schedule!r}; expected one of {SCHEDULES}")
     if pp < 1 or microbatches < 1 or stages_per_rank < 1:
@@ -162,6 +160,13 @@ def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: i
     if schedule not in MULTI and stages_per_rank != 1:
         raise ShardingError(f"pipeline: {schedule} runs one stage per rank, not {stages_per_rank} "
                             f"(Interleaved1F1B runs several)")
+
+
+def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> None:
+    """Raise ShardingError where torch's schedule class would refuse these sizes: GPipe and 1F1B
+    hold one stage per rank, 1F1B wants microbatches >= pp, Interleaved1F1B microbatches a
+    multiple of its rounds, max(1, microbatches // pp)."""
+    _check_sizes(schedule, pp, microbatches, stages_per_rank)
     if schedule == "1F1B" and microbatches < pp:
         raise ShardingError(f"pipeline: torch's 1F1B needs at least as many microbatches as "
                             f"stages: {microbatches} microbatches for {pp} stages")
@@ -235,14 +240,7 @@ def simulate(schedule: str, pp: int, microbatches: int, forward: Sequence[float]
     B(s, m) for F(s, m) and B(s+1, m); `send` seconds more across ranks. `forward[s]` and
     `backward[s]` are one microbatch's seconds on stage s. Sizes torch would refuse (see
     `check_schedule`) are simulated anyway where the order is defined (1F1B with M < pp)."""
-    if schedule not in SCHEDULES:
-        raise ShardingError(f"pipeline: unknown schedule {schedule!r}; expected one of {SCHEDULES}")
-    if pp < 1 or microbatches < 1 or stages_per_rank < 1:
-        raise ValueError(f"pipeline: pp={pp}, microbatches={microbatches} and stages_per_rank="
-                         f"{stages_per_rank} must all be >= 1")
-    if schedule not in MULTI and stages_per_rank != 1:
-        raise ShardingError(f"pipeline: {schedule} runs one stage per rank, not {stages_per_rank} "
-                            f"(Interleaved1F1B runs several)")
+    _check_sizes(schedule, pp, microbatches, stages_per_rank)
     n = pp * stages_per_rank
     fwd, bwd = [float(t) for t in forward], [float(t) for t in backward]
     if len(fwd) != n or len(bwd) != n:

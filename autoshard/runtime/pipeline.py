@@ -110,7 +110,6 @@ class Pipeline(nn.Module):
         cls, multi = schedule_class(self.schedule_name)
         pipes = [PipelineStage(s, s.index, self.num_stages, self._device, group=self._pp) for s in stages]
         spec = {name: TensorChunkSpec(0) for name in self._batched}
-        index = self._loss_index
 
         def loss_fn(output, target):
             return output
