@@ -9,6 +9,7 @@ s % pp (one stage a rank, or several for the interleaved schedules).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -27,7 +28,7 @@ from .runtime import groups as D, rng
 from .runtime.pipeline import Pipeline, Stage, place
 
 # parallelize's own options (the rest plan): how the module is built, not what it runs
-_BUILD_OPTIONS = ("load", "device", "progress", "dropout_masks", "overlap")
+_BUILD_OPTIONS = ("load", "progress", "dropout_masks", "overlap")
 PP_SEED_OFFSET = 100            # Megatron's seed offset a pipeline rank (dropout masks differ by stage)
 
 
@@ -171,11 +172,13 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
     batched tensor's dim 0 is cut into `microbatches` equal microbatches; the model must return
     its loss for it (labels / targets given). `mesh`: a DeviceMesh with a "pp" dim and optionally
     "dp" and "tp" (default: every rank a pipeline rank). `schedule`: "GPipe", "1F1B",
-    "Interleaved1F1B" or "InterleavedZeroBubble" (the last two with `stages_per_rank` >= 2: stage s
-    on pp rank s % pp). `split`: blocks per stage, pinned (e.g. [3, 3, 2]); by default the cuts
+    "Interleaved1F1B" or "InterleavedZeroBubble" (the last two run `stages_per_rank` stages a rank:
+    stage s on pp rank s % pp). `split`: blocks per stage, pinned (e.g. [3, 3, 2]); by default the cuts
     balance the stages' predicted time, the first stage's embeddings and the last stage's head and
     loss counted. Other keywords go to `parallelize` (tracer, sequence_parallel, ...), which plans
-    tensor parallelism over `mesh["tp"]` inside every stage.
+    tensor parallelism over `mesh["tp"]` inside every stage; `device` holds the stages' tensors
+    (default: the process group's: "cuda" under NCCL, with the current device). A model on meta, or
+    `load=`, fills only this rank's stages.
 
     The Pipeline: `step(*args, **kwargs)` runs a training step (forward and backward over the
     microbatches; the gradients are those of the batch's loss, the mean over microbatches) and
@@ -209,6 +212,8 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
         raise ShardingError(f"pipeline: {stages} stages (pp {pp} x {stages_per_rank} a rank) but "
                             f"{type(model).__name__} has {len(names)} blocks: a stage holds at least one block")
     build = {k: options.pop(k) for k in _BUILD_OPTIONS if k in options}
+    if device is not None:
+        build["device"] = device
     mb_example = _call_example(mb_args, mb_kwargs)
     tp_plan = plan_tp(model, tp, mb_example, **options)       # planned once, then cut, then built
     pplan = _cut_plan(tp_plan, names, pp=pp, dp=dp, microbatches=microbatches, schedule=schedule,
@@ -249,20 +254,18 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
             gm.train(mode)
         eflags = _loss_leaves(eplan)
         ecut = cut(gm, served.holder.graph, stage_of, stages, loss_only=False, is_loss=lambda i: eflags[i])
-        pipe._loss_index = next((i for i, f in enumerate(eflags) if f), 0)
-        pipe._eval_outputs = ecut.output_leaves
         out = [Stage(s, ecut.modules[s]) for s in mine]
         for st in out:
             st.eval()
-        return out
+        return out, next((i for i, f in enumerate(eflags) if f), 0), ecut.output_leaves
 
     pipe = Pipeline(stages=train_stages, inputs=inputs, batched=batched, microbatches=microbatches,
                     schedule=schedule, pp_group=dims["pp"].get_group(),
-                    dp_group=dims["dp"].get_group() if "dp" in dims else None, tied_groups=[], loss_index=0,
+                    dp_group=dims["dp"].get_group() if "dp" in dims else None,
                     num_stages=stages, plan=pplan, build_eval=build_eval,
                     device=device or D.device_of(dims["pp"].get_group()))
     _holder(pipe, gm, train_stages)
-    pipe._tied = _tied_groups(mesh, pipe, gm, train_cut.readers, pp)
+    pipe.sum_across(_tied_groups(mesh, pipe, gm, train_cut.readers, pp))
     pipe._autoshard_layouts = {k: v for k, v in gm._autoshard_layouts.items()}
     pipe._autoshard_group = gm._autoshard_group
     pipe._autoshard_plan = tp_plan
@@ -272,5 +275,5 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
     rng.offset_stage(PP_SEED_OFFSET * me)
     _release(gm, pipe)
     pipe.train(model.training)
-    pipe.plan = pplan.__class__(**{**pplan.__dict__, "seconds": time.perf_counter() - start})
+    pipe.plan = dataclasses.replace(pplan, seconds=time.perf_counter() - start)
     return pipe

@@ -67,18 +67,20 @@ def place(root: nn.Module, path: str, obj, persistent: bool = True) -> None:
 
 class Pipeline(nn.Module):
     """This rank's stages of a model, run by a torch.distributed.pipelining schedule (built by
-    `autoshard.pipeline`, which documents it)."""
+    `autoshard.pipeline`, which documents it). `inputs(args, kwargs)`: the stages' keyword inputs
+    of a call; `batched`: those cut into microbatches; `build_eval()`: the evaluation graphs'
+    stages, the loss's place among their last stage's outputs and how many there are."""
 
     def __init__(self, *, stages, inputs, batched, microbatches: int, schedule: str, pp_group, dp_group,
-                 tied_groups, loss_index, num_stages: int, plan=None, build_eval=None, device="cpu"):
+                 num_stages: int, plan=None, build_eval=None, device="cpu"):
         super().__init__()
         self._stage_modules = list(stages)           # Stage per stage index this rank holds (training)
         self._inputs = inputs                        # (args, kwargs) -> {placeholder name: value}
         self._batched = batched                      # placeholder names whose dim 0 is the batch
         self.microbatches = microbatches
         self.schedule_name = schedule
-        self._pp, self._dp, self._tied = pp_group, dp_group, tied_groups
-        self._loss_index = loss_index
+        self._pp, self._dp, self._tied = pp_group, dp_group, []
+        self._loss_index = 0                         # the loss among the evaluation graph's outputs
         self.num_stages = num_stages
         self.plan = plan
         self._build_eval = build_eval
@@ -106,7 +108,10 @@ class Pipeline(nn.Module):
             return self._runners[training]
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
-        stages = self._stage_modules if training else self._build_eval()
+        if training:
+            stages = self._stage_modules
+        else:
+            stages, self._loss_index, self._eval_outputs = self._build_eval()
         cls, multi = schedule_class(self.schedule_name)
         pipes = [PipelineStage(s, s.index, self.num_stages, self._device, group=self._pp) for s in stages]
         spec = {name: TensorChunkSpec(0) for name in self._batched}
@@ -198,6 +203,11 @@ class Pipeline(nn.Module):
                     at += g.numel()
 
     # ------------------------------------------------------------------ public
+    def sum_across(self, groups) -> None:
+        """[(process group, parameter names)]: after backward, each of those gradients is summed
+        over its group (a weight that stages on several ranks read: a tied embedding and head)."""
+        self._tied = list(groups)
+
     def step(self, *args, **kwargs) -> torch.Tensor:
         """One training step's forward and backward over the batch (in train mode; forward only in
         eval mode): the batch's loss, the mean over microbatches, on every rank."""
