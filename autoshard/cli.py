@@ -30,10 +30,10 @@ problem), 2 on bad arguments.
 (`autoshard.plan_pipeline`, no process group) and prints the stage table (blocks, predicted times,
 memory, bytes sent, bubble) after the tensor-parallel report, which is then that of one microbatch;
 --json adds a "pipeline" object. The example's batch is cut into --microbatches M (default: N, or
-the largest divisor of the batch below N); a batch M does not divide is a bad argument. A
-synthesised input holds M sequences of --tokens positions. --schedule GPipe, 1F1B (default),
-Interleaved1F1B or InterleavedZeroBubble (the last two: --stages-per-rank K, default 2, stages a
-rank); --split 3,3,2 pins the blocks per stage.
+the batch's next divisor above N, or the batch if smaller); a batch M does not divide is a bad
+argument. A synthesised input holds M sequences of --tokens positions. --schedule GPipe, 1F1B
+(default), Interleaved1F1B or InterleavedZeroBubble (the last two: --stages-per-rank K, default 2,
+stages a rank); --split 3,3,2 pins the blocks per stage.
 """
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages of --world-size ranks each: "
                     "also print the pipeline plan (default 1: no pipeline)")
     pp.add_argument("--microbatches", type=int, metavar="M", help="--pp: microbatches of the batch, which M must "
-                    "divide (default: N, or the largest divisor of the batch below N)")
+                    "divide (default: N, or the next divisor of the batch above N)")
     pp.add_argument("--schedule", choices=("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"),
                     help="--pp: pipeline schedule (default 1F1B)")
     pp.add_argument("--stages-per-rank", type=int, metavar="K",
@@ -270,17 +270,16 @@ def pipeline_options(args) -> dict | None:
     schedule = args.schedule or "1F1B"
     many = schedule.startswith("Interleaved")
     k = args.stages_per_rank if args.stages_per_rank is not None else 2 if many else 1
-    if many != (k > 1) or k < 1:
-        raise CliError(f"--schedule {schedule} runs several stages a rank: give --stages-per-rank 2 or more" if many
-                       else f"--stages-per-rank must be >= 1, got {k}" if k < 1 else f"--schedule {schedule} runs "
-                       f"one stage a rank; for --stages-per-rank {k} use --schedule Interleaved1F1B")
+    if k < 1 or k > 1 and not many:
+        raise CliError(f"--stages-per-rank must be >= 1, got {k}" if k < 1 else f"--schedule {schedule} runs one "
+                       f"stage a rank; for --stages-per-rank {k} use --schedule Interleaved1F1B")
     return {"pp": args.pp, "schedule": schedule, "stages_per_rank": k, "split": args.split}
 
 
 def pipeline_example(model, example, source: str | None, args) -> tuple:
     """(example, microbatches, batch) for --pp. `source` None: a synthesised example, one sequence
     a microbatch; else one whose batch (dim 0 of its first batched tensor, as autoshard.pipeline
-    reads it) --microbatches must divide (by default the largest divisor up to --pp)."""
+    reads it) --microbatches must divide (by default --pp, or the next divisor of the batch above)."""
     import torch
     from torch.utils import _pytree as pytree
     if source is None:
@@ -293,10 +292,11 @@ def pipeline_example(model, example, source: str | None, args) -> tuple:
                  None)
     if batch is None:                       # autoshard.plan_pipeline says what is wrong
         return example, args.microbatches or args.pp, None
-    m = args.microbatches or max(d for d in range(1, max(1, min(args.pp, batch)) + 1) if batch % d == 0)
-    if m < args.pp and not args.microbatches:
-        print(f"autoshard: {m} microbatch(es): the most up to --pp {args.pp} that divide the batch of {batch} "
-              f"({source}); a larger batch fills the pipeline better", file=sys.stderr)
+    m = args.microbatches or min((d for d in range(args.pp, batch + 1) if batch % d == 0), default=batch)
+    if m != args.pp and not args.microbatches:
+        print(f"autoshard: {m} microbatches, " + (f"the batch of {batch} ({source}) is smaller than --pp {args.pp}"
+              if m < args.pp else f"the fewest from --pp {args.pp} up that divide the batch of {batch} ({source})"),
+              file=sys.stderr)
     if batch % m or batch == 0:
         raise CliError(f"--microbatches {m}: the example's batch of {batch} ({source}) does not split into {m} "
                        f"equal microbatches; give a batch that is a multiple of {m}, or other --microbatches")

@@ -23,6 +23,22 @@ parameters, gradients and AdamW state and gathers one block's shard at a time;
 
     torchrun --nproc_per_node 4 docs/examples/train_gpt.py --tp 2 --fsdp --checkpoint
 
+With `--pp N`, the model is also cut into N pipeline stages (`autoshard.pipeline`, run by
+torch.distributed.pipelining): the world is a ("pp", "dp", "tp") mesh of N x dp x --tp ranks
+(--tp default 1 then; tensor-parallel groups consecutive, pipeline ranks outermost). Each stage
+holds some of the blocks (the first also the embeddings, the last the head and loss; the tied
+embedding and head are held by both and their gradients summed), and `pipe.step(idx, targets)`
+runs a step's forward and backward over `--microbatches` microbatches (default N; they must
+divide --batch) in `--schedule` order: GPipe, 1F1B (default), Interleaved1F1B or
+InterleavedZeroBubble, the last two with `--stages-per-rank` (default 2) stages a rank, so N x
+that many --layers at least. `--fsdp`
+shards each block of a rank's stages over "dp" with FSDP2 (`--checkpoint` is not offered with
+--pp). On CPU, two pipeline stages of one block each:
+
+    torchrun --nproc_per_node 2 docs/examples/train_gpt.py --pp 2 --steps 5
+    torchrun --nproc_per_node 4 docs/examples/train_gpt.py --pp 2 --tp 2 --microbatches 4
+    torchrun --nproc_per_node 2 docs/examples/train_gpt.py --pp 2 --layers 4 --schedule Interleaved1F1B
+
 `--timeout` bounds the rendezvous and every collective: a rank that dies or never arrives ends
 the others with an error instead of a hang.
 """
@@ -90,7 +106,16 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=None,
-                    help="tensor-parallel degree (consecutive ranks form a group; default: all ranks)")
+                    help="tensor-parallel degree (consecutive ranks form a group; default: all ranks, "
+                         "or 1 with --pp)")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="pipeline stages (autoshard.pipeline; default 1: no pipeline); the world is pp x dp x tp")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="with --pp: microbatches a step's batch is cut into (default: --pp; must divide --batch)")
+    ap.add_argument("--schedule", choices=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"], default="1F1B",
+                    help="with --pp: the pipeline schedule")
+    ap.add_argument("--stages-per-rank", type=int, default=None,
+                    help="with --pp: stages a pipeline rank holds (default 1; 2 with the Interleaved ones)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8, help="sequences per data-parallel replica per step")
     ap.add_argument("--seq", type=int, default=64)
@@ -125,9 +150,18 @@ def main(argv=None) -> int:
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
-    tp = int(os.environ["WORLD_SIZE"]) if args.tp is None else args.tp
+    world = int(os.environ["WORLD_SIZE"])
+    if args.pp < 1 or world % args.pp:
+        sys.exit(f"--pp {args.pp} must be >= 1 and divide the world size {world}")
+    tp = (world if args.pp == 1 else 1) if args.tp is None else args.tp
+    if args.pp > 1 and (tp < 1 or world % (args.pp * tp)):
+        sys.exit(f"--pp {args.pp} x --tp {tp} must divide the world size {world}")
+    if args.pp > 1 and args.checkpoint:
+        sys.exit("--checkpoint is not wired into the pipeline stages of this example: drop it with --pp")
     ad.init_process_group(tp, backend=backend, timeout=timedelta(seconds=args.timeout))
     try:
+        if args.pp > 1:
+            return run_pipeline(args, tp, backend, device)
         return run(args, tp, backend, device)
     finally:        # once run's modules and autograd graphs (which hold the groups) are gone
         ad.destroy_process_group()
@@ -203,6 +237,73 @@ def run(args, tp: int, backend: str, device: torch.device) -> int:
         if rank == 0:
             torch.save(full, args.save)
             log(f"saved the full state dict ({len(full)} tensors) to {args.save}")
+    return 0
+
+
+def run_pipeline(args, tp: int, backend: str, device: torch.device) -> int:
+    """Cut the GPT into --pp stages (tensor parallel inside each over --tp ranks, data parallel
+    across the rest) with autoshard.pipeline, train with pipe.step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pp, dp = args.pp, world // (args.pp * tp)
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))  # tp: consecutive ranks
+    dp_rank = mesh["dp"].get_local_rank()
+    microbatches = args.microbatches or pp
+    interleaved = args.schedule.startswith("Interleaved")
+    stages_per_rank = args.stages_per_rank or (2 if interleaved else 1)
+    if args.batch % microbatches:
+        sys.exit(f"--batch {args.batch} does not split into --microbatches {microbatches} equal microbatches")
+    if pp * stages_per_rank > args.layers:
+        sys.exit(f"{pp * stages_per_rank} stages (--pp {pp} x {stages_per_rank} a rank) need --layers "
+                 f"{pp * stages_per_rank} or more: a stage holds at least one block")
+    log = print if rank == 0 else (lambda *a, **k: None)
+
+    torch.manual_seed(args.seed)            # the same initial model (and dropout seed) everywhere
+    model = GPT(args.vocab, args.hidden, args.heads, args.layers, args.seq, args.dropout).to(device)
+    rng = torch.Generator().manual_seed(args.seed + 1 + dp_rank)      # the ranks of one replica: one batch
+    data = [torch.randint(args.vocab, (args.batch, args.seq + 1), generator=rng) for _ in range(4)]
+
+    def batch(step):
+        x = data[step % len(data)]
+        return x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)
+
+    t0 = time.perf_counter()
+    pipe = autoshard.pipeline(model, batch(0), mesh=mesh, microbatches=microbatches, schedule=args.schedule,
+                              stages_per_rank=stages_per_rank, device=device)
+    if not args.quiet:
+        log(pipe.plan)
+    log(f"world {world} = {pp} pipeline x {dp} data-parallel x {tp} tensor-parallel ({backend}); "
+        f"{microbatches} microbatches of {args.batch // microbatches}; planned and cut in "
+        f"{time.perf_counter() - t0:.1f} s")
+    if args.fsdp:                             # FSDP2 over "dp" per block of this rank's stages; the rest (embeddings,
+        from torch.distributed.fsdp import fully_shard      # head, final norm) averaged over "dp" by the pipeline
+        for block in autoshard.blocks_of(pipe).values():
+            fully_shard(block, mesh=mesh["dp"])
+        log(f"FSDP2 over {dp} data-parallel ranks, {len(autoshard.blocks_of(pipe))} blocks of rank 0's stages wrapped")
+    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+
+    t0 = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        idx, targets = batch(step)
+        loss = pipe.step(idx, targets)       # forward and backward over the microbatches; the loss on every rank
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        shown = loss.detach().clone()
+        if dp > 1:                            # each replica's loss of its own batch
+            dist.all_reduce(shown, group=mesh["dp"].get_group())
+            shown /= dp
+        log(f"step {step:3d}  loss {shown.item():.4f}  {time.perf_counter() - t0:.2f} s")
+
+    if args.save:                             # every stage's full tensors, gathered to rank 0
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pipe.state_dict().items()}
+        full = autoshard.collect_state_dict(pipe, state)                  # FSDP2's DTensors -> tp shards -> whole
+        first = dp_rank == 0 and mesh["tp"].get_local_rank() == 0
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object(dict(full) if first else {}, parts, dst=0)
+        if rank == 0:
+            state = {k: v for part in parts for k, v in part.items()}
+            torch.save(state, args.save)
+            log(f"saved the full state dict ({len(state)} tensors) to {args.save}")
     return 0
 
 
