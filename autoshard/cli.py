@@ -305,9 +305,8 @@ def pipeline_example(model, example, source: str | None, args) -> tuple:
 
 def pipeline_summary(pplan) -> dict:
     """The "pipeline" object of --json: the blocks of each stage and the predicted costs."""
-    out = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(pplan).items()}
-    return dict(out, stages=[list(names) for names in pplan.stages], memory=[int(b) for b in pplan.memory],
-                sent_bytes=[int(b) for b in pplan.sent_bytes], balance=pplan.balance)
+    out = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(pplan).items() if k != "tensor_parallel"}
+    return dict(out, stages=[list(names) for names in pplan.stages], balance=pplan.balance)
 
 
 def cmd_plan(args) -> int:
@@ -357,7 +356,7 @@ def cmd_plan(args) -> int:
                                         **options)
         example = pytree.tree_map(lambda x: x[:batch // microbatches] if getattr(x, "shape", ())[:1] == (batch,)
                                   else x, example)      # the report: one microbatch, as every stage runs it
-    plan = autoshard.plan(model, args.world_size, example, **options)
+    plan = pplan.tensor_parallel if pplan is not None else autoshard.plan(model, args.world_size, example, **options)
     if args.export:
         exported = plan.export(args.export, **({"model": model, "loss_parallel": args.loss_parallel}
                                                if args.export == "dtensor" else

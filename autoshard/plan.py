@@ -172,6 +172,7 @@ class PipelinePlan:
     bubble: float                 # predicted idle fraction, mean over ranks
     idle: tuple                   # predicted idle fraction per rank
     seconds: float = 0.0          # planning time
+    tensor_parallel: Any = field(default=None, compare=False, repr=False)   # the Plan inside each stage
 
     @property
     def stage_times(self) -> tuple:
@@ -184,7 +185,7 @@ class PipelinePlan:
         return max(times) / (sum(times) / len(times))
 
     def report(self) -> str:
-        from ..views.stages import format_pipeline
+        from .views.stages import format_pipeline
         return format_pipeline(self)
 
     def __str__(self) -> str:

@@ -178,7 +178,7 @@ def test_llama_pp2_dp2_tp2_fsdp2(dist8):
     _covers_model(out, _hf("llama")[0].state_dict())
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
 def test_hf_pp2_tp2(dist4, name):
     out = dist4.run(_train_matches, name, 2, 2, "1F1B", 1, 2, "export", timeout=500)
     _covers_model(out, _hf(name)[0].state_dict())

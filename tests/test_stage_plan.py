@@ -328,3 +328,26 @@ def test_zero_bubble_splits_backward_and_shrinks_the_bubble():
     one = S.simulate("Interleaved1F1B", 2, 4, fwd, bwd, stages_per_rank=2)
     assert zb.busy == one.busy == (24.0, 24.0)
     assert zb.makespan < one.makespan
+
+
+def test_block_costs_count_every_block_and_a_tied_head_on_both_ends():
+    """Each block holds its own parameters (identical blocks traced once share their nodes' values,
+    not their weights); a tied embedding and head counts on the first and the last stage; the final
+    norm goes with the head."""
+    import torch
+
+    import autoshard
+    from autoshard.planner.pipeline import block_costs
+    from models import GPT
+    torch.manual_seed(0)
+    model = GPT(vocab=128, h=64, heads=4, blocks=4, seq=16, tied=True)
+    idx = torch.zeros(4, 16, dtype=torch.long)
+    pplan = autoshard.plan_pipeline(model, (idx, idx), pp=2, microbatches=2)
+    names = [f"blocks.{i}" for i in range(4)]
+    first, costs, last, params, first_bytes, last_bytes = block_costs(pplan.tensor_parallel, names)
+    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    assert params == [block] * 4
+    wte, wpe = model.wte.weight.numel() * 4, model.wpe.weight.numel() * 4
+    norm = sum(p.numel() * 4 for p in model.ln_f.parameters())
+    assert first_bytes == wte + wpe and last_bytes == wte + norm
+    assert costs[0] == costs[3] and last > first > 0

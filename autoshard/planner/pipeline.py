@@ -47,7 +47,10 @@ def _param_bytes(plan, node, p: int) -> float:
 
 def block_costs(plan, names: list) -> tuple:
     """(first, per-block seconds, last, per-block parameter bytes, first bytes, last bytes) of one
-    training step of one microbatch on a rank of `plan` (the tensor-parallel plan at that size)."""
+    training step of one microbatch on a rank of `plan` (the tensor-parallel plan at that size). A
+    parameter read outside the blocks counts where it is read: before the first block (the
+    embedding: the first stage), after the last (final norm, head: the last stage), both for a
+    tied embedding and head, else with the block it feeds."""
     if not names:
         raise ShardingError("pipeline: the model has no blocks to cut into stages (no ModuleList / Sequential of "
                             "layers of one class); name them with blocks=")
@@ -57,34 +60,59 @@ def block_costs(plan, names: list) -> tuple:
     index = {n: i for i, n in enumerate(names)}
     costs, params = [0.0] * len(names), [0.0] * len(names)
     first = last = first_bytes = last_bytes = 0.0
-    pending = pending_bytes = 0.0
+    pending = 0.0
+    nodes = list(plan.graph_module.graph.nodes)
+    where: dict = {}                        # node -> block index, or "first" / "last" for the skeleton
     seen_block = False
-    seen_params: set = set()
-    for node in plan.graph_module.graph.nodes:
+    for node in nodes:
         block = owner(node, by_len) if node.op not in ("placeholder", "output") else None
-        if node.op == "get_attr":
-            if node.target in plan.layouts and id(node.meta.get("val")) not in seen_params:
-                seen_params.add(id(node.meta.get("val")))
-                size = _param_bytes(plan, node, p)
-                if block in index:
-                    params[index[block]] += size
-                elif not seen_block:
-                    first_bytes += size
-                else:
-                    pending_bytes += size
-            continue
-        seconds = _node_seconds(plan, node, p) + comm.get(node.name, 0.0)
         if block in index:
             seen_block = True
-            costs[index[block]] += seconds + pending
-            params[index[block]] += pending_bytes
-            pending = pending_bytes = 0.0
-        elif not seen_block:
+            where[node] = index[block]
+        elif node.op != "get_attr":
+            where[node] = "pending" if seen_block else "first"
+    after = {n for n in reversed(nodes) if where.get(n) == "pending"}
+    for n in reversed(nodes):               # skeleton nodes after the last block are the last stage's
+        if isinstance(where.get(n), int):
+            break
+        if n in after:
+            where[n] = "last"
+    counted: set = set()
+    for node in nodes:
+        if node.op == "get_attr":
+            if node.target not in plan.layouts or node.target in counted:
+                continue
+            counted.add(node.target)
+            size = _param_bytes(plan, node, p)
+            homes = {where.get(u, "last") for u in node.users}
+            homes = {h if h != "pending" else _next_block(u, where, nodes) for h, u in
+                     ((where.get(u, "last"), u) for u in node.users)}
+            for h in homes:
+                if h == "first":
+                    first_bytes += size
+                elif h == "last":
+                    last_bytes += size
+                else:
+                    params[h] += size
+            continue
+        seconds = _node_seconds(plan, node, p) + comm.get(node.name, 0.0)
+        w = where.get(node)
+        if isinstance(w, int):
+            costs[w] += seconds + pending
+            pending = 0.0
+        elif w == "first":
             first += seconds
+        elif w == "last":
+            last += seconds
         else:
             pending += seconds
-    last, last_bytes = pending, pending_bytes
     return first, costs, last, params, first_bytes, last_bytes
+
+
+def _next_block(node, where: dict, nodes: list) -> int:
+    """The block after `node` in graph order (a skeleton node between two blocks goes with the later)."""
+    at = nodes.index(node)
+    return next((where[n] for n in nodes[at:] if isinstance(where.get(n), int)), len(nodes))
 
 
 def in_flight(schedule: str, pp: int, rank: int, microbatches: int, stages_per_rank: int) -> int:
@@ -99,8 +127,7 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, stages_per_r
 
 
 def plan_pipeline(plan, names: list, *, pp: int, dp: int = 1, microbatches: int, schedule: str,
-                  stages_per_rank: int = 1, split=None, activations_per_block=None, send_bandwidth=None,
-                  seconds: float = 0.0) -> PipelinePlan:
+                  stages_per_rank: int = 1, split=None, send_bandwidth=None, seconds: float = 0.0) -> PipelinePlan:
     """Cut the blocks `names` of `plan`'s model (at one microbatch) into pp x stages_per_rank stages."""
     stages = pp * stages_per_rank
     if stages > len(names):
@@ -122,25 +149,26 @@ def plan_pipeline(plan, names: list, *, pp: int, dp: int = 1, microbatches: int,
     send = max(hidden, default=0) / bandwidth + plan.cost_model.latency if stages > 1 else 0.0
     timeline = simulate(schedule, pp, microbatches, forward, backward, stages_per_rank=stages_per_rank, send=send)
     state = plan.cost_model.state_factor
-    acts = activations_per_block or _activations_per_block(plan, costs)
+    acts, acts_first, acts_last = _activations(plan, first, costs, last)
     memory = []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         held = sum(params[a:b]) + (first_bytes if s == 0 else 0) + (last_bytes if s == stages - 1 else 0)
+        saved = sum(acts[a:b]) + (acts_first if s == 0 else 0) + (acts_last if s == stages - 1 else 0)
         flight = in_flight(schedule, pp, s % pp, microbatches, stages_per_rank)
-        memory.append(int(held * state + flight * sum(acts[a:b])))
+        memory.append(int(held * state + flight * saved))
     return PipelinePlan(schedule=schedule, pp=pp, tp=plan.world_size, dp=dp, microbatches=microbatches,
                         stages_per_rank=stages_per_rank, stages=tuple(groups), forward=forward, backward=backward,
-                        memory=tuple(memory), sent_bytes=tuple(hidden), step_time=timeline.makespan,
-                        bubble=timeline.bubble, idle=tuple(timeline.per_rank), seconds=seconds)
+                        memory=tuple(memory), sent_bytes=tuple(int(b) for b in hidden), step_time=timeline.makespan,
+                        bubble=timeline.bubble, idle=tuple(timeline.per_rank), seconds=seconds, tensor_parallel=plan)
 
 
-def _activations_per_block(plan, costs: list) -> list:
-    """Saved activations of one microbatch per block: the plan's step total apportioned by time
-    (blocks alike save alike)."""
+def _activations(plan, first: float, costs: list, last: float) -> tuple:
+    """Saved activations of one microbatch (per block, before the blocks, after them): the plan's
+    step total apportioned by time (blocks alike save alike; the head's logits go with the head)."""
     memory = plan.memory
     total = getattr(memory, "activations", 0) if memory is not None else 0
-    whole = sum(costs) or 1.0
-    return [total * c / whole for c in costs]
+    whole = (first + sum(costs) + last) or 1.0
+    return [total * c / whole for c in costs], total * first / whole, total * last / whole
 
 
 def _boundary_bytes(plan, names: list, bounds: list) -> list:
