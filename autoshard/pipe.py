@@ -76,7 +76,13 @@ def plan_pipeline(model: nn.Module, example, *, pp: int, tp: int = 1, dp: int = 
     tp_plan = plan_tp(model, tp, _call_example(*mb), **plan_options)
     names = B.resolve_blocks(model, blocks)
     return _cut_plan(tp_plan, names, pp=pp, dp=dp, microbatches=microbatches, schedule=schedule,
-                     stages_per_rank=stages_per_rank, split=split, seconds=time.perf_counter() - start)
+                     stages_per_rank=stages_per_rank, split=split, parts=_parts(model, names),
+                     seconds=time.perf_counter() - start)
+
+
+def _parts(model: nn.Module, names: list) -> dict:
+    """{block: its children}: where a stage boundary may fall inside a block (planner.pipeline)."""
+    return {n: [f"{n}.{k}" for k, _ in model.get_submodule(n).named_children()] for n in names}
 
 
 def _mesh_dims(mesh):
@@ -217,7 +223,8 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
     mb_example = _call_example(mb_args, mb_kwargs)
     tp_plan = plan_tp(model, tp, mb_example, **options)       # planned once, then cut, then built
     pplan = _cut_plan(tp_plan, names, pp=pp, dp=dp, microbatches=microbatches, schedule=schedule,
-                      stages_per_rank=stages_per_rank, split=split)
+                      stages_per_rank=stages_per_rank, split=split, parts=_parts(model, names))
+    names = [n for group in pplan.stages for n in group]       # a block cut inside: its children
     stage_of = {n: s for s, group in enumerate(pplan.stages) for n in group}
     me = dims["pp"].get_local_rank()
     mine = [s for s in range(stages) if s % pp == me]

@@ -72,8 +72,8 @@ def _mesh(world, pp, tp, dp=1):
 
 
 def _model(name):
-    if name in ("gpt", "gpt8"):
-        return _gpt(blocks=8 if name == "gpt8" else 4), _gpt_batch()
+    if name in ("gpt", "gpt3", "gpt8"):
+        return _gpt(blocks={"gpt": 4, "gpt3": 3, "gpt8": 8}[name]), _gpt_batch()
     return _hf(name)
 
 
@@ -127,7 +127,7 @@ def _train_matches(rank, world, name, pp, tp, schedule, spr, microbatches, trace
     want = ref.state_dict()
     for k, v in full.items():
         torch.testing.assert_close(v, want[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {k} after: {m}")
-    return sorted(full), [len(s) for s in pipe.plan.stages]
+    return sorted(full), [len(s) for s in pipe.plan.stages], pipe.plan.stages
 
 
 def _covers_model(results, model_keys):
@@ -141,6 +141,18 @@ def test_gpt_tied_pp2(dist2, schedule):
     _covers_model(out, _gpt().state_dict())
     assert out[0][1] == [2, 2]
     assert "wte.weight" in out[0][0] and "wte.weight" in out[1][0]      # the tied weight on both ends
+
+
+def test_cut_inside_a_block(dist2):
+    """3 blocks on 2 stages: whole blocks leave one stage twice the other's work, so the middle block
+    is cut between its children (they become blocks of their own), exactly."""
+    out = dist2.run(_train_matches, "gpt3", 2, 1, "1F1B", 1, 4, timeout=300)
+    _covers_model(out, _gpt(blocks=3).state_dict())
+    stages = out[0][2]
+    assert stages[0][0] == "blocks.0" and stages[1][-1] == "blocks.2"
+    inside = [n for group in stages for n in group if n.startswith("blocks.1.")]
+    assert inside and {n.split(".")[2] for n in inside} <= {m for m, _ in _gpt(blocks=3).blocks[1].named_children()}
+    assert any(n.startswith("blocks.1.") for n in stages[0]) and any(n.startswith("blocks.1.") for n in stages[1])
 
 
 @pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble"])
@@ -334,7 +346,6 @@ def _meta_loads_own_stages(rank, world, path):
     pipe = autoshard.pipeline(empty, example, mesh=_mesh(world, 2, 1), microbatches=2, tracer="export", load=path)
     real = {n for n, p in pipe.named_parameters() if not p.is_meta}
     assert real == {n for n, _ in pipe.named_parameters()}
-    layers = sorted({n.split(".")[2] for n in real if n.startswith("model.layers.")})
     loss = pipe.step(**example)
     want = _loss(ref, example)
     want.backward()
@@ -343,9 +354,11 @@ def _meta_loads_own_stages(rank, world, path):
     rgrads = dict(ref.named_parameters())
     for n, g in grads.items():
         close_to_scale(g, rgrads[n].grad, f"grad of {n}")
-    return layers
+    return sorted(real)
 
 
 def test_model_on_meta_fills_only_its_stages(dist2, tmp_path):
     out = dist2.run(_meta_loads_own_stages, os.path.join(str(tmp_path), "llama.pt"), timeout=400)
-    assert out == [["0", "1"], ["2", "3"]]
+    assert not set(out[0]) & set(out[1])                       # no rank holds another's stage
+    assert set(out[0]) | set(out[1]) == {n for n, _ in _hf("llama")[0].named_parameters()}
+    assert "model.layers.0.mlp.up_proj.weight" in out[0] and "lm_head.weight" in out[1]

@@ -32,8 +32,9 @@ def test_table(capsys):
     pipe = out[out.index("pipeline: 2 stages"):]
     assert pipe.startswith("pipeline: 2 stages on pp 2 x tp 2 x dp 1, schedule 1F1B, 2 microbatches")
     rows = [line.split() for line in pipe.splitlines() if line.split()[:1] in (["0"], ["1"])]
-    assert [r[:3] for r in rows] == [["0", "0", "blocks.0"], ["1", "1", "blocks.1"]], pipe
-    assert "blocks.0 + embeddings" in pipe and "blocks.1 + head, loss" in pipe
+    assert [r[:3] for r in rows] == [["0", "0", "blocks.0"], ["1", "1", rows[1][2]]], pipe
+    assert rows[1][2].startswith("blocks.1")        # 2 blocks: the second cut between its children, or whole
+    assert "+ embeddings" in pipe and "+ head, loss" in pipe
     assert "predicted step" in pipe and "bubble" in pipe and "slowest stage" in pipe
 
 
@@ -44,10 +45,12 @@ def test_json(capsys):
     p = out["pipeline"]
     assert (p["pp"], p["tp"], p["schedule"], p["microbatches"], p["stages_per_rank"]) == (2, 2, "1F1B", 2, 1)
     assert len(p["stages"]) == 2 and all(p["stages"])
-    assert [b for stage in p["stages"] for b in stage] == ["blocks.0", "blocks.1"]
+    names = [b for stage in p["stages"] for b in stage]
+    assert names[0] == "blocks.0" and all(b == "blocks.1" or b.startswith("blocks.1.") for b in names[1:])
     assert len(p["forward"]) == len(p["backward"]) == len(p["memory"]) == 2 and len(p["sent_bytes"]) == 1
     assert all(t > 0 for t in p["forward"] + p["backward"]) and all(isinstance(b, int) and b > 0 for b in p["memory"])
-    assert p["sent_bytes"] == [2 * 64 * 128 * 4]            # one microbatch's residual stream, whole under tp
+    stream = 2 * 64 * 128 * 4                                  # one microbatch's residual stream, whole under tp
+    assert p["sent_bytes"][0] > 0 and p["sent_bytes"][0] % stream == 0
     assert p["step_time"] > 0 and 0 <= p["bubble"] < 1 and len(p["idle"]) == 2 and p["balance"] >= 1
 
 

@@ -126,3 +126,44 @@ def var_args(node):
     correction = kw.get("correction", (1 if unbiased is None or unbiased else 0))
     keepdim = args[3] if isinstance(args[3], bool) else kw.get("keepdim", False)
     return dim, (1 if correction is None else correction), bool(keepdim)
+
+
+def _tensor_of(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _runs_elsewhere(n: fx.Node) -> bool:
+    """Ops that must run once, where the plan put them: collectives, dropout and other random ops,
+    module calls (blocks, mode modules) and anything impure."""
+    if n.op == "call_module":
+        return True
+    target = n.target
+    module = getattr(target, "__module__", "") or ""
+    if module.startswith("autoshard.runtime") or module.startswith("autoshard.nn"):
+        return True
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+        return True
+    try:
+        return n.is_impure()
+    except Exception:  # noqa: BLE001 - an op fx cannot judge: keep it where it is
+        return True
+
+
+def kinds(root: nn.Module, graph: fx.Graph) -> tuple[set, set]:
+    """(free nodes, parameter reads) of `graph`, whose targets resolve in `root`. A free node is
+    computed from the graph's inputs and buffers by pure ops (positions, rotary tables, masks,
+    sizes): a pipeline stage recomputes it rather than receive it (planner.pipeline,
+    rewrite.stages)."""
+    free, params = set(), set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            free.add(n)
+        elif n.op == "get_attr":
+            (params if isinstance(_tensor_of(root, n.target), nn.Parameter) else free).add(n)
+        elif n.op in ("call_function", "call_method") and not _runs_elsewhere(n) \
+                and all(i in free for i in n.all_input_nodes):
+            free.add(n)
+    return free, params

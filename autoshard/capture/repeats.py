@@ -170,8 +170,9 @@ def module_paths(node: fx.Node) -> list[str]:
 
 def owner(node: fx.Node, names) -> str | None:
     """The block of `names` that `node` belongs to (None: none): for get_attr and a module call
-    recorded without a stack, the owner of its target; else the innermost-listed block of its
-    module stack."""
+    recorded without a stack, the owner of its target; else, for the outermost path of its module
+    stack within a block, the innermost block holding it. `names` may be a set (a caller asking for
+    many nodes passes one: each lookup is then a few prefixes, whatever the number of blocks)."""
     if node.op in ("placeholder", "output"):
         return None
     if node.op == "get_attr" or (node.op == "call_module" and STACK not in node.meta):
@@ -180,10 +181,13 @@ def owner(node: fx.Node, names) -> str | None:
         paths = module_paths(node)
     else:
         return None
+    known = names if isinstance(names, (set, frozenset)) else set(names)
     for path in paths:
-        for b in names:
-            if path == b or path.startswith(b + "."):
-                return b
+        parts = path.split(".")
+        for k in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:k])
+            if prefix in known:
+                return prefix
     return None
 
 

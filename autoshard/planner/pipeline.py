@@ -11,10 +11,11 @@ for each microbatch the schedule holds in flight on that rank.
 """
 from __future__ import annotations
 
+from ..capture.ops import kinds
 from ..capture.repeats import owner
 from ..errors import ShardingError
 from ..plan import PipelinePlan
-from ..runtime.placements import Replicate
+from ..runtime.placements import Replicate, Shard
 from .cost import flops
 from .stages import balance, check_split, simulate
 
@@ -54,7 +55,7 @@ def block_costs(plan, names: list) -> tuple:
     if not names:
         raise ShardingError("pipeline: the model has no blocks to cut into stages (no ModuleList / Sequential of "
                             "layers of one class); name them with blocks=")
-    by_len = sorted(names, key=len, reverse=True)
+    by_len = frozenset(names)
     p = plan.world_size
     comm = _redistribution_seconds(plan, p)
     index = {n: i for i, n in enumerate(names)}
@@ -127,24 +128,33 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, stages_per_r
 
 
 def plan_pipeline(plan, names: list, *, pp: int, dp: int = 1, microbatches: int, schedule: str,
-                  stages_per_rank: int = 1, split=None, send_bandwidth=None, seconds: float = 0.0) -> PipelinePlan:
-    """Cut the blocks `names` of `plan`'s model (at one microbatch) into pp x stages_per_rank stages."""
+                  stages_per_rank: int = 1, split=None, parts=None, send_bandwidth=None,
+                  seconds: float = 0.0) -> PipelinePlan:
+    """Cut the blocks `names` of `plan`'s model (at one microbatch) into pp x stages_per_rank stages.
+
+    `parts` ({block: its children}): where cutting at whole blocks leaves the slowest stage over 1%
+    slower than cutting between blocks' children would (80 layers and a head on 8 stages: one stage
+    holds 11 layers), the blocks a cut falls inside are cut between their children (in call order:
+    a layer's norm, attention, norm, MLP), which then become blocks of their own."""
     stages = pp * stages_per_rank
     if stages > len(names):
         raise ShardingError(f"pipeline: {stages} stages (pp {pp} x {stages_per_rank} a rank) but the model has "
                             f"{len(names)} blocks ({names[0]} .. {names[-1]}): a stage holds at least one block; "
                             "use fewer stages")
-    first, costs, last, params, first_bytes, last_bytes = block_costs(plan, names)
-    starts = check_split(split, len(names), stages) if split is not None else \
-        balance(costs, stages, first=first, last=last)
-    bounds = list(starts) + [len(names)]
-    groups = [tuple(names[a:b]) for a, b in zip(bounds, bounds[1:])]
-    totals = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
-    totals[0] += first
-    totals[-1] += last
+    graph = _Graph(plan)
+    units = [(n,) for n in names]
+    cut = _cut(plan, units, stages, split)
+    pieces = graph.parts(parts or {}) if split is None else {}
+    if pieces:
+        fine = [h for n in names for h in pieces.get(n, [(n,)])]
+        finer = _cut(plan, fine, stages, None)
+        if max(finer["totals"]) < 0.99 * max(cut["totals"]):
+            cut = finer
+    groups, totals, bounds, units = cut["groups"], cut["totals"], cut["bounds"], cut["units"]
+    first, costs, last, params, first_bytes, last_bytes = cut["costs"]
     forward = tuple(t / 3 for t in totals)
     backward = tuple(2 * t / 3 for t in totals)
-    hidden = _boundary_bytes(plan, names, bounds)
+    hidden = [graph.live_bytes(graph.start(units[b])) for b in bounds[1:-1]]
     bandwidth = send_bandwidth or plan.cost_model.bandwidth
     send = max(hidden, default=0) / bandwidth + plan.cost_model.latency if stages > 1 else 0.0
     timeline = simulate(schedule, pp, microbatches, forward, backward, stages_per_rank=stages_per_rank, send=send)
@@ -162,6 +172,100 @@ def plan_pipeline(plan, names: list, *, pp: int, dp: int = 1, microbatches: int,
                         bubble=timeline.bubble, idle=tuple(timeline.per_rank), seconds=seconds, tensor_parallel=plan)
 
 
+def _cut(plan, units: list, stages: int, split) -> dict:
+    """The cut of `units` (each a tuple of modules: a block, or a half of one) into `stages`:
+    balanced, or as `split` pins; each stage's group names a whole block by itself."""
+    names = [m for u in units for m in u]
+    costs = block_costs(plan, names)
+    at, per_unit, params = 0, [], []
+    for u in units:
+        per_unit.append(sum(costs[1][at:at + len(u)]))
+        params.append(sum(costs[3][at:at + len(u)]))
+        at += len(u)
+    first, last = costs[0], costs[2]
+    starts = check_split(split, len(units), stages) if split is not None else \
+        balance(per_unit, stages, first=first, last=last)
+    bounds = list(starts) + [len(units)]
+    totals = [sum(per_unit[a:b]) for a, b in zip(bounds, bounds[1:])]
+    totals[0] += first
+    totals[-1] += last
+    groups = [_coarsen(units[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return {"groups": groups, "totals": totals, "bounds": bounds, "units": units,
+            "costs": (first, per_unit, last, params, costs[4], costs[5])}
+
+
+def _coarsen(units: list) -> tuple:
+    """A stage's modules: a block all of whose parts the stage holds by its own name."""
+    out = []
+    held: dict = {}
+    for u in units:
+        held[getattr(u, "block", None)] = held.get(getattr(u, "block", None), 0) + 1
+    for u in units:
+        block = getattr(u, "block", None)
+        if block is not None and held[block] == u.of:
+            if block not in out:
+                out.append(block)
+        else:
+            out.extend(u)
+    return tuple(out)
+
+
+class _Graph:
+    """The plan's captured graph read for cuts: node order, free values, live bytes at a point."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.nodes = list(plan.graph_module.graph.nodes)
+        self.pos = {n: i for i, n in enumerate(self.nodes)}
+        self.free, self.params = kinds(plan.graph_module, plan.graph_module.graph)
+
+    def start(self, unit: tuple) -> int:
+        """Where `unit` (its modules) begins: its first node in graph order."""
+        by_len = frozenset(unit)
+        return next(i for i, n in enumerate(self.nodes)
+                    if n.op not in ("placeholder", "output", "get_attr") and owner(n, by_len) is not None)
+
+    def live_bytes(self, at: int) -> float:
+        """Bytes a rank holds of the values made before node `at` and read from it on: what a stage
+        cut there sends (free values are recomputed, parameters held)."""
+        total = 0.0
+        for n in self.nodes[:at]:
+            if n in self.free or n in self.params or n.op == "output":
+                continue
+            if any(self.pos[u] >= at and u.op != "output" for u in n.users):
+                v = n.meta.get("val")
+                if hasattr(v, "numel"):
+                    dec = self.plan.nodes.get(n.name)
+                    split = dec is not None and isinstance(dec.output, Shard) and self.plan.world_size > 1
+                    total += v.numel() * v.element_size() / (self.plan.world_size if split else 1)
+        return total
+
+    def parts(self, parts: dict) -> dict:
+        """{block: its children that run ops, each a unit, in call order} for blocks of two or more."""
+        names = frozenset(c for cs in parts.values() for c in cs)
+        first_at: dict = {}
+        for i, n in enumerate(self.nodes):
+            if n.op not in ("placeholder", "output", "get_attr"):
+                c = owner(n, names)
+                if c is not None and c not in first_at:
+                    first_at[c] = i
+        out = {}
+        for block, children in parts.items():
+            called = sorted((c for c in children if c in first_at), key=first_at.get)
+            if len(called) > 1:
+                out[block] = [_Part((c,), block, len(called)) for c in called]
+        return out
+
+
+class _Part(tuple):
+    """A child of a block (one of `of`): it becomes a block of its own when a cut falls inside its block."""
+
+    def __new__(cls, children, block: str, of: int):
+        self = super().__new__(cls, children)
+        self.block, self.of = block, of
+        return self
+
+
 def _activations(plan, first: float, costs: list, last: float) -> tuple:
     """Saved activations of one microbatch (per block, before the blocks, after them): the plan's
     step total apportioned by time (blocks alike save alike; the head's logits go with the head)."""
@@ -169,22 +273,3 @@ def _activations(plan, first: float, costs: list, last: float) -> tuple:
     total = getattr(memory, "activations", 0) if memory is not None else 0
     whole = (first + sum(costs) + last) or 1.0
     return [total * c / whole for c in costs], total * first / whole, total * last / whole
-
-
-def _boundary_bytes(plan, names: list, bounds: list) -> list:
-    """Bytes a rank sends at each boundary for one microbatch: the output of the boundary's last
-    block as this rank holds it (the residual stream: whole, or split on tokens under sequence
-    parallelism)."""
-    by_len = sorted(names, key=len, reverse=True)
-    out_of: dict = {}
-    for node in plan.graph_module.graph.nodes:
-        block = owner(node, by_len) if node.op not in ("placeholder", "output", "get_attr") else None
-        if block is None:
-            continue
-        if any(owner(u, by_len) != block for u in node.users if u.op != "output"):
-            v = node.meta.get("val")
-            if hasattr(v, "numel"):
-                dec = plan.nodes.get(node.name)
-                split = dec is not None and not isinstance(dec.output, Replicate) and plan.world_size > 1
-                out_of[block] = v.numel() * v.element_size() / (plan.world_size if split else 1)
-    return [out_of.get(names[b - 1], 0) for b in bounds[1:-1]]

@@ -64,7 +64,7 @@ def resolve_blocks(model: nn.Module, blocks) -> list[str]:
 
 def membership(graph: fx.Graph, names: list[str]) -> dict:
     """{node: block name or None} for every node of `graph`."""
-    by_len = sorted(names, key=len, reverse=True)
+    by_len = frozenset(names)
     label = {}
     unknown = []
     for n in graph.nodes:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from ..capture.ops import kinds
 from ..errors import ShardingError
 
 ANYWHERE = -1                     # a parameter read: placed with each reader
@@ -44,44 +44,6 @@ class StageGraphs:
 def input_name(k: int) -> str:
     """A stage's name for the model's k-th input (no clash with a schedule's own keywords)."""
     return f"autoshard_x_{k}"
-
-
-def _tensor_of(root: nn.Module, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
-def _runs_elsewhere(n: fx.Node) -> bool:
-    """Ops that must run once, where the plan put them: collectives, dropout and other random ops,
-    module calls (blocks, mode modules) and anything impure."""
-    if n.op == "call_module":
-        return True
-    target = n.target
-    module = getattr(target, "__module__", "") or ""
-    if module.startswith("autoshard.runtime") or module.startswith("autoshard.nn"):
-        return True
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
-        return True
-    try:
-        return n.is_impure()
-    except Exception:  # noqa: BLE001 - an op fx cannot judge: keep it where it is
-        return True
-
-
-def kinds(root: nn.Module, graph: fx.Graph) -> tuple[set, set]:
-    """(free nodes, parameter reads) of `graph`, whose targets resolve in `root`."""
-    free, params = set(), set()
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            free.add(n)
-        elif n.op == "get_attr":
-            (params if isinstance(_tensor_of(root, n.target), nn.Parameter) else free).add(n)
-        elif n.op in ("call_function", "call_method") and not _runs_elsewhere(n) \
-                and all(i in free for i in n.all_input_nodes):
-            free.add(n)
-    return free, params
 
 
 def _loss_leaf(leaves: list, is_loss) -> int:
