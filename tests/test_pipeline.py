@@ -13,7 +13,6 @@ import torch.distributed as dist
 import autoshard
 from autoshard.errors import ShardingError
 from hf_models import bert, gpt2, llama
-from launcher import RankError
 from models import GPT
 from refs import close_to_scale
 
