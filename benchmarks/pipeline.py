@@ -1,0 +1,680 @@
+#!/usr/bin/env python
+"""Pipeline stages (autoshard.pipeline): step time against tensor and data parallelism, the
+measured bubble against the plan's, and the cuts of LLaMA-3-70B and GPT-3 175B.
+
+    python benchmarks/pipeline.py                    # all three parts (~7 min on 2 busy cores)
+    python benchmarks/pipeline.py --steps            # 1. step time, 4 ranks and 2 ranks
+    python benchmarks/pipeline.py --bubble           # 2. idle fraction per rank, measured and predicted
+    python benchmarks/pipeline.py --cuts             # 3. plan_pipeline on meta: LLaMA-3-70B, GPT-3 175B
+    python benchmarks/pipeline.py --json out.json    # also write every figure to out.json
+
+Ranks are processes spawned by benchmarks/common.launch (gloo on 127.0.0.1, one torch thread a
+rank). The model of parts 1 and 2 is the GPT of tests/models.py (untied head, GPT-2's
+initialisation), 8 blocks; its size is set by --vocab/--hidden/--heads/--blocks/--seq.
+
+1. `--steps`: one step is forward + backward of the global batch (--batch x --seq tokens; no
+   optimizer), then `zero_grad(set_to_none=True)`. At 4 ranks: pp 2 x tp 2 (1F1B, --microbatches
+   microbatches; `autoshard.pipeline` over a ("pp", "tp") DeviceMesh), pp 4 (1F1B), pp 2 x dp 2
+   (1F1B, the same microbatch size), tp 2 x dp 2 (`autoshard.parallelize` over mesh["tp"], each
+   data-parallel replica half the batch, gradients averaged over mesh["dp"] by one flat
+   all-reduce: DDP's arithmetic without its buckets) and tp 4. At 2 ranks: pp 2 (1F1B), tp 2 and
+   dp 2 (the whole model on each rank, half the batch, the flat all-reduce). Every variant is built
+   from the same seed and its first loss (mean over replicas) is checked against the others'.
+   Timing: `common.time_interleaved` (--warmup untimed steps each, then rounds in which every
+   variant runs one step in rotated order, each after a barrier; a step's time is the slowest
+   rank's). Reported: median and quartiles, the CPU time of a step summed over the ranks, and the
+   same-run ratios to the first variant (ratio of medians, median of per-round ratios).
+   The machine has 2 cores: 4 ranks share them, 2 processes a core.
+
+2. `--bubble`: pp 2 on 2 ranks and pp 4 on 4 ranks, GPipe and 1F1B, M in {4, 8}, microbatches of
+   --mb-size sequences (the batch grows with M). The stage's compute is timed by wrapping
+   torch.distributed.pipelining's `_PipelineStageBase.forward_one_chunk`, `backward_one_chunk`
+   and `backward_weight_one_chunk`, and the schedule by wrapping `_step_microbatches` of
+   ScheduleGPipe / Schedule1F1B (what `Pipeline.step` runs between splitting the batch and
+   finishing the gradients). Per rank and step: busy = the sum of the wrapped compute, window =
+   the schedule's wall time, idle fraction = 1 - busy / window (and, beside it, against the
+   whole `pipe.step`, which adds the gradients' division and the loss's broadcast). Measured
+   bubble: each step's mean over ranks, median over --bubble-steps steps (after --warmup).
+   Predicted three ways: `pipe.plan.bubble` (the cost model: FLOPs at its GPU-class rate and
+   its link's latency and bandwidth), and `autoshard.planner.stages.simulate` fed the measured
+   per-stage medians of forward_one_chunk and backward_one_chunk, once with no transfer time and
+   once with the measured one-way time of one boundary tensor (gloo send/recv ping-pong between
+   pp ranks 0 and 1, median of 20). The relative error is (predicted - measured) / measured.
+
+3. `--cuts`: `autoshard.plan_pipeline` on models built on the meta device (nothing allocated):
+   LLaMA-3-70B (hidden 8192, FFN 28672, 64 heads, 8 K/V heads, vocab 128256, 80 layers, untied;
+   microbatch 1 x 4096 tokens) at pp 8 x tp 8, and GPT-3 175B (GPT2Config: hidden 12288, 96
+   heads, 96 layers, vocab 50257, 2048 positions, tied; microbatch 1 x 2048 tokens) at pp 8 and
+   pp 16 x tp 8 (Megatron-LM's published layout: TP 8 x PP 8 or 16); 1F1B, M = --cut-microbatches.
+   Printed: the plan's table, the slowest stage over the mean (`plan.balance`; `balance` is the
+   exact min-max cut over whole blocks, so no cut at block boundaries does better under the cost
+   model), the head's (and loss's) cost in blocks, the predicted bubble, and the time of the call:
+   wall and CPU seconds, and CPU seconds by phase (the tensor-parallel plan of one microbatch,
+   `autoshard.plan`, and within it capture, the search at its prices (`least_comm`) and the fake
+   run behind the predicted memory (`memory_of`); then the cut). LLaMA-3-70B is planned twice on
+   the same model object (a cold and a warm call). Where its cold call takes over 10 s, the call
+   is run once more under cProfile and its top 15 functions are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+if __package__ in (None, ""):                                    # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))     # tests/models.py
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks.common import env_info, launch, note_load, print_table, summarize, time_interleaved  # noqa: E402
+
+CORES_NOTE = (f"machine: {os.cpu_count()} CPU cores; 4-rank runs put 4 processes (one torch thread each) on "
+              f"those cores, 2-rank runs 2")
+
+
+# ----------------------------------------------------------------------------- model and data
+
+def _gpt(a, seed: int = 0):
+    from models import GPT
+    torch.manual_seed(seed)
+    model = GPT(vocab=a["vocab"], h=a["hidden"], heads=a["heads"], blocks=a["blocks"], seq=a["seq"], tied=False)
+    for m in model.modules():                      # GPT-2's initialisation
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, torch.nn.Linear) and m.bias is not None:
+            torch.nn.init.zeros_(m.bias)
+    return model
+
+
+def _batch(a, batch: int):
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, a["vocab"], (batch, a["seq"] + 1), generator=g)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def _mesh(shape, names):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _average_grads(module, group) -> None:
+    """Average `module`'s gradients over `group` in one flat all-reduce (DDP's arithmetic)."""
+    grads = [_local(p.grad) for p in dict.fromkeys(module.parameters()) if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dist.get_world_size(group))
+    at = 0
+    for g in grads:
+        g.copy_(flat[at:at + g.numel()].view_as(g))
+        at += g.numel()
+
+
+# ----------------------------------------------------------------------------- 1. step time
+
+def _variants(world: int, a) -> list:
+    """(name, kind, mesh shape, mesh names, microbatches) of the variants at `world` ranks."""
+    m = a["microbatches"]
+    if world == 4:
+        return [("pp2 x tp2 (1F1B)", "pipe", (2, 2), ("pp", "tp"), m),
+                ("pp4 (1F1B)", "pipe", (4,), ("pp",), m),
+                ("pp2 x dp2 (1F1B)", "pipe", (2, 2), ("pp", "dp"), max(2, m // 2)),
+                ("tp2 x dp2", "tpdp", (2, 2), ("dp", "tp"), None),
+                ("tp4", "tp", None, None, None)]
+    return [("pp2 (1F1B)", "pipe", (2,), ("pp",), m),
+            ("tp2", "tp", None, None, None),
+            ("dp2", "dp", None, None, None)]
+
+
+def _build_step(kind, shape, names, microbatches, a, idx, tgt):
+    """(step callable returning the loss of this rank's replica, dp group or None, build seconds)."""
+    import autoshard
+    t0 = time.perf_counter()
+    model = _gpt(a)
+    world = dist.get_world_size()
+    if kind == "pipe":
+        mesh = _mesh(shape, names)
+        dp = mesh["dp"] if "dp" in names else None
+        if dp is not None:                         # this replica's half of the batch
+            d, n = dp.get_local_rank(), dp.size()
+            half = idx.shape[0] // n
+            idx, tgt = idx[d * half:(d + 1) * half], tgt[d * half:(d + 1) * half]
+        pipe = autoshard.pipeline(model, (idx, tgt), mesh=mesh, microbatches=microbatches, schedule="1F1B")
+
+        def step():
+            loss = pipe.step(idx, tgt)
+            pipe.zero_grad(set_to_none=True)
+            return loss
+        return step, (dp.get_group() if dp is not None else None), time.perf_counter() - t0, pipe.plan
+    if kind == "tpdp":
+        mesh = _mesh(shape, names)
+        d, n = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        half = idx.shape[0] // n
+        idx, tgt = idx[d * half:(d + 1) * half], tgt[d * half:(d + 1) * half]
+        gm = autoshard.parallelize(model, mesh["tp"].size(), (idx, tgt), group=mesh["tp"])
+        group = mesh["dp"].get_group()
+
+        def step():
+            loss = gm(idx, tgt)
+            loss.backward()
+            _average_grads(gm, group)
+            gm.zero_grad(set_to_none=True)
+            return loss.detach()
+        return step, group, time.perf_counter() - t0, None
+    if kind == "tp":
+        gm = autoshard.parallelize(model, world, (idx, tgt))
+
+        def step():
+            loss = gm(idx, tgt)
+            loss.backward()
+            gm.zero_grad(set_to_none=True)
+            return loss.detach()
+        return step, None, time.perf_counter() - t0, None
+    # dp: the whole model on every rank, its share of the batch
+    r = dist.get_rank()
+    part = idx.shape[0] // world
+    idx, tgt = idx[r * part:(r + 1) * part], tgt[r * part:(r + 1) * part]
+
+    def step():
+        loss = model(idx, tgt)
+        loss.backward()
+        _average_grads(model, None)
+        model.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step, dist.group.WORLD, time.perf_counter() - t0, None
+
+
+def _steps_rank(a):
+    warnings.simplefilter("ignore")
+    world = dist.get_world_size()
+    idx, tgt = _batch(a, a["batch"])
+    steps, first, build, cpu, plans = {}, {}, {}, {}, {}
+    for name, kind, shape, names, m in _variants(world, a):
+        step, dp, secs, plan = _build_step(kind, shape, names, m, a, idx, tgt)
+        loss = step().detach().reshape(1).clone()
+        if dp is not None:                         # the mean over replicas: the global batch's loss
+            dist.all_reduce(loss, group=dp)
+            loss /= dist.get_world_size(dp)
+        first[name], build[name], cpu[name] = loss.item(), secs, []
+        if plan is not None:
+            plans[name] = dict(bubble=plan.bubble, balance=plan.balance, stages=[len(s) for s in plan.stages])
+
+        def timed(step=step, out=cpu[name]):
+            t = time.process_time()
+            step()
+            out.append(time.process_time() - t)
+        steps[name] = timed
+        gc.collect()
+    times = time_interleaved(steps, warmup=a["warmup"] - 1, rounds=a["rounds"])   # the loss check was one warm-up
+    names = list(steps)
+    c = torch.tensor([cpu[n][-a["rounds"]:] for n in names], dtype=torch.float64)
+    dist.all_reduce(c)                             # summed over the ranks
+    cpu = {n: (c[i] * 1e3).tolist() for i, n in enumerate(names)}
+    b = torch.tensor([build[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(b, op=dist.ReduceOp.MAX)
+    return dict(world=world, times=times, cpu=cpu, first_loss=first, plans=plans,
+                build_s={n: b[i].item() for i, n in enumerate(names)})
+
+
+def run_steps(args, a) -> dict:
+    out = {}
+    print(f"\n== 1. step time: GPT vocab {a['vocab']}, hidden {a['hidden']}, {a['heads']} heads, {a['blocks']} blocks, "
+          f"untied; global batch {a['batch']} x {a['seq']} tokens; forward + backward; {a['warmup']} warm-up steps, "
+          f"{a['rounds']} interleaved rounds", flush=True)
+    print(CORES_NOTE + ": the 4-rank rows are 2 processes a core, so wall times include waiting for a core; "
+          "compare ratios within one table, not across the 2- and 4-rank tables", flush=True)
+    for world in args.worlds:
+        t0 = time.perf_counter()
+        res = launch(_steps_rank, world, a, timeout_s=1500, collective_timeout_s=600)
+        names = list(res["times"])
+        base = names[0]
+        losses = res["first_loss"]
+        spread = max(losses.values()) - min(losses.values())
+        rows = []
+        for n in names:
+            s = summarize(res["times"][n])
+            cs = statistics.median(res["cpu"][n])
+            paired = statistics.median(x / y for x, y in zip(res["times"][n], res["times"][base]))
+            cpaired = statistics.median(x / y for x, y in zip(res["cpu"][n], res["cpu"][base]))
+            plan = res["plans"].get(n)
+            rows.append([n, s["median_ms"], f"{s['p25_ms']:.1f}-{s['p75_ms']:.1f}", s["n"],
+                         s["median_ms"] / summarize(res["times"][base])["median_ms"], paired, cs,
+                         cpaired, f"{plan['bubble']:.3f}" if plan else "-", f"{res['build_s'][n]:.1f}"])
+            res.setdefault("summary", {})[n] = {**s, "cpu_median_ms": cs, "ratio_medians": rows[-1][4],
+                                                "ratio_paired": paired, "cpu_ratio_paired": cpaired}
+        title = (f"{world} ranks on {os.cpu_count()} cores ({world // max(1, os.cpu_count())} process(es) a core); "
+                 f"first-step loss spread over variants {spread:.2e} ({', '.join(f'{k} {v:.6f}' for k, v in losses.items())})")
+        print_table(rows, ["variant", "median step ms", "p25-p75", "rounds", f"/ {base} (medians)",
+                           f"/ {base} (paired)", "CPU ms (ranks summed)", "CPU / first (paired)",
+                           "plan bubble", "build s"], title=title, floatfmt=".3f")
+        print(f"  [{world} ranks: {time.perf_counter() - t0:.0f} s]", flush=True)
+        out[str(world)] = res
+    return out
+
+
+# ----------------------------------------------------------------------------- 2. bubble
+
+EVENTS: list = []          # (kind, stage index, start, end, thread CPU seconds) of this process
+
+
+def _install_timers() -> None:
+    from torch.distributed.pipelining import schedules as S
+    from torch.distributed.pipelining import stage as T
+    if getattr(T._PipelineStageBase, "_bench_timed", False):
+        return
+
+    def wrap(cls, name, kind, with_stage=True):
+        orig = getattr(cls, name)
+
+        def timed(self, *args, **kwargs):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                EVENTS.append((kind, self.stage_index if with_stage else -1, t0, time.perf_counter(),
+                               time.thread_time() - c0))
+        setattr(cls, name, timed)
+    wrap(T._PipelineStageBase, "forward_one_chunk", "F")
+    wrap(T._PipelineStageBase, "backward_one_chunk", "B")
+    wrap(T._PipelineStageBase, "backward_weight_one_chunk", "W")
+    for cls in (S.ScheduleGPipe, S.Schedule1F1B):
+        wrap(cls, "_step_microbatches", "S", with_stage=False)
+    T._PipelineStageBase._bench_timed = True
+
+
+def _ping_pong(nbytes: int, tries: int = 20) -> float:
+    """One-way seconds of a tensor of `nbytes` between ranks 0 and 1 (median of `tries` round trips / 2)."""
+    t = torch.zeros(max(1, nbytes // 4))
+    rank = dist.get_rank()
+    rt = []
+    dist.barrier()
+    for _ in range(tries + 2):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        rt.append(time.perf_counter() - t0)
+    dist.barrier()
+    one_way = torch.tensor([statistics.median(rt[2:]) / 2 if rank == 0 else 0.0], dtype=torch.float64)
+    dist.broadcast(one_way, 0)
+    return one_way.item()
+
+
+def _bubble_rank(a):
+    import autoshard
+    warnings.simplefilter("ignore")
+    _install_timers()
+    pp = dist.get_world_size()
+    mesh = _mesh((pp,), ("pp",))
+    configs = [(schedule, m) for schedule in ("GPipe", "1F1B") for m in a["bubble_microbatches"]]
+    pipes, latency = {}, None
+    for schedule, m in configs:
+        idx, tgt = _batch(a, a["mb_size"] * m)
+        pipe = autoshard.pipeline(_gpt(a), (idx, tgt), mesh=mesh, microbatches=m, schedule=schedule)
+        pipes[schedule, m] = (pipe, idx, tgt)
+        if latency is None:
+            latency = _ping_pong(int(max(pipe.plan.sent_bytes, default=0)))
+        for _ in range(a["warmup"]):
+            pipe.step(idx, tgt)
+            pipe.zero_grad(set_to_none=True)
+    per_step = {c: [] for c in configs}
+    fwd = {c: {} for c in configs}
+    bwd = {c: {} for c in configs}
+    for i in range(a["bubble_steps"]):             # interleaved: every configuration once a round, rotated
+        k = i % len(configs)
+        for c in configs[k:] + configs[:k]:
+            pipe, idx, tgt = pipes[c]
+            dist.barrier()
+            EVENTS.clear()
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            pipe.step(idx, tgt)
+            t1 = time.perf_counter()
+            cpu = time.process_time() - c0
+            pipe.zero_grad(set_to_none=True)
+            window = [(s, e) for k_, _, s, e, _ in EVENTS if k_ == "S"]
+            busy = sum(e - s for k_, _, s, e, _ in EVENTS if k_ in "FBW")
+            busy_cpu = sum(tc for k_, _, _, _, tc in EVENTS if k_ in "FBW")
+            for k_, st, s, e, _ in EVENTS:
+                if k_ == "F":
+                    fwd[c].setdefault(st, []).append(e - s)
+                elif k_ in "BW":
+                    bwd[c].setdefault(st, []).append(e - s)
+            # absolute times (CLOCK_MONOTONIC, one clock for every process on the machine)
+            per_step[c].append(dict(s0=window[0][0], s1=window[-1][1], t0=t0, t1=t1, busy=busy,
+                                    busy_cpu=busy_cpu, cpu=cpu))
+    results = []
+    for c in configs:
+        plan = pipes[c][0].plan
+        mine = dict(rank=dist.get_rank(), per_step=per_step[c],
+                    fwd={s: statistics.median(v) for s, v in fwd[c].items()},
+                    bwd={s: statistics.median(v) for s, v in bwd[c].items()},
+                    fwd_mean={s: statistics.fmean(v) for s, v in fwd[c].items()},
+                    bwd_mean={s: statistics.fmean(v) for s, v in bwd[c].items()})
+        ranks = [None] * pp
+        dist.all_gather_object(ranks, mine)
+        results.append(dict(schedule=c[0], pp=pp, microbatches=c[1], batch=a["mb_size"] * c[1], ranks=ranks,
+                            plan=dict(bubble=plan.bubble, idle=list(plan.idle), forward=list(plan.forward),
+                                      backward=list(plan.backward), step_time=plan.step_time,
+                                      stages=[len(s) for s in plan.stages], sent_bytes=list(plan.sent_bytes),
+                                      balance=plan.balance)))
+    pipes.clear()
+    gc.collect()
+    return dict(results=results, latency=latency)
+
+
+def _analyse(r: dict, latency: float) -> dict:
+    """Measured idle against the three predictions. A step's window is common to the ranks: from the
+    first rank entering the schedule to the last leaving it (what `simulate`'s makespan models: a rank
+    that finishes early is idle until the step ends); idle of a rank = 1 - its busy time / window."""
+    from autoshard.planner.stages import ideal_bubble, simulate
+    pp, m, schedule = r["pp"], r["microbatches"], r["schedule"]
+    ranks = sorted(r["ranks"], key=lambda x: x["rank"])
+    steps = len(ranks[0]["per_step"])
+    idle, idle_whole, idle_own, windows, whole, stretch = [], [], [], [], [], []
+    for i in range(steps):
+        xs = [x["per_step"][i] for x in ranks]
+        w = max(x["s1"] for x in xs) - min(x["s0"] for x in xs)
+        ww = max(x["t1"] for x in xs) - min(x["t0"] for x in xs)
+        windows.append(w)
+        whole.append(ww)
+        idle.append([1 - x["busy"] / w for x in xs])
+        idle_whole.append([1 - x["busy"] / ww for x in xs])
+        idle_own.append([1 - x["busy"] / (x["s1"] - x["s0"]) for x in xs])
+        stretch.append([x["busy"] / x["busy_cpu"] for x in xs])
+    measured = statistics.median(sum(row) / pp for row in idle)
+    fwd = [ranks[s]["fwd"][s] for s in range(pp)]
+    bwd = [ranks[s]["bwd"][s] for s in range(pp)]
+    sim0 = simulate(schedule, pp, m, fwd, bwd)
+    sim1 = simulate(schedule, pp, m, fwd, bwd, send=latency)
+    # fed the mean durations instead: the simulated busy time is then the measured one, and what is
+    # left between the two is the timeline (the order, the waits) alone
+    fmean = [ranks[s]["fwd_mean"][s] for s in range(pp)]
+    bmean = [ranks[s]["bwd_mean"][s] for s in range(pp)]
+    sim2 = simulate(schedule, pp, m, fmean, bmean, send=latency)
+    plan = r["plan"]
+    return dict(schedule=schedule, pp=pp, microbatches=m, measured=measured,
+                measured_whole_step=statistics.median(sum(row) / pp for row in idle_whole),
+                measured_own_window=statistics.median(sum(row) / pp for row in idle_own),
+                measured_per_rank=[statistics.median(row[k] for row in idle) for k in range(pp)],
+                compute_wall_over_cpu=[statistics.median(row[k] for row in stretch) for k in range(pp)],
+                window_ms=statistics.median(windows) * 1e3, whole_step_ms=statistics.median(whole) * 1e3,
+                fwd_ms=[f * 1e3 for f in fwd], bwd_ms=[b * 1e3 for b in bwd], plan_bubble=plan["bubble"],
+                plan_idle=plan["idle"], sim_bubble=sim0.bubble, sim_idle=list(sim0.per_rank),
+                sim_makespan_ms=sim0.makespan * 1e3, sim_send_bubble=sim1.bubble, sim_send_idle=list(sim1.per_rank),
+                sim_send_makespan_ms=sim1.makespan * 1e3, sim_mean_bubble=sim2.bubble,
+                sim_mean_idle=list(sim2.per_rank), sim_mean_makespan_ms=sim2.makespan * 1e3,
+                fwd_mean_ms=[f * 1e3 for f in fmean], bwd_mean_ms=[b * 1e3 for b in bmean],
+                ideal=ideal_bubble(schedule, pp, m),
+                plan_fwd_ms=[f * 1e3 for f in plan["forward"]], plan_bwd_ms=[b * 1e3 for b in plan["backward"]],
+                stages=plan["stages"], sent_bytes=plan["sent_bytes"], plan_balance=plan["balance"])
+
+
+def run_bubble(args, a) -> dict:
+    out = {}
+    print(f"\n== 2. bubble: GPT vocab {a['vocab']}, hidden {a['hidden']}, {a['heads']} heads, {a['blocks']} blocks, "
+          f"untied; microbatch {a['mb_size']} x {a['seq']} tokens; {a['warmup']} warm-up steps, "
+          f"{a['bubble_steps']} measured steps", flush=True)
+    print(CORES_NOTE + ": at pp 4 the 4 ranks compete for 2 cores, so a rank's timed compute includes waiting "
+          "for a core and its idle time gives a core to another rank; pp 2 fits the cores", flush=True)
+    for pp in args.pp:
+        t0 = time.perf_counter()
+        res = launch(_bubble_rank, pp, a, timeout_s=1500, collective_timeout_s=600)
+        rows, times, analysed = [], [], []
+        for r in res["results"]:
+            x = _analyse(r, res["latency"])
+            analysed.append(x)
+
+            def err(p, x=x):
+                return (p - x["measured"]) / x["measured"] if x["measured"] > 0 else float("nan")
+            rows.append([x["schedule"], x["microbatches"], x["ideal"], x["plan_bubble"], x["sim_send_bubble"],
+                         x["sim_mean_bubble"], x["measured"], err(x["plan_bubble"]), err(x["sim_send_bubble"]),
+                         err(x["sim_mean_bubble"]), x["measured_whole_step"]])
+
+            def ms(v):
+                return " / ".join(f"{t:.1f}" for t in v)
+
+            def fr(v):
+                return " / ".join(f"{t:.2f}" for t in v)
+            times.append([x["schedule"], x["microbatches"], ms(x["fwd_ms"]), ms(x["bwd_ms"]),
+                          " / ".join(f"{f * 1e3:.0f}" for f in x["plan_fwd_ms"]),
+                          x["window_ms"], x["sim_send_makespan_ms"], x["sim_mean_makespan_ms"],
+                          fr(x["measured_per_rank"]), fr(x["sim_send_idle"]), fr(x["plan_idle"]),
+                          fr(x["compute_wall_over_cpu"])])
+        print_table(rows, ["schedule", "M", "ideal", "plan (cost model)", "sim (median F/B)", "sim (mean F/B)",
+                           "measured", "rel err plan", "rel err sim median", "rel err sim mean",
+                           "measured (whole pipe.step)"],
+                    title=f"pp {pp} on {pp} ranks: bubble = mean idle fraction over ranks (median over steps); "
+                          f"ideal = (pp-1)/(M+pp-1); sim = simulate() fed the measured per-stage forward/backward "
+                          f"times and the measured one-way send of {analysed[0]['sent_bytes'][0] / 1024:.0f} KiB "
+                          f"({res['latency'] * 1e3:.3f} ms); stages {analysed[0]['stages']} blocks",
+                    floatfmt=".3f")
+        print_table(times, ["schedule", "M", "fwd ms per stage (median)", "bwd ms per stage", "plan fwd us",
+                            "measured window ms (median)", "sim (median) makespan ms", "sim (mean) makespan ms",
+                            "measured idle per rank", "sim (median) idle per rank", "plan idle per rank",
+                            "compute wall / CPU per rank"],
+                    title=f"pp {pp}: measured stage times, the timeline they give, and idle per rank", floatfmt=".1f")
+        print(f"  [pp {pp}: {time.perf_counter() - t0:.0f} s]", flush=True)
+        out[str(pp)] = dict(latency_s=res["latency"], rows=analysed)
+    return out
+
+
+# ----------------------------------------------------------------------------- 3. cuts
+
+def _llama70b():
+    import transformers
+    cfg = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                                   num_key_value_heads=8, num_hidden_layers=80, vocab_size=128256,
+                                   max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                   tie_word_embeddings=False, use_cache=False)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa"), 4096
+
+
+def _gpt3_175b():
+    import transformers
+    cfg = transformers.GPT2Config(n_embd=12288, n_layer=96, n_head=96, n_positions=2048, vocab_size=50257,
+                                  n_inner=None, activation_function="gelu_new", tie_word_embeddings=True,
+                                  use_cache=False)
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa"), 2048
+
+
+# (model, builder, pp, tp): each model's first call is cold (its capture, and the process's first for
+# LLaMA); LLaMA-3-70B is planned a second time on the same model object, as a warm call
+CUTS = (("LLaMA-3-70B", _llama70b, 8, 8), ("LLaMA-3-70B", _llama70b, 8, 8), ("GPT-3 175B", _gpt3_175b, 8, 8),
+        ("GPT-3 175B", _gpt3_175b, 16, 8))
+
+
+# phases of plan_pipeline timed apart (CPU seconds of this process): (label, module, attribute), each
+# wrapped where the caller looks it up; a phase missing in this version of autoshard is skipped
+PHASES = (("tp plan", "autoshard.pipe", "plan_tp"), ("capture", "autoshard.api", "capture"),
+          ("search", "autoshard.planner.build", "least_comm"), ("memory", "autoshard.planner.build", "memory_of"),
+          ("cut", "autoshard.pipe", "_cut_plan"))
+
+
+def _timed_plan(model, example, pp, tp, m):
+    """autoshard.plan_pipeline, timed whole (wall and CPU) and by phase (CPU): the tensor-parallel plan of one
+    microbatch (`autoshard.plan`: capture, the search at its prices (`least_comm`), the predicted memory's fake
+    run (`memory_of`), the rest) and the cut."""
+    import importlib
+
+    import autoshard
+    box: dict = {"phases": {}}
+    saved = []
+    for label, module, attr in PHASES:
+        mod = importlib.import_module(module)
+        orig = getattr(mod, attr, None)
+        if orig is None:
+            continue
+
+        def timed(*a, _orig=orig, _label=label, **k):
+            c = time.process_time()
+            try:
+                out = _orig(*a, **k)
+                if _label == "tp plan":
+                    box["tp_plan"] = out
+                elif _label == "cut":
+                    box["names"] = a[1]
+                return out
+            finally:
+                box["phases"][_label] = box["phases"].get(_label, 0.0) + time.process_time() - c
+        saved.append((mod, attr, orig))
+        setattr(mod, attr, timed)
+    try:
+        t, c = time.perf_counter(), time.process_time()
+        plan = autoshard.plan_pipeline(model, example, pp=pp, tp=tp, microbatches=m, schedule="1F1B")
+        wall = time.perf_counter() - t
+        box["cpu_s"] = time.process_time() - c
+    finally:
+        for mod, attr, orig in saved:
+            setattr(mod, attr, orig)
+    return plan, wall, box
+
+
+def _profile(model, example, pp, tp, m, top: int = 15) -> str:
+    import cProfile
+    import io
+    import pstats
+
+    import autoshard
+    prof = cProfile.Profile()
+    prof.enable()
+    autoshard.plan_pipeline(model, example, pp=pp, tp=tp, microbatches=m, schedule="1F1B")
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def run_cuts(args, a) -> dict:
+    from autoshard.planner.pipeline import block_costs
+    from autoshard.planner.stages import ideal_bubble
+    from autoshard.views.stages import format_pipeline      # PipelinePlan.report()'s table
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    m = a["cut_microbatches"]
+    print(f"\n== 3. cuts: autoshard.plan_pipeline on meta, 1F1B, M = {m}, one process", flush=True)
+    out, rows, built = {}, [], {}
+    for name, make, pp, tp in CUTS:
+        call = "cold"
+        if name not in built:
+            t = time.perf_counter()
+            built[name] = (*make(), time.perf_counter() - t)
+        else:
+            call = "warm" if any(r[0] == name and r[1] == pp for r in rows) else "same model"
+        model, seq, build_s = built[name]
+        ids = torch.zeros(m, seq, dtype=torch.long, device="meta")
+        example = {"input_ids": ids, "labels": ids}
+        plan, wall, box = _timed_plan(model, example, pp, tp, m)
+        first, costs, last, *_ = block_costs(box["tp_plan"], box["names"])
+        block = statistics.median(costs)
+        print(f"\n{name}: pp {pp} x tp {tp}, microbatch 1 x {seq} tokens, M = {m} ({call} call)")
+        try:
+            table = plan.report()
+        except ImportError:                    # the report's import was broken at commit ce6f1ab
+            table = format_pipeline(plan)
+        print(table, flush=True)
+        key = f"{name} pp{pp}" + (" warm" if call == "warm" else "")
+        out[key] = dict(model=name, pp=pp, tp=tp, microbatches=m, tokens=seq, stages=[len(s) for s in plan.stages],
+                        forward=list(plan.forward), backward=list(plan.backward), memory=list(plan.memory),
+                        balance=plan.balance, bubble=plan.bubble, idle=list(plan.idle), step_time=plan.step_time,
+                        ideal_bubble=ideal_bubble("1F1B", pp, m), plan_s=wall, plan_cpu_s=box["cpu_s"], call=call,
+                        phases_cpu_s=dict(box["phases"]),
+                        build_s=build_s, head_in_blocks=last / block,
+                        embedding_in_blocks=first / block, blocks=len(costs))
+        r = out[key]
+        rows.append([name, pp, tp, m, call, " ".join(map(str, r["stages"])), r["balance"], r["head_in_blocks"],
+                     r["bubble"], r["ideal_bubble"], r["step_time"], wall, box["cpu_s"],
+                     *(box["phases"].get(label, float("nan")) for label, _, _ in PHASES)])
+        box.clear()
+        gc.collect()
+    print_table(rows, ["model", "pp", "tp", "M", "call", "blocks per stage", "balance (slowest/mean)",
+                       "head+loss in blocks", "plan bubble", "ideal bubble", "pred. step s", "plan_pipeline s (wall)",
+                       "CPU s", *(f"{label} CPU s" for label, _, _ in PHASES)],
+                title="\ncuts (balance: exact min-max over whole-block cuts); the call's wall and CPU seconds, and "
+                      "CPU seconds by phase: tp plan = autoshard.plan of one microbatch (capture + search + memory + "
+                      "the rest), then the cut", floatfmt=".3f")
+    llama = out["LLaMA-3-70B pp8"]
+    print(f"LLaMA-3-70B pp 8: balance {llama['balance']:.3f} (target <= 1.05) -> "
+          f"{'met' if llama['balance'] <= 1.05 else 'missed'}; planned in {llama['plan_s']:.1f} s wall, "
+          f"{llama['plan_cpu_s']:.1f} s CPU, cold (target <= 10 s) -> {'met' if llama['plan_s'] <= 10 else 'missed'}; "
+          f"warm call {out['LLaMA-3-70B pp8 warm']['plan_s']:.1f} s", flush=True)
+    if llama["plan_s"] > 10 and not args.no_profile:
+        model, seq, _ = built["LLaMA-3-70B"]
+        ids = torch.zeros(m, seq, dtype=torch.long, device="meta")
+        print("\nLLaMA-3-70B pp 8 under cProfile (its times are inflated by the profiler):", flush=True)
+        text = _profile(model, {"input_ids": ids, "labels": ids}, 8, 8, m)
+        print(text, flush=True)
+        out["profile"] = text
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", action="store_true", help="part 1: step time against tp and dp")
+    p.add_argument("--bubble", action="store_true", help="part 2: measured idle against the predicted bubble")
+    p.add_argument("--cuts", action="store_true", help="part 3: LLaMA-3-70B and GPT-3 175B cuts on meta")
+    p.add_argument("--json", type=Path, help="write every figure to this file")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences) of part 1")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches of part 1's pipelines")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--worlds", type=int, nargs="+", default=[4, 2], help="world sizes of part 1")
+    p.add_argument("--mb-size", type=int, default=4, help="sequences a microbatch, part 2")
+    p.add_argument("--bubble-steps", type=int, default=10)
+    p.add_argument("--bubble-microbatches", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline degrees of part 2")
+    p.add_argument("--cut-microbatches", type=int, default=16)
+    p.add_argument("--no-profile", action="store_true", help="part 3: no cProfile run when planning is slow")
+    args = p.parse_args(argv)
+    if not (args.steps or args.bubble or args.cuts):
+        args.steps = args.bubble = args.cuts = True
+    a = {k: getattr(args, k) for k in ("vocab", "hidden", "heads", "blocks", "seq", "batch", "microbatches",
+                                       "warmup", "rounds", "mb_size", "bubble_steps", "bubble_microbatches",
+                                       "cut_microbatches")}
+    load = note_load()
+    result = {"env": {**env_info(), "load_before": load, "cores": os.cpu_count()}, "args": a}
+    t0 = time.perf_counter()
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores", flush=True)
+    if args.steps:
+        result["steps"] = run_steps(args, a)
+    if args.bubble:
+        result["bubble"] = run_bubble(args, a)
+    if args.cuts:
+        result["cuts"] = run_cuts(args, a)
+    result["env"]["load_after"] = os.getloadavg()[0]
+    print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
