@@ -11,6 +11,9 @@ block it reads against `.checksums`.
 writer.py: `FileSystemWriter`, DCP's writer that also writes `.checksums` (checksums.py: the
 CRC-32 of every block of every saved item).
 verify.py: `verify`, a whole checkpoint checked (`python -m autoshard verify CKPT_DIR`).
+safe.py: what a checkpoint from elsewhere may make autoshard build: `.metadata` through an
+allowlist of DCP's metadata classes, non-tensor items weights-only (load, verify, both
+converters); `trust_checkpoint=True` reads as PyTorch does.
 """
 from ...errors import CheckpointError
 from .reader import FileSystemReader

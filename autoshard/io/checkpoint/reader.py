@@ -18,6 +18,12 @@ Every byte it reads, on either path, is checked against the checkpoint's `.check
 naming the file, the key and the byte range, raised before those bytes reach the destination. A
 checkpoint without `.checksums` (plain `dcp.save`, an older autoshard) loads unchecked, with a
 one-line note.
+
+Nothing it reads runs code (safe.py): `read_metadata` unpickles `.metadata` through an allowlist
+of DCP's metadata classes, and each non-tensor item is read weights-only, whichever planner the
+load uses (an autoshard planner reads it so itself; another gets it only after a weights-only
+read succeeded); a refused class is a CheckpointError naming the file, the key and the class.
+`trust_checkpoint=True` reads as PyTorch's reader does.
 """
 from __future__ import annotations
 
@@ -37,8 +43,9 @@ from torch.storage import _get_dtype_from_pickle_storage_type
 
 from ...errors import CheckpointError
 from .checksums import CheckedItem, ItemWindow, Scratch, describe_key, read_checksums
+from .safe import SafeLoadBytes, load_item, read_metadata_file
 
-__all__ = ["FileSystemReader"]
+__all__ = ["FileSystemReader", "locate"]
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")       # a zip local file header, 30 bytes
 
@@ -144,6 +151,38 @@ def _locate(item: CheckedItem):
         return None
 
 
+def locate(item: CheckedItem):
+    """Where the tensor saved as `item` lies (its first byte, dtype, size in storage order and
+    the dims' order: `start`, `dtype`, `size`, `order`), read from its archive's headers by an
+    unpickler that builds nothing; None where this reader cannot read it in place (PyTorch's
+    reader, weights-only, reads it whole). A checksum mismatch in what it reads raises."""
+    return _locate(item)
+
+
+class _CheckedBytes:
+    """The planner as PyTorch's `read_data` sees it, through the reader: a non-tensor item goes to
+    an autoshard planner as it is (it reads weights-only itself), to any other only after a
+    weights-only read of it succeeded (unless the reader trusts the checkpoint); a refusal names
+    the file. Everything else is the planner's."""
+
+    def __init__(self, planner, reader: "FileSystemReader"):
+        self._planner, self._reader = planner, reader
+
+    def __getattr__(self, name):
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item, value) -> None:
+        reader, planner = self._reader, self._planner
+        try:
+            if not reader.trust_checkpoint and not isinstance(planner, SafeLoadBytes):
+                load_item(value, read_item.storage_index.fqn)
+                value.seek(0)
+            planner.load_bytes(read_item, value)
+        except CheckpointError as e:
+            info = reader.storage_data[read_item.storage_index]
+            raise CheckpointError(f"{os.path.join(os.fspath(reader.path), info.relative_path)}: {e}") from None
+
+
 class FileSystemReader(dcp.FileSystemReader):
     """`torch.distributed.checkpoint.FileSystemReader` that reads, of each saved tensor, only the
     rows a request covers, in blocks of at most `block_bytes` and at most the box's own size,
@@ -157,13 +196,21 @@ class FileSystemReader(dcp.FileSystemReader):
     Since construction, `bytes_read` counts the bytes it read from files in place,
     `largest_block` the largest buffer it read them into, `blocks_checked` the checksums it
     compared, and `fallbacks` the tensor requests it left to PyTorch's reader (read whole; a
-    warning says so). `checksums` is the checkpoint's `.checksums` (None: it has none)."""
+    warning says so). `checksums` is the checkpoint's `.checksums` (None: it has none).
 
-    def __init__(self, path, *, block_bytes: int = 4 << 20, **kwargs):
+    `.metadata` is read through an allowlist and non-tensor items weights-only (safe.py), with
+    any planner; `trust_checkpoint=True` reads both as PyTorch does (for a checkpoint whose
+    source you trust that holds objects of other classes). `metadata`: the checkpoint's Metadata
+    where the caller has read it already (`load` does: `.metadata` is then read once)."""
+
+    def __init__(self, path, *, block_bytes: int = 4 << 20, trust_checkpoint: bool = False, metadata=None,
+                 **kwargs):
         super().__init__(path, **kwargs)
         if int(block_bytes) < 1:
             raise ValueError(f"block_bytes must be at least 1, got {block_bytes}")
         self.block_bytes = int(block_bytes)
+        self.trust_checkpoint = bool(trust_checkpoint)
+        self.metadata = metadata
         self.bytes_read = 0
         self.largest_block = 0
         self.blocks_checked = 0
@@ -172,6 +219,25 @@ class FileSystemReader(dcp.FileSystemReader):
         self._keys: dict = {}
         self._handed: list = []                 # items handed to PyTorch's reader, counted after it
         self._scratch = Scratch()               # the read buffer every item shares
+
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id:                       # another checkpoint: the Metadata given was this one's
+            self.metadata = None
+        super().reset(checkpoint_id)
+
+    def read_metadata(self, *args, **kwargs):
+        """The checkpoint's Metadata, as PyTorch's reader gives it, but unpickled through the
+        allowlist of safe.py (a refused class: CheckpointError naming the file and the class)."""
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        metadata = self.metadata if kwargs.get("rank") is None else None
+        if metadata is None:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = read_metadata_file(f, name=os.fspath(path), trust_checkpoint=self.trust_checkpoint)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -251,7 +317,8 @@ class FileSystemReader(dcp.FileSystemReader):
                           f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}", stacklevel=2)
         if rest or whole:
             try:
-                return super().read_data(LoadPlan(rest + whole, plan.storage_data, plan.planner_data), planner)
+                return super().read_data(LoadPlan(rest + whole, plan.storage_data, plan.planner_data),
+                                         _CheckedBytes(planner, self) if rest else planner)
             finally:
                 for item in self._handed:
                     self._counted(item)

@@ -5,7 +5,9 @@ renames it into place once every rank has written (a failed save leaves no check
 complete, and keeps the previous one), with `.checksums` of every block (writer.py); load refuses
 a checkpoint of another model (missing or extra keys, other global shapes) or a partial
 directory before any tensor is touched, and checks every block it reads (reader.py).
-`LoadPlanner` is the same check for `dcp.load(..., planner=LoadPlanner())`.
+`LoadPlanner` is the same check for `dcp.load(..., planner=LoadPlanner())`. Nothing a checkpoint
+holds runs code (safe.py): `.metadata` is read through an allowlist, non-tensor items
+weights-only, in `load`, `LoadPlanner` and both converters, unless `trust_checkpoint=True`.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from ...errors import CheckpointError
 from .checksums import BLOCK_BYTES, FILE_NAME
 from .layout import global_shape_of, quiet, quiet_single_process
 from .reader import FileSystemReader
+from .safe import (SafeEmptyStateDictLoadPlanner, SafeLoadBytes, SafeLoadPlanner, load_pickled,
+                   read_metadata_file)
 from .state import few
 from .verify import verify
 from .writer import FileSystemWriter
@@ -69,9 +73,14 @@ def check_checkpoint(state_dict, metadata, asked=None) -> None:
                               + "\n  ".join(problems))
 
 
-class LoadPlanner(DefaultLoadPlanner):
+class LoadPlanner(SafeLoadBytes, DefaultLoadPlanner):
     """DCP's default load planner that first runs `check_checkpoint` (on every rank, before any
-    read): `dcp.load(sd, checkpoint_id=path, planner=LoadPlanner())`."""
+    read): `dcp.load(sd, checkpoint_id=path, planner=LoadPlanner())`. Non-tensor items are read
+    weights-only (safe.py; `trust_checkpoint=True`: as PyTorch's planner reads them)."""
+
+    def __init__(self, *args, trust_checkpoint: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trust_checkpoint = bool(trust_checkpoint)
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         if metadata is not None:
@@ -79,8 +88,9 @@ class LoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
 
-def _read_metadata(path):
-    """The checkpoint's Metadata, after checking that every file it names is there and long enough."""
+def _read_metadata(path, trust_checkpoint: bool = False):
+    """The checkpoint's Metadata (read through safe.py's allowlist unless `trust_checkpoint`),
+    after checking that every file it names is there and long enough."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -88,9 +98,10 @@ def _read_metadata(path):
         names = sorted(os.listdir(path))[:8]
         raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata file; it holds {names}): "
                               "an unfinished or failed save, or not a DCP checkpoint")
-    reader = dcp.FileSystemReader(path)
     try:
-        metadata = reader.read_metadata()
+        metadata = read_metadata_file(os.path.join(path, ".metadata"), trust_checkpoint=trust_checkpoint)
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unpickling error means the same thing
         raise CheckpointError(f"{path}/.metadata cannot be read: {type(e).__name__}: {e}") from e
     need: dict = {}
@@ -167,20 +178,29 @@ def _failures(e) -> str:
     return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
 
 
-def load(state_dict, checkpoint_id, *, process_group=None) -> None:
+def load(state_dict, checkpoint_id, *, process_group=None, trust_checkpoint: bool = False) -> None:
     """`dcp.load(state_dict)` from `checkpoint_id` in place, after checking that the directory is
     complete and that its keys and global shapes are the state dict's (CheckpointError otherwise,
     raised on every rank before any tensor is touched). Reads with `FileSystemReader`: only this
     rank's boxes of each saved tensor, a bounded block at a time, each block checked against the
     checkpoint's `.checksums` before it is copied (a mismatch is a CheckpointError naming the
     file, key and byte range; what was loaded before it came from blocks that matched). A
-    checkpoint without `.checksums` loads unchecked, with a one-line note."""
+    checkpoint without `.checksums` loads unchecked, with a one-line note.
+
+    A checkpoint from elsewhere runs no code: `.metadata` is unpickled through an allowlist of
+    DCP's metadata classes, and each non-tensor item (optimizer hyperparameters, step counts,
+    extras) with `torch.load(weights_only=True)`; anything else is a CheckpointError naming the
+    file, the key and the class, before anything of it is built. `trust_checkpoint=True` reads
+    them as PyTorch does (running what they ask for): for a trusted checkpoint that holds objects
+    of your own classes (or allow just those with `torch.serialization.add_safe_globals`)."""
     path = os.fspath(checkpoint_id)
-    metadata = _read_metadata(path)
+    metadata = _read_metadata(path, trust_checkpoint)
     check_checkpoint(state_dict, metadata, _asked_by_all(state_dict, process_group))
     try:
         with quiet_single_process():
-            dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=DefaultLoadPlanner(),  # checked above
+            dcp.load(state_dict, storage_reader=FileSystemReader(path, trust_checkpoint=trust_checkpoint,
+                                                                 metadata=metadata),
+                     planner=SafeLoadPlanner(trust_checkpoint=trust_checkpoint),  # checked above
                      process_group=process_group, no_dist=not dist.is_initialized())
     except CheckpointException as e:
         raise CheckpointError(f"loading {path} failed: {_failures(e)}") from e
@@ -198,34 +218,51 @@ def _asked_by_all(state_dict, pg):
 
 # ----------------------------------------------------------------------------- conversion
 
-def dcp_to_torch_save(checkpoint_dir, torch_file) -> None:
+def dcp_to_torch_save(checkpoint_dir, torch_file, *, trust_checkpoint: bool = False) -> None:
     """A DCP checkpoint as one `torch.save` file of full tensors (for the unsharded model); one
-    process. A checkpoint with `.checksums` is verified first (PyTorch's converter reads it)."""
-    from torch.distributed.checkpoint import format_utils
-    _read_metadata(checkpoint_dir)
-    if os.path.isfile(os.path.join(os.fspath(checkpoint_dir), FILE_NAME)):
-        report = verify(checkpoint_dir)
+    process. A checkpoint with `.checksums` is verified first (every problem named, nothing
+    written). The state dict is rebuilt from `.metadata` (as PyTorch's converter does) and read
+    with autoshard's reader: `.metadata` through the allowlist, non-tensor items weights-only,
+    every block checked (`trust_checkpoint=True`: unpickled as PyTorch does)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    path = os.fspath(checkpoint_dir)
+    _read_metadata(path, trust_checkpoint)
+    if os.path.isfile(os.path.join(path, FILE_NAME)):
+        report = verify(path, trust_checkpoint=trust_checkpoint)
         if not report.ok:
-            raise CheckpointError(f"{os.fspath(checkpoint_dir)} is damaged, not converted:\n  " +
+            raise CheckpointError(f"{path} is damaged, not converted:\n  " +
                                   "\n  ".join(report.problems[:8]) +
                                   (f"\n  and {len(report.problems) - 8} more" if len(report.problems) > 8 else ""))
-    with quiet():
-        format_utils.dcp_to_torch_save(checkpoint_dir, torch_file)
+    state_dict: dict = {}
+    try:
+        with quiet():
+            _load_state_dict(state_dict, storage_reader=FileSystemReader(path, trust_checkpoint=trust_checkpoint),
+                             planner=SafeEmptyStateDictLoadPlanner(trust_checkpoint=trust_checkpoint), no_dist=True)
+    except CheckpointException as e:
+        raise CheckpointError(f"converting {path} failed, nothing written: {_failures(e)}") from e
+    torch.save(state_dict, torch_file)
 
 
-def torch_save_to_dcp(torch_file, checkpoint_dir) -> None:
+def torch_save_to_dcp(torch_file, checkpoint_dir, *, trust_checkpoint: bool = False) -> None:
     """A `torch.save` file (e.g. {"model": model.state_dict(), ...}) as a DCP checkpoint that loads
-    at any degree (PyTorch's converter, into a hidden sibling directory renamed into place)."""
-    from torch.distributed.checkpoint import format_utils
+    at any degree (as PyTorch's converter writes it, into a hidden sibling directory renamed into
+    place). The file is read with `torch.load(weights_only=True)`: an object of another class is
+    a CheckpointError naming it (`trust_checkpoint=True`: weights_only=False, as PyTorch's
+    converter reads it)."""
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
     if not os.path.isfile(torch_file):
         raise CheckpointError(f"{torch_file}: no such file")
+    state_dict = load_pickled(torch_file, os.fspath(torch_file), trust_checkpoint=trust_checkpoint,
+                              what="the torch.save file")
     path = os.path.abspath(os.fspath(checkpoint_dir))
     tmp = sibling(path, "partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with quiet():
-            format_utils.torch_save_to_dcp(torch_file, tmp)
-    except Exception as e:
+            _save_state_dict(state_dict, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"converting {torch_file}: {type(e).__name__}: {e}") from e
+        if isinstance(e, (Exception, CheckpointException)):
+            raise CheckpointError(f"converting {torch_file}: {type(e).__name__}: {e}") from e
+        raise
     publish(tmp, path)
