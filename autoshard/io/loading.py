@@ -389,7 +389,15 @@ def meta_model(path_or_config, dtype=None, model_class=None) -> nn.Module:
     if isinstance(path_or_config, (str, os.PathLike)):
         if not os.path.isfile(os.path.join(path_or_config, "config.json")):
             raise LoadError(f"{os.fspath(path_or_config)} has no config.json: not a Hugging Face checkpoint directory")
-        config = transformers.AutoConfig.from_pretrained(path_or_config)
+        try:        # never the directory's own code (auto_map), and no prompt asking whether to run it
+            config = transformers.AutoConfig.from_pretrained(path_or_config, trust_remote_code=False)
+        except ValueError as e:
+            if "trust_remote_code" not in str(e):
+                raise
+            raise LoadError(f"{os.fspath(path_or_config)}/config.json names code of its own (auto_map), which "
+                            "autoshard does not run: build that model yourself (transformers' "
+                            "trust_remote_code=True, if you trust its source) and pass it, on meta, to "
+                            "parallelize(..., load=the directory)") from e
     else:
         config = copy.deepcopy(config)
     model_class = model_class or transformers.AutoModelForCausalLM
