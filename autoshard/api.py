@@ -230,6 +230,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
         signatures.install(gm, model, plan.example,
                            _signature_builder(plan, rank, key, pg if D.is_initialized() else None, dropout_masks,
                                               overlap))
+    torch.clear_autocast_cache()      # planning's casts (of fake and meta weights) must not serve a call in this region
     return gm
 
 

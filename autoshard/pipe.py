@@ -237,7 +237,7 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
                             "so the model cannot be cut there; pass blocks= naming the layers that can")
     flags = _loss_leaves(tp_plan)
     train_cut = cut(gm, gm.graph, stage_of, stages, loss_only=True, is_loss=lambda i: flags[i])
-    train_stages = [Stage(s, train_cut.modules[s]) for s in mine]
+    train_stages = [Stage(s, train_cut.modules[s], tp_plan.autocast) for s in mine]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tracer = tp_plan.tracer
 
@@ -261,7 +261,7 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
             gm.train(mode)
         eflags = _loss_leaves(eplan)
         ecut = cut(gm, served.holder.graph, stage_of, stages, loss_only=False, is_loss=lambda i: eflags[i])
-        out = [Stage(s, ecut.modules[s]) for s in mine]
+        out = [Stage(s, ecut.modules[s], eplan.autocast) for s in mine]
         for st in out:
             st.eval()
         return out, next((i for i, f in enumerate(eflags) if f), 0), ecut.output_leaves

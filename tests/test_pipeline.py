@@ -361,3 +361,33 @@ def test_model_on_meta_fills_only_its_stages(dist2, tmp_path):
     assert not set(out[0]) & set(out[1])                       # no rank holds another's stage
     assert set(out[0]) | set(out[1]) == {n for n, _ in _hf("llama")[0].named_parameters()}
     assert "model.layers.0.mlp.up_proj.weight" in out[0] and "lm_head.weight" in out[1]
+
+
+# ----------------------------------------------------------------------------- precision
+
+def _bf16_autocast(rank, world):
+    """Planned and stepped under torch.autocast(bf16): the stages are the module's graph of that
+    recipe, and the loss and gradients are the single process's under the same autocast."""
+    model, example = _hf("llama")
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", torch.bfloat16):
+        pipe = autoshard.pipeline(model, example, mesh=_mesh(world, 2, 1), microbatches=2, tracer="export")
+        loss = pipe.step(**example)
+        want = _loss(ref, example)
+    want.backward()
+    tol = 2e-2                                             # bf16's rounding, summed in another order
+    torch.testing.assert_close(loss.float(), want.float().detach(), rtol=tol, atol=tol)
+    grads = autoshard.collect_state_dict(pipe, {n: p.grad for n, p in pipe.named_parameters()})
+    rgrads = dict(ref.named_parameters())
+    worst = 0.0
+    for n, g in grads.items():
+        r = rgrads[n].grad
+        assert g.dtype == r.dtype == torch.float32, n
+        worst = max(worst, ((g - r).norm() / r.norm().clamp_min(1e-12)).item())
+    assert worst < 5e-2, worst
+    return float(loss), worst
+
+
+def test_bf16_autocast(dist2):
+    out = dist2.run(_bf16_autocast, timeout=300)
+    assert out[0][0] == out[1][0]

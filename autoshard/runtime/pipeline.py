@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ShardingError
+from .autocast import autocast_as
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
 
@@ -34,16 +35,20 @@ def schedule_class(name: str):
 
 
 class Stage(nn.Module):
-    """One stage: its training graph, and its evaluation graph once built (a module per mode, so
-    one PipelineStage per mode keeps its own buffers)."""
+    """One stage of one mode's graph (a module per mode, so one PipelineStage per mode keeps its own
+    buffers), run under the autocast its graph was captured under (`recipe`: autocast_state()),
+    whatever the caller's: torch.distributed.pipelining's own tensors (metadata, sends) are made
+    outside it."""
 
-    def __init__(self, index: int, graph_module: nn.Module):
+    def __init__(self, index: int, graph_module: nn.Module, recipe: tuple = ()):
         super().__init__()
         self.index = index
         self.graph = graph_module
+        self.recipe = recipe
 
     def forward(self, *args, **kwargs):
-        return self.graph(*args, **kwargs)
+        with autocast_as(self.recipe):
+            return self.graph(*args, **kwargs)
 
 
 def place(root: nn.Module, path: str, obj, persistent: bool = True) -> None:
@@ -147,6 +152,13 @@ class Pipeline(nn.Module):
         return flat, batch
 
     def _run(self, args, kwargs, backward: bool):
+        # casts cached in the caller's autocast region (planning's fake weights, the last step's
+        # values) must not serve this step; each stage runs under its own recipe (Stage.forward)
+        torch.clear_autocast_cache()
+        with autocast_as(()):
+            return self._run_plain(args, kwargs, backward)
+
+    def _run_plain(self, args, kwargs, backward: bool):
         flat, batch = self._split(args, kwargs)
         schedule, pipes, stages, spec, replicate = self._runner(self.training)
         tensors = {n: v for n, v in flat.items() if isinstance(v, torch.Tensor)}
@@ -157,6 +169,14 @@ class Pipeline(nn.Module):
             s.train(self.training)
         last = next((p for p in pipes if p.is_last), None)
         self._last_outputs = None
+        losses = self._schedule(schedule, tensors, target, losses, backward, last)
+        if backward:
+            self._finish_gradients()
+        return self._share_loss(losses)
+
+    def _schedule(self, schedule, tensors: dict, target, losses: list, backward: bool, last) -> list:
+        """One run of the schedule; the last stage's losses (their place among its outputs read in
+        evaluation)."""
         if backward:
             schedule.step(target=target, losses=losses, return_outputs=False, **tensors)
         elif self.training:                          # forward only through the training graphs: the loss
@@ -168,9 +188,7 @@ class Pipeline(nn.Module):
             if last is not None:
                 self._last_outputs = list(last.output_chunks)
                 losses = [c[self._loss_index] for c in self._last_outputs]
-        if backward:
-            self._finish_gradients()
-        return self._share_loss(losses)
+        return losses
 
     def _share_loss(self, losses: list) -> torch.Tensor:
         """The batch's loss (mean over microbatches) on every rank of the pipeline."""
