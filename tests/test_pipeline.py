@@ -167,6 +167,7 @@ def test_hf_pp2(dist2, name):
     _covers_model(out, _hf(name)[0].state_dict())
 
 
+@pytest.mark.slow
 def test_llama_pp2_dp2(dist4):
     """Data parallelism beside the pipeline: each data-parallel rank runs half the batch, the
     gradients are averaged over "dp" after the schedule."""
