@@ -4,7 +4,8 @@ measured bubble against the plan's, and the cuts of LLaMA-3-70B and GPT-3 175B.
 
     python benchmarks/pipeline.py                    # all three parts (~7 min on 2 busy cores)
     python benchmarks/pipeline.py --steps            # 1. step time, 4 ranks and 2 ranks
-    python benchmarks/pipeline.py --bubble           # 2. idle fraction per rank, measured and predicted
+    python benchmarks/pipeline.py --bubble           # 2. calibration, then idle per rank, measured and predicted
+    python benchmarks/pipeline.py --calibrate        # 2a. this machine's GEMM rate and gloo latency / bandwidth
     python benchmarks/pipeline.py --cuts             # 3. plan_pipeline on meta: LLaMA-3-70B, GPT-3 175B
     python benchmarks/pipeline.py --json out.json    # also write every figure to out.json
 
@@ -26,29 +27,51 @@ initialisation), 8 blocks; its size is set by --vocab/--hidden/--heads/--blocks/
    same-run ratios to the first variant (ratio of medians, median of per-round ratios).
    The machine has 2 cores: 4 ranks share them, 2 processes a core.
 
-2. `--bubble`: pp 2 on 2 ranks and pp 4 on 4 ranks, GPipe and 1F1B, M in {4, 8}, microbatches of
-   --mb-size sequences (the batch grows with M). The stage's compute is timed by wrapping
+2. `--bubble`: first a calibration (2a; `--calibrate` runs it alone, `--no-calibrate` skips it): on 2
+   ranks, one torch thread each, (i) every GEMM of one microbatch through the model (each linear's
+   forward x @ W^T, input gradient dY @ W and weight gradient dY^T @ x, with autograd's transposed
+   views), median of --cal-reps, on rank 0 alone and on both ranks at once; `flops` = their flops over
+   their median seconds, each weighted by how often a step runs it (rank 0 alone); (ii) gloo isend /
+   irecv ping-pong between the 2 ranks on 127.0.0.1 of 4 B, 64 KiB, the boundary tensor, 1 MiB and
+   4 MiB, one-way = median round trip / 2 over --cal-tries; `latency` = the one-way time of 4 B,
+   `bandwidth` = (4 MiB - 4 B) / (its one-way time - latency). These are the CostModel's knobs
+   (`autoshard.pipeline(..., flops=, bandwidth=, latency=)` passes them to the plan).
+   Then (2b) pp 2 on 2 ranks and pp 4 on 4 ranks, GPipe and 1F1B, M in {4, 8}, microbatches of
+   --mb-size sequences (the batch grows with M), each pipeline planned with the calibrated cost
+   model; rank 0 also plans the same pipeline with the default one (`autoshard.plan_pipeline`; the
+   table says whether its cut is the same). The stage's compute is timed by wrapping
    torch.distributed.pipelining's `_PipelineStageBase.forward_one_chunk`, `backward_one_chunk`
-   and `backward_weight_one_chunk`, and the schedule by wrapping `_step_microbatches` of
-   ScheduleGPipe / Schedule1F1B (what `Pipeline.step` runs between splitting the batch and
-   finishing the gradients). Per rank and step: busy = the sum of the wrapped compute, window =
-   the schedule's wall time, idle fraction = 1 - busy / window (and, beside it, against the
-   whole `pipe.step`, which adds the gradients' division and the loss's broadcast). Measured
-   bubble: each step's mean over ranks, median over --bubble-steps steps (after --warmup).
-   Predicted three ways: `pipe.plan.bubble` (the cost model: FLOPs at its GPU-class rate and
-   its link's latency and bandwidth), and `autoshard.planner.stages.simulate` fed the measured
-   per-stage medians of forward_one_chunk and backward_one_chunk, once with no transfer time and
-   once with the measured one-way time of one boundary tensor (gloo send/recv ping-pong between
-   pp ranks 0 and 1, median of 20). The relative error is (predicted - measured) / measured.
+   and `backward_weight_one_chunk`, the schedule by wrapping `_step_microbatches` of ScheduleGPipe
+   / Schedule1F1B (what `Pipeline.step` runs between splitting the batch and finishing the
+   gradients), and the point-to-point traffic by wrapping the schedules' `_batch_p2p` (posting
+   isend / irecv) and `_wait_batch_p2p` (waiting on them). Per rank and step: busy = the sum of
+   the wrapped compute; the window runs from the first rank entering the schedule to the last
+   leaving it; idle fraction = 1 - busy / window (and, beside it, against the whole `pipe.step`,
+   which adds the gradients' division and the loss's broadcast). Measured bubble: each step's
+   mean over ranks, median over --bubble-steps steps (after --warmup). Overhead of a rank = its
+   own span in the schedule - its compute - its waits on p2p, per F or B action (the schedule's
+   Python, posting the p2p, being descheduled between actions).
+   Predicted: `pipe.plan.bubble` with the default cost model (GPU-class) and with the calibrated
+   one; then the calibrated plan's error taken apart by swapping one term at a time for its
+   measurement in `autoshard.planner.stages.simulate`: (b) the measured mean forward and backward
+   per stage with the calibrated send, (c) with the send measured in that run (gloo send/recv
+   ping-pong of the boundary tensor between pp ranks 0 and 1, median of 20), (d) plus the pp
+   size's median overhead on every action, spent on the rank but not computing, (e) instead each
+   rank's mean overhead before its forwards added to its forwards, and before its backwards to its
+   backwards (the time since the rank's previous action, or the schedule's start, less its p2p
+   waits). The relative error is (predicted - measured) / measured; the measured bubble's
+   quartiles over the steps are printed beside it.
 
 3. `--cuts`: `autoshard.plan_pipeline` on models built on the meta device (nothing allocated):
    LLaMA-3-70B (hidden 8192, FFN 28672, 64 heads, 8 K/V heads, vocab 128256, 80 layers, untied;
    microbatch 1 x 4096 tokens) at pp 8 x tp 8, and GPT-3 175B (GPT2Config: hidden 12288, 96
    heads, 96 layers, vocab 50257, 2048 positions, tied; microbatch 1 x 2048 tokens) at pp 8 and
    pp 16 x tp 8 (Megatron-LM's published layout: TP 8 x PP 8 or 16); 1F1B, M = --cut-microbatches.
-   Printed: the plan's table, the slowest stage over the mean (`plan.balance`; `balance` is the
-   exact min-max cut over whole blocks, so no cut at block boundaries does better under the cost
-   model), the head's (and loss's) cost in blocks, the predicted bubble, and the time of the call:
+   Printed: the plan's table, the blocks a stage holds (whole blocks + the children of a block cut
+   inside, and in units of the median block's time), the largest boundary's send, the slowest stage
+   over the mean (`plan.balance`: the min-max cut over whole blocks, or over blocks' children where
+   that is over 1% better), the head's (and loss's) cost in blocks, the predicted bubble, and the
+   time of the call:
    wall and CPU seconds, and CPU seconds by phase (the tensor-parallel plan of one microbatch,
    `autoshard.plan`, and within it capture, the search at its prices (`least_comm`) and the fake
    run behind the predicted memory (`memory_of`); then the cut). LLaMA-3-70B is planned twice on
@@ -266,6 +289,8 @@ def run_steps(args, a) -> dict:
 # ----------------------------------------------------------------------------- 2. bubble
 
 EVENTS: list = []          # (kind, stage index, start, end, thread CPU seconds) of this process
+# kinds: F, B, W the stage's compute; S the schedule (_step_microbatches); P waiting on p2p works
+# (_wait_batch_p2p); Q posting them (_batch_p2p: isend / irecv / batch_isend_irecv)
 
 
 def _install_timers() -> None:
@@ -274,22 +299,22 @@ def _install_timers() -> None:
     if getattr(T._PipelineStageBase, "_bench_timed", False):
         return
 
-    def wrap(cls, name, kind, with_stage=True):
-        orig = getattr(cls, name)
-
-        def timed(self, *args, **kwargs):
+    def timed(orig, kind, of_stage=False):
+        def run(*args, **kwargs):
             c0, t0 = time.thread_time(), time.perf_counter()
             try:
-                return orig(self, *args, **kwargs)
+                return orig(*args, **kwargs)
             finally:
-                EVENTS.append((kind, self.stage_index if with_stage else -1, t0, time.perf_counter(),
+                EVENTS.append((kind, args[0].stage_index if of_stage else -1, t0, time.perf_counter(),
                                time.thread_time() - c0))
-        setattr(cls, name, timed)
-    wrap(T._PipelineStageBase, "forward_one_chunk", "F")
-    wrap(T._PipelineStageBase, "backward_one_chunk", "B")
-    wrap(T._PipelineStageBase, "backward_weight_one_chunk", "W")
+        return run
+    for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+        setattr(T._PipelineStageBase, name, timed(getattr(T._PipelineStageBase, name), kind, of_stage=True))
     for cls in (S.ScheduleGPipe, S.Schedule1F1B):
-        wrap(cls, "_step_microbatches", "S", with_stage=False)
+        cls._step_microbatches = timed(cls._step_microbatches, "S")
+    # module functions, looked up by name where the schedules call them
+    S._wait_batch_p2p = timed(S._wait_batch_p2p, "P")
+    S._batch_p2p = timed(S._batch_p2p, "Q")
     T._PipelineStageBase._bench_timed = True
 
 
@@ -314,18 +339,148 @@ def _ping_pong(nbytes: int, tries: int = 20) -> float:
     return one_way.item()
 
 
+# ----------------------------------------------------------------------------- 2a. calibration
+
+def _gemm_shapes(a) -> list:
+    """(label, m, k, n, times in one step of one microbatch through the whole model, operand layout) of
+    every linear layer's three products: forward x @ W^T (tokens x in, W out x in), the input's gradient
+    dY @ W and the weight's dY^T @ x, as autograd runs them (W^T and dY^T are transposed views)."""
+    t, h, v, n = a["mb_size"] * a["seq"], a["hidden"], a["vocab"], a["blocks"]
+    out = []
+    for name, k, o, count in (("q/k/v/o", h, h, 4 * n), ("fc1", h, 4 * h, n), ("fc2", 4 * h, h, n),
+                              ("head", h, v, 1)):
+        out += [(f"{name} fwd", t, k, o, count, "x @ W^T"), (f"{name} dX", t, o, k, count, "dY @ W"),
+                (f"{name} dW", o, t, k, count, "dY^T @ x")]
+    return out
+
+
+def _time_gemms(a, reps: int) -> list:
+    """[(label, m, k, n, count, median seconds)] of this process's GEMMs (its torch threads: one)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for label, m, k, n, count, form in _gemm_shapes(a):
+        if form == "x @ W^T":
+            x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).t()
+        elif form == "dY @ W":
+            x, w = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+        else:
+            x, w = torch.randn(k, m, generator=g).t(), torch.randn(k, n, generator=g)
+        for _ in range(3):
+            torch.mm(x, w)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.mm(x, w)
+            ts.append(time.perf_counter() - t0)
+        rows.append((label, m, k, n, count, statistics.median(ts)))
+    return rows
+
+
+def _rate(rows: list) -> float:
+    """flop/s of one step's GEMM mix: their flops over their median seconds, each weighted by its count."""
+    return sum(2.0 * m * k * n * c for _, m, k, n, c, _ in rows) / sum(c * s for *_, c, s in rows)
+
+
+def _one_way(nbytes: int, tries: int) -> float:
+    """One-way seconds of `nbytes` between ranks 0 and 1 by isend / irecv (each waited), as rank 0 saw
+    it: median round trip / 2, broadcast to every rank."""
+    t = torch.zeros(max(1, nbytes // 4))
+    rank = dist.get_rank()
+    rt = []
+    dist.barrier()
+    for _ in range(tries + 3):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.isend(t, 1).wait()
+            dist.irecv(t, 1).wait()
+        elif rank == 1:
+            dist.irecv(t, 0).wait()
+            dist.isend(t, 0).wait()
+        rt.append(time.perf_counter() - t0)
+    dist.barrier()
+    one_way = torch.tensor([statistics.median(rt[3:]) / 2 if rank == 0 else 0.0], dtype=torch.float64)
+    dist.broadcast(one_way, 0)
+    return one_way.item()
+
+
+CAL_SIZES = (4, 64 * 1024, 1 << 20, 4 << 20)       # bytes ping-ponged; the boundary's size is added
+
+
+def _calibrate_rank(a):
+    """On 2 ranks: the GEMM rate on rank 0 alone (rank 1 waits in a barrier), then on both at once, and the
+    one-way times of CAL_SIZES (and the model's boundary tensor) by gloo isend / irecv."""
+    reps = a["cal_reps"]
+    rank = dist.get_rank()
+    dist.barrier()
+    alone = _time_gemms(a, reps) if rank == 0 else None
+    dist.barrier()
+    both = _time_gemms(a, reps)
+    rates = [None] * dist.get_world_size()
+    dist.all_gather_object(rates, _rate(both))
+    boundary = a["mb_size"] * a["seq"] * a["hidden"] * 4
+    sizes = sorted(set(CAL_SIZES) | {boundary})
+    one_way = {n: _one_way(n, a["cal_tries"]) for n in sizes}
+    return dict(alone=alone, both_rank0=both, rate_alone=_rate(alone) if alone else None, rate_both=rates,
+                one_way=one_way, boundary=boundary)
+
+
+def calibrate(a) -> dict:
+    """This machine as the cost model's knobs: `flops` the one-thread GEMM rate of the model's shapes (rank 0
+    alone), `latency` the one-way time of 4 bytes, `bandwidth` from the one-way time of 4 MiB less that."""
+    print(f"\n== 2a. calibration: GEMMs of the model's shapes at microbatch {a['mb_size']} x {a['seq']} tokens "
+          f"(one torch thread, median of {a['cal_reps']}), gloo isend/irecv ping-pong between 2 ranks on "
+          f"127.0.0.1 (median of {a['cal_tries']} round trips / 2)", flush=True)
+    t0 = time.perf_counter()
+    res = launch(_calibrate_rank, 2, a, timeout_s=600, collective_timeout_s=300)
+    ow = res["one_way"]
+    small, large = min(CAL_SIZES), max(CAL_SIZES)
+    latency = ow[small]
+    bandwidth = (large - small) / max(ow[large] - latency, 1e-9)
+    cost = dict(flops=res["rate_alone"], bandwidth=bandwidth, latency=latency)
+    both = {label: s for label, *_, s in res["both_rank0"]}
+    rows = [[label, f"{m} x {k} x {n}", c, s * 1e6, 2.0 * m * k * n / s / 1e9, 2.0 * m * k * n / both[label] / 1e9]
+            for label, m, k, n, c, s in res["alone"]]
+    print_table(rows, ["GEMM", "m x k x n", "per step", "us (rank 0 alone)", "GFLOP/s alone",
+                       "GFLOP/s (2 ranks at once)"],
+                title="GEMMs of one microbatch (per step: how many the whole model runs)", floatfmt=".1f")
+    prows = [[n, ow[n] * 1e6, (latency + n / bandwidth) * 1e6,
+              ("" if n != res["boundary"] else "the model's boundary tensor")] for n in sorted(ow)]
+    print_table(prows, ["bytes", "one-way us (measured)", "latency + bytes / bandwidth (us)", ""],
+                title="gloo isend/irecv one-way time", floatfmt=".1f")
+    print(f"calibrated CostModel: flops {cost['flops'] / 1e9:.1f} GFLOP/s (both ranks at once: "
+          f"{' / '.join(f'{r / 1e9:.1f}' for r in res['rate_both'])}), latency {latency * 1e6:.1f} us, "
+          f"bandwidth {bandwidth / 1e9:.2f} GB/s (default: 50000 GFLOP/s, 1.0 us, 50 GB/s)  "
+          f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+    return dict(cost=cost, gemms_alone=res["alone"], gemms_both_rank0=res["both_rank0"],
+                rate_both=res["rate_both"], one_way_s={str(k): v for k, v in ow.items()},
+                boundary_bytes=res["boundary"])
+
+
+# ----------------------------------------------------------------------------- 2b. measured and predicted
+
+def _plan_fields(plan) -> dict:
+    return dict(bubble=plan.bubble, idle=list(plan.idle), forward=list(plan.forward), backward=list(plan.backward),
+                step_time=plan.step_time, stages=[len(s) for s in plan.stages], sent_bytes=list(plan.sent_bytes),
+                balance=plan.balance, spans=[f"{s[0]} .. {s[-1]}" if len(s) > 1 else s[0] for s in plan.stages])
+
+
 def _bubble_rank(a):
     import autoshard
     warnings.simplefilter("ignore")
     _install_timers()
     pp = dist.get_world_size()
     mesh = _mesh((pp,), ("pp",))
+    cost = a.get("cost") or {}
     configs = [(schedule, m) for schedule in ("GPipe", "1F1B") for m in a["bubble_microbatches"]]
-    pipes, latency = {}, None
+    pipes, defaults, latency = {}, {}, None
     for schedule, m in configs:
         idx, tgt = _batch(a, a["mb_size"] * m)
-        pipe = autoshard.pipeline(_gpt(a), (idx, tgt), mesh=mesh, microbatches=m, schedule=schedule)
+        # the pipeline the run measures: planned with the calibrated cost model (when there is one)
+        pipe = autoshard.pipeline(_gpt(a), (idx, tgt), mesh=mesh, microbatches=m, schedule=schedule, **cost)
         pipes[schedule, m] = (pipe, idx, tgt)
+        if dist.get_rank() == 0:             # the default cost model's plan of the same pipeline
+            defaults[schedule, m] = _plan_fields(autoshard.plan_pipeline(_gpt(a), (idx, tgt), pp=pp, microbatches=m,
+                                                                         schedule=schedule))
         if latency is None:
             latency = _ping_pong(int(max(pipe.plan.sent_bytes, default=0)))
         for _ in range(a["warmup"]):
@@ -347,16 +502,29 @@ def _bubble_rank(a):
             cpu = time.process_time() - c0
             pipe.zero_grad(set_to_none=True)
             window = [(s, e) for k_, _, s, e, _ in EVENTS if k_ == "S"]
-            busy = sum(e - s for k_, _, s, e, _ in EVENTS if k_ in "FBW")
+
+            def total(kinds):
+                return sum(e - s for k_, _, s, e, _ in EVENTS if k_ in kinds)
             busy_cpu = sum(tc for k_, _, _, _, tc in EVENTS if k_ in "FBW")
             for k_, st, s, e, _ in EVENTS:
                 if k_ == "F":
                     fwd[c].setdefault(st, []).append(e - s)
                 elif k_ in "BW":
                     bwd[c].setdefault(st, []).append(e - s)
+            # each action's overhead: the time on its rank since the previous action ended (or the schedule
+            # began), less the waits on p2p in between (posting p2p, the schedule's Python, being descheduled)
+            gaps = {"F": [], "B": []}
+            prev = window[0][0]
+            for k_, _, s, e, _ in sorted((ev for ev in EVENTS if ev[0] in "FBW"), key=lambda ev: ev[2]):
+                waited = sum(min(e2, s) - max(s2, prev) for k2, _, s2, e2, _ in EVENTS
+                             if k2 == "P" and e2 > prev and s2 < s)
+                gaps["F" if k_ == "F" else "B"].append(s - prev - waited)
+                prev = e
             # absolute times (CLOCK_MONOTONIC, one clock for every process on the machine)
-            per_step[c].append(dict(s0=window[0][0], s1=window[-1][1], t0=t0, t1=t1, busy=busy,
-                                    busy_cpu=busy_cpu, cpu=cpu))
+            per_step[c].append(dict(gap_f=gaps["F"], gap_b=gaps["B"], s0=window[0][0], s1=window[-1][1], t0=t0,
+                                    t1=t1, busy=total("FBW"),
+                                    busy_cpu=busy_cpu, cpu=cpu, wait=total("P"), post=total("Q"),
+                                    actions=sum(1 for k_, *_ in EVENTS if k_ in "FBW")))
     results = []
     for c in configs:
         plan = pipes[c][0].plan
@@ -368,108 +536,185 @@ def _bubble_rank(a):
         ranks = [None] * pp
         dist.all_gather_object(ranks, mine)
         results.append(dict(schedule=c[0], pp=pp, microbatches=c[1], batch=a["mb_size"] * c[1], ranks=ranks,
-                            plan=dict(bubble=plan.bubble, idle=list(plan.idle), forward=list(plan.forward),
-                                      backward=list(plan.backward), step_time=plan.step_time,
-                                      stages=[len(s) for s in plan.stages], sent_bytes=list(plan.sent_bytes),
-                                      balance=plan.balance)))
+                            plan=_plan_fields(plan), default=defaults.get(c)))
     pipes.clear()
     gc.collect()
     return dict(results=results, latency=latency)
 
 
-def _analyse(r: dict, latency: float) -> dict:
-    """Measured idle against the three predictions. A step's window is common to the ranks: from the
-    first rank entering the schedule to the last leaving it (what `simulate`'s makespan models: a rank
-    that finishes early is idle until the step ends); idle of a rank = 1 - its busy time / window."""
+def _with_overhead(schedule: str, pp: int, m: int, fwd, bwd, send: float, overhead, overhead_b=None) -> tuple:
+    """(bubble, idle per rank, makespan) of `simulate` with `overhead` seconds more on every action (a number, or
+    one per stage for forwards and `overhead_b` for backwards), spent on the rank but not computing (idle, as the
+    measurement counts it)."""
+    from autoshard.planner.stages import simulate
+    o_f = overhead if isinstance(overhead, (list, tuple)) else [overhead] * pp
+    o_b = overhead_b if overhead_b is not None else o_f
+    tl = simulate(schedule, pp, m, [f + o for f, o in zip(fwd, o_f)], [b + o for b, o in zip(bwd, o_b)], send=send)
+    idle = [1 - m * (f + b) / tl.makespan for f, b in zip(fwd, bwd)]
+    return sum(idle) / pp, idle, tl.makespan
+
+
+def _analyse(r: dict, latency: float, cost: dict | None) -> dict:
+    """What one configuration measured. A step's window is common to the ranks: from the first rank entering
+    the schedule to the last leaving it (what `simulate`'s makespan models: a rank that finishes early is
+    idle until the step ends); idle of a rank = 1 - its busy time / window. A rank's overhead = its own span
+    in the schedule less its compute and its waits on p2p works, per action (F or B)."""
     from autoshard.planner.stages import ideal_bubble, simulate
     pp, m, schedule = r["pp"], r["microbatches"], r["schedule"]
     ranks = sorted(r["ranks"], key=lambda x: x["rank"])
     steps = len(ranks[0]["per_step"])
-    idle, idle_whole, idle_own, windows, whole, stretch = [], [], [], [], [], []
+    idle, idle_whole, windows, whole, stretch, over, waits, posts, skew = [], [], [], [], [], [], [], [], []
     for i in range(steps):
         xs = [x["per_step"][i] for x in ranks]
         w = max(x["s1"] for x in xs) - min(x["s0"] for x in xs)
         ww = max(x["t1"] for x in xs) - min(x["t0"] for x in xs)
         windows.append(w)
         whole.append(ww)
+        skew.append(max(x["s0"] for x in xs) - min(x["s0"] for x in xs))
         idle.append([1 - x["busy"] / w for x in xs])
         idle_whole.append([1 - x["busy"] / ww for x in xs])
-        idle_own.append([1 - x["busy"] / (x["s1"] - x["s0"]) for x in xs])
         stretch.append([x["busy"] / x["busy_cpu"] for x in xs])
-    measured = statistics.median(sum(row) / pp for row in idle)
+        over.append([(x["s1"] - x["s0"] - x["busy"] - x["wait"]) / x["actions"] for x in xs])
+        waits.append([x["wait"] / w for x in xs])
+        posts.append([x["post"] / x["actions"] for x in xs])
+
+    def per_rank(rows):
+        return [statistics.median(row[k] for row in rows) for k in range(pp)]
+    gap_f = [statistics.fmean(g for x in ranks[s]["per_step"] for g in x["gap_f"]) for s in range(pp)]
+    gap_b = [statistics.fmean(g for x in ranks[s]["per_step"] for g in x["gap_b"]) for s in range(pp)]
+    bubbles = sorted(sum(row) / pp for row in idle)
+    measured = statistics.median(bubbles)
+    quart = statistics.quantiles(bubbles, n=4) if len(bubbles) > 1 else [measured] * 3
     fwd = [ranks[s]["fwd"][s] for s in range(pp)]
     bwd = [ranks[s]["bwd"][s] for s in range(pp)]
-    sim0 = simulate(schedule, pp, m, fwd, bwd)
-    sim1 = simulate(schedule, pp, m, fwd, bwd, send=latency)
-    # fed the mean durations instead: the simulated busy time is then the measured one, and what is
-    # left between the two is the timeline (the order, the waits) alone
+    # fed the mean durations: the simulated busy time is then the measured one, and what is left between
+    # the two is the timeline (the order, the waits, the overhead) alone
     fmean = [ranks[s]["fwd_mean"][s] for s in range(pp)]
     bmean = [ranks[s]["bwd_mean"][s] for s in range(pp)]
-    sim2 = simulate(schedule, pp, m, fmean, bmean, send=latency)
-    plan = r["plan"]
-    return dict(schedule=schedule, pp=pp, microbatches=m, measured=measured,
+    sim = simulate(schedule, pp, m, fmean, bmean, send=latency)
+    # (e): each rank's measured overhead before its forwards and before its backwards, where it falls
+    placed = _with_overhead(schedule, pp, m, fmean, bmean, latency, gap_f, gap_b)
+    plan, default = r["plan"], r["default"]
+    # the calibrated plan's send, as plan_pipeline prices it; simulate() with it gives the plan's bubble back
+    send = (max(plan["sent_bytes"], default=0) / cost["bandwidth"] + cost["latency"]) if cost and pp > 1 else None
+    check = simulate(schedule, pp, m, plan["forward"], plan["backward"], send=send).bubble if send is not None else None
+    # the measured F and B with the calibrated send: the calibrated plan's error from its stage times alone
+    sim_cal = simulate(schedule, pp, m, fmean, bmean, send=send).bubble if send is not None else None
+    return dict(schedule=schedule, pp=pp, microbatches=m, measured=measured, ideal=ideal_bubble(schedule, pp, m),
+                measured_p25=quart[0], measured_p75=quart[2], measured_steps=bubbles,
                 measured_whole_step=statistics.median(sum(row) / pp for row in idle_whole),
-                measured_own_window=statistics.median(sum(row) / pp for row in idle_own),
-                measured_per_rank=[statistics.median(row[k] for row in idle) for k in range(pp)],
-                compute_wall_over_cpu=[statistics.median(row[k] for row in stretch) for k in range(pp)],
+                measured_per_rank=per_rank(idle), compute_wall_over_cpu=per_rank(stretch),
+                overhead_per_rank_ms=[o * 1e3 for o in per_rank(over)],
+                overhead_ms=statistics.median(sum(row) / pp for row in over) * 1e3,
+                post_per_action_ms=statistics.median(sum(row) / pp for row in posts) * 1e3,
+                wait_share_per_rank=per_rank(waits), entry_skew_ms=statistics.median(skew) * 1e3,
                 window_ms=statistics.median(windows) * 1e3, whole_step_ms=statistics.median(whole) * 1e3,
-                fwd_ms=[f * 1e3 for f in fwd], bwd_ms=[b * 1e3 for b in bwd], plan_bubble=plan["bubble"],
-                plan_idle=plan["idle"], sim_bubble=sim0.bubble, sim_idle=list(sim0.per_rank),
-                sim_makespan_ms=sim0.makespan * 1e3, sim_send_bubble=sim1.bubble, sim_send_idle=list(sim1.per_rank),
-                sim_send_makespan_ms=sim1.makespan * 1e3, sim_mean_bubble=sim2.bubble,
-                sim_mean_idle=list(sim2.per_rank), sim_mean_makespan_ms=sim2.makespan * 1e3,
+                fwd_ms=[f * 1e3 for f in fwd], bwd_ms=[b * 1e3 for b in bwd],
                 fwd_mean_ms=[f * 1e3 for f in fmean], bwd_mean_ms=[b * 1e3 for b in bmean],
-                ideal=ideal_bubble(schedule, pp, m),
+                gap_f_ms=[g * 1e3 for g in gap_f], gap_b_ms=[g * 1e3 for g in gap_b], sim_placed_bubble=placed[0],
+                sim_placed_idle=placed[1], sim_placed_makespan_ms=placed[2] * 1e3,
+                sim_cal_send_bubble=sim_cal, sim_mean_bubble=sim.bubble, sim_mean_idle=list(sim.per_rank),
+                sim_mean_makespan_ms=sim.makespan * 1e3,
+                plan_bubble=plan["bubble"], plan_idle=plan["idle"], plan_step_ms=plan["step_time"] * 1e3,
                 plan_fwd_ms=[f * 1e3 for f in plan["forward"]], plan_bwd_ms=[b * 1e3 for b in plan["backward"]],
-                stages=plan["stages"], sent_bytes=plan["sent_bytes"], plan_balance=plan["balance"])
+                plan_send_ms=send * 1e3 if send is not None else None, plan_check_bubble=check,
+                default_bubble=default["bubble"] if default else None,
+                default_idle=default["idle"] if default else None,
+                default_fwd_us=[f * 1e6 for f in default["forward"]] if default else None,
+                same_cut=default["spans"] == plan["spans"] if default else None,
+                stages=plan["stages"], spans=plan["spans"], sent_bytes=plan["sent_bytes"],
+                plan_balance=plan["balance"])
 
 
-def run_bubble(args, a) -> dict:
+def _add_overhead(x: dict, overhead_s: float, latency: float) -> None:
+    """The measured-F/B timeline with `overhead_s` an action (the pp size's pooled measurement) charged on top."""
+    b, idle, span = _with_overhead(x["schedule"], x["pp"], x["microbatches"], [f / 1e3 for f in x["fwd_mean_ms"]],
+                                   [t / 1e3 for t in x["bwd_mean_ms"]], latency, overhead_s)
+    x.update(sim_over_bubble=b, sim_over_idle=idle, sim_over_makespan_ms=span * 1e3, overhead_used_ms=overhead_s * 1e3)
+
+
+def run_bubble(args, a, cal: dict | None) -> dict:
     out = {}
-    print(f"\n== 2. bubble: GPT vocab {a['vocab']}, hidden {a['hidden']}, {a['heads']} heads, {a['blocks']} blocks, "
+    cost = cal["cost"] if cal else None
+    print(f"\n== 2b. bubble: GPT vocab {a['vocab']}, hidden {a['hidden']}, {a['heads']} heads, {a['blocks']} blocks, "
           f"untied; microbatch {a['mb_size']} x {a['seq']} tokens; {a['warmup']} warm-up steps, "
-          f"{a['bubble_steps']} measured steps", flush=True)
+          f"{a['bubble_steps']} measured steps; pipelines planned with "
+          + (f"the calibrated cost model (flops {cost['flops'] / 1e9:.1f} GFLOP/s, latency {cost['latency'] * 1e6:.1f} "
+             f"us, bandwidth {cost['bandwidth'] / 1e9:.2f} GB/s)" if cost else "the default cost model"), flush=True)
     print(CORES_NOTE + ": at pp 4 the 4 ranks compete for 2 cores, so a rank's timed compute includes waiting "
           "for a core and its idle time gives a core to another rank; pp 2 fits the cores", flush=True)
+
+    def f3(v):
+        return " / ".join(f"{t:.3f}" for t in v)
+
+    def f2(v):
+        return " / ".join(f"{t:.2f}" for t in v)
+
+    def f1(v):
+        return " / ".join(f"{t:.1f}" for t in v)
     for pp in args.pp:
         t0 = time.perf_counter()
-        res = launch(_bubble_rank, pp, a, timeout_s=1500, collective_timeout_s=600)
-        rows, times, analysed = [], [], []
-        for r in res["results"]:
-            x = _analyse(r, res["latency"])
-            analysed.append(x)
-
+        res = launch(_bubble_rank, pp, {**a, "cost": cost}, timeout_s=1500, collective_timeout_s=600)
+        analysed = [_analyse(r, res["latency"], cost) for r in res["results"]]
+        overhead = statistics.median(x["overhead_ms"] for x in analysed) / 1e3      # one number for this pp
+        for x in analysed:
+            _add_overhead(x, overhead, res["latency"])
+        rows, attrib, times = [], [], []
+        for x in analysed:
             def err(p, x=x):
-                return (p - x["measured"]) / x["measured"] if x["measured"] > 0 else float("nan")
-            rows.append([x["schedule"], x["microbatches"], x["ideal"], x["plan_bubble"], x["sim_send_bubble"],
-                         x["sim_mean_bubble"], x["measured"], err(x["plan_bubble"]), err(x["sim_send_bubble"]),
-                         err(x["sim_mean_bubble"]), x["measured_whole_step"]])
-
-            def ms(v):
-                return " / ".join(f"{t:.1f}" for t in v)
-
-            def fr(v):
-                return " / ".join(f"{t:.2f}" for t in v)
-            times.append([x["schedule"], x["microbatches"], ms(x["fwd_ms"]), ms(x["bwd_ms"]),
-                          " / ".join(f"{f * 1e3:.0f}" for f in x["plan_fwd_ms"]),
-                          x["window_ms"], x["sim_send_makespan_ms"], x["sim_mean_makespan_ms"],
-                          fr(x["measured_per_rank"]), fr(x["sim_send_idle"]), fr(x["plan_idle"]),
-                          fr(x["compute_wall_over_cpu"])])
-        print_table(rows, ["schedule", "M", "ideal", "plan (cost model)", "sim (median F/B)", "sim (mean F/B)",
-                           "measured", "rel err plan", "rel err sim median", "rel err sim mean",
+                return (p - x["measured"]) / x["measured"] if p is not None and x["measured"] > 0 else float("nan")
+            cal = x["plan_bubble"] if cost else None
+            rows.append([x["schedule"], x["microbatches"], x["ideal"], x["default_bubble"], cal, x["measured"],
+                         f"{x['measured_p25']:.3f}-{x['measured_p75']:.3f}", err(x["default_bubble"]), err(cal),
+                         x["measured_whole_step"]])
+            attrib.append([x["schedule"], x["microbatches"], x["measured"], cal, err(cal), x["sim_cal_send_bubble"],
+                           err(x["sim_cal_send_bubble"]), x["sim_mean_bubble"], err(x["sim_mean_bubble"]),
+                           x["sim_over_bubble"], err(x["sim_over_bubble"]), x["sim_placed_bubble"],
+                           err(x["sim_placed_bubble"]), x["overhead_ms"], f2(x["gap_f_ms"]), f2(x["gap_b_ms"]),
+                           x["post_per_action_ms"], f2(x["wait_share_per_rank"]), x["entry_skew_ms"]])
+            times.append([x["schedule"], x["microbatches"], f1(x["fwd_ms"]), f1(x["bwd_ms"]),
+                          f1(x["plan_fwd_ms"]) if cost else "-", f1(x["plan_bwd_ms"]) if cost else "-",
+                          " / ".join(f"{f:.0f}" for f in x["default_fwd_us"] or []),
+                          x["window_ms"], x["plan_step_ms"] if cost else float("nan"), x["sim_over_makespan_ms"],
+                          f2(x["measured_per_rank"]), f2(x["plan_idle"]) if cost else "-",
+                          f2(x["sim_over_idle"]), f2(x["default_idle"] or []), f2(x["compute_wall_over_cpu"])])
+        x0 = analysed[0]
+        print_table(rows, ["schedule", "M", "ideal", "predicted, default cost model", "predicted, calibrated",
+                           "measured", "measured p25-p75 over steps", "rel err default", "rel err calibrated",
                            "measured (whole pipe.step)"],
                     title=f"pp {pp} on {pp} ranks: bubble = mean idle fraction over ranks (median over steps); "
-                          f"ideal = (pp-1)/(M+pp-1); sim = simulate() fed the measured per-stage forward/backward "
-                          f"times and the measured one-way send of {analysed[0]['sent_bytes'][0] / 1024:.0f} KiB "
-                          f"({res['latency'] * 1e3:.3f} ms); stages {analysed[0]['stages']} blocks",
+                          f"ideal = (pp-1)/(M+pp-1); stages {' | '.join(x0['spans'])} (the default cost model cuts "
+                          f"{'alike' if all(x['same_cut'] for x in analysed) else 'DIFFERENTLY'}); calibrated send "
+                          f"of {max(x0['sent_bytes'], default=0) / 1024:.0f} KiB: "
+                          + (f"{x0['plan_send_ms']:.3f} ms" if x0["plan_send_ms"] is not None else "-"),
                     floatfmt=".3f")
-        print_table(times, ["schedule", "M", "fwd ms per stage (median)", "bwd ms per stage", "plan fwd us",
-                            "measured window ms (median)", "sim (median) makespan ms", "sim (mean) makespan ms",
-                            "measured idle per rank", "sim (median) idle per rank", "plan idle per rank",
+        print_table(attrib, ["schedule", "M", "measured", "(a) calibrated plan", "rel err",
+                             "(b) measured F/B, calibrated send", "rel err", "(c) measured F/B, measured send",
+                             "rel err", "(d) (c) + overhead", "rel err", "(e) (c) + overhead where it falls",
+                             "rel err", "overhead ms an action (mean over ranks)", "before F per rank",
+                             "before B per rank", "of it posting p2p ms", "p2p wait / window per rank",
+                             "entry skew ms"],
+                    title=f"pp {pp}: the calibrated plan's error taken apart, one term at a time swapped for its "
+                          f"measurement: (a) the plan; (b) simulate() fed the measured mean F and B per stage and the "
+                          f"calibrated send; (c) the send measured in this run ({res['latency'] * 1e3:.3f} ms "
+                          f"one-way); (d) and {overhead * 1e3:.2f} ms more an action (this pp's median overhead) spent "
+                          f"on the rank, "
+                          f"not computing; (e) instead each rank's mean overhead before its forwards on its "
+                          f"forwards and before its backwards on its backwards. overhead = a rank's span in the "
+                          f"schedule - its compute - its waits on p2p, per F or B action; before F / B: the time "
+                          f"since the rank's previous action (or the schedule's start) less the p2p waits",
+                    floatfmt=".3f")
+        print_table(times, ["schedule", "M", "measured fwd ms per stage (median)", "measured bwd ms",
+                            "calibrated fwd ms", "calibrated bwd ms", "default fwd us", "measured window ms",
+                            "calibrated step ms", "(d) makespan ms", "measured idle per rank",
+                            "calibrated idle per rank", "(d) idle per rank", "default idle per rank",
                             "compute wall / CPU per rank"],
-                    title=f"pp {pp}: measured stage times, the timeline they give, and idle per rank", floatfmt=".1f")
+                    title=f"pp {pp}: stage times and idle per rank, measured and predicted", floatfmt=".1f")
+        if cost and any(x["plan_check_bubble"] is not None and abs(x["plan_check_bubble"] - x["plan_bubble"]) > 1e-9
+                        for x in analysed):
+            print("  note: simulate() with the calibrated send does not give the plan's bubble back", flush=True)
         print(f"  [pp {pp}: {time.perf_counter() - t0:.0f} s]", flush=True)
-        out[str(pp)] = dict(latency_s=res["latency"], rows=analysed)
+        out[str(pp)] = dict(latency_s=res["latency"], overhead_s=overhead, rows=analysed)
     return out
 
 
@@ -599,16 +844,31 @@ def run_cuts(args, a) -> dict:
                         phases_cpu_s=dict(box["phases"]),
                         build_s=build_s, head_in_blocks=last / block,
                         embedding_in_blocks=first / block, blocks=len(costs))
+        blocks = set(box["names"])
+        shape = []                             # whole blocks + parts of blocks (a cut inside a block: its children)
+        for g in plan.stages:
+            whole = sum(1 for n in g if n in blocks)
+            shape.append(f"{whole}+{len(g) - whole}p" if len(g) > whole else str(whole))
+        # each stage's blocks in units of the median block's time (its share of the embedding and head left out)
+        layers = [(3 * f - (first if s == 0 else 0) - (last if s == len(plan.stages) - 1 else 0)) / block
+                  for s, f in enumerate(plan.forward)]
+        out[key].update(shape=shape, layers=layers, spans=[f"{g[0]} .. {g[-1]}" for g in plan.stages],
+                        sent_mib=[b / 2**20 for b in plan.sent_bytes])
         r = out[key]
-        rows.append([name, pp, tp, m, call, " ".join(map(str, r["stages"])), r["balance"], r["head_in_blocks"],
+        rows.append([name, pp, tp, m, call, " ".join(shape), " ".join(f"{x:.2f}" for x in layers),
+                     f"{max(r['sent_mib'], default=0):.0f}", r["balance"], r["head_in_blocks"],
                      r["bubble"], r["ideal_bubble"], r["step_time"], wall, box["cpu_s"],
                      *(box["phases"].get(label, float("nan")) for label, _, _ in PHASES)])
         box.clear()
         gc.collect()
-    print_table(rows, ["model", "pp", "tp", "M", "call", "blocks per stage", "balance (slowest/mean)",
+    print_table(rows, ["model", "pp", "tp", "M", "call", "blocks per stage (whole+parts)",
+                       "blocks per stage (by time)", "largest send MiB", "balance (slowest/mean)",
                        "head+loss in blocks", "plan bubble", "ideal bubble", "pred. step s", "plan_pipeline s (wall)",
                        "CPU s", *(f"{label} CPU s" for label, _, _ in PHASES)],
-                title="\ncuts (balance: exact min-max over whole-block cuts); the call's wall and CPU seconds, and "
+                title="\ncuts (whole+parts: whole blocks a stage holds + children of a block cut inside, '10+1p'; "
+                      "by time: the stage's blocks and parts over the median block's predicted time; balance: the "
+                      "slowest stage over the mean, the min-max cut over whole blocks or, where over 1% better, over "
+                      "blocks' children); the call's wall and CPU seconds, and "
                       "CPU seconds by phase: tp plan = autoshard.plan of one microbatch (capture + search + memory + "
                       "the rest), then the cut", floatfmt=".3f")
     llama = out["LLaMA-3-70B pp8"]
@@ -646,25 +906,33 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--worlds", type=int, nargs="+", default=[4, 2], help="world sizes of part 1")
     p.add_argument("--mb-size", type=int, default=4, help="sequences a microbatch, part 2")
-    p.add_argument("--bubble-steps", type=int, default=10)
+    p.add_argument("--bubble-steps", type=int, default=20)
     p.add_argument("--bubble-microbatches", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="part 2: no calibration; the pipelines are planned with the default cost model")
+    p.add_argument("--calibrate", action="store_true", help="part 2a alone: this machine's GEMM rate and gloo p2p")
+    p.add_argument("--cal-reps", type=int, default=21, help="timed repetitions of each GEMM in the calibration")
+    p.add_argument("--cal-tries", type=int, default=50, help="round trips of each size in the calibration")
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline degrees of part 2")
     p.add_argument("--cut-microbatches", type=int, default=16)
     p.add_argument("--no-profile", action="store_true", help="part 3: no cProfile run when planning is slow")
     args = p.parse_args(argv)
-    if not (args.steps or args.bubble or args.cuts):
+    if not (args.steps or args.bubble or args.cuts or args.calibrate):
         args.steps = args.bubble = args.cuts = True
     a = {k: getattr(args, k) for k in ("vocab", "hidden", "heads", "blocks", "seq", "batch", "microbatches",
                                        "warmup", "rounds", "mb_size", "bubble_steps", "bubble_microbatches",
-                                       "cut_microbatches")}
+                                       "cut_microbatches", "cal_reps", "cal_tries")}
     load = note_load()
     result = {"env": {**env_info(), "load_before": load, "cores": os.cpu_count()}, "args": a}
     t0 = time.perf_counter()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores", flush=True)
     if args.steps:
         result["steps"] = run_steps(args, a)
+    cal = None
+    if args.calibrate or (args.bubble and not args.no_calibrate):
+        cal = result["calibration"] = calibrate(a)
     if args.bubble:
-        result["bubble"] = run_bubble(args, a)
+        result["bubble"] = run_bubble(args, a, cal)
     if args.cuts:
         result["cuts"] = run_cuts(args, a)
     result["env"]["load_after"] = os.getloadavg()[0]
