@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .api import parallelize, plan as plan_tp
-from .capture.shapes import placeholder_inputs
+from .capture.shapes import fetch_attr, placeholder_inputs
 from .errors import ProcessGroupError, ShardingError
 from .planner.pipeline import plan_pipeline as _cut_plan
 from .planner.stages import check_schedule
@@ -135,7 +135,7 @@ def _holder(pipe: Pipeline, gm: nn.Module, stage_modules: list) -> None:
         for n in st.graph.graph.nodes:
             if n.op not in ("get_attr", "call_module"):
                 continue
-            obj = gm.get_submodule(n.target) if n.op == "call_module" else _resolve(gm, n.target)
+            obj = fetch_attr(gm, n.target)
             if isinstance(obj, nn.Module):
                 place(pipe, n.target, obj)
                 ids.update(id(t) for t in [*obj.parameters(), *obj.buffers()])
@@ -161,13 +161,6 @@ def _release(gm: nn.Module, pipe: Pipeline) -> None:
                 if id(t) not in memo:
                     memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
                 mod._parameters[k] = memo[id(t)]
-
-
-def _resolve(root, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedule: str = "1F1B",
@@ -277,7 +270,6 @@ def pipeline(model: nn.Module, example, *, mesh=None, microbatches: int, schedul
     pipe._autoshard_group = gm._autoshard_group
     pipe._autoshard_plan = tp_plan
     pipe.__dict__["_autoshard_blocks"] = {n: b for n, b in B.blocks_of(gm).items() if stage_of[n] in mine}
-    pipe.__dict__["_autoshard_sent"] = train_cut.sent
     pipe.__dict__["_autoshard_pp_group"] = dims["pp"].get_group()        # checkpoints: the groups of every stage
     rng.offset_stage(PP_SEED_OFFSET * me)
     _release(gm, pipe)

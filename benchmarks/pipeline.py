@@ -318,27 +318,6 @@ def _install_timers() -> None:
     T._PipelineStageBase._bench_timed = True
 
 
-def _ping_pong(nbytes: int, tries: int = 20) -> float:
-    """One-way seconds of a tensor of `nbytes` between ranks 0 and 1 (median of `tries` round trips / 2)."""
-    t = torch.zeros(max(1, nbytes // 4))
-    rank = dist.get_rank()
-    rt = []
-    dist.barrier()
-    for _ in range(tries + 2):
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
-        elif rank == 1:
-            dist.recv(t, 0)
-            dist.send(t, 0)
-        rt.append(time.perf_counter() - t0)
-    dist.barrier()
-    one_way = torch.tensor([statistics.median(rt[2:]) / 2 if rank == 0 else 0.0], dtype=torch.float64)
-    dist.broadcast(one_way, 0)
-    return one_way.item()
-
-
 # ----------------------------------------------------------------------------- 2a. calibration
 
 def _gemm_shapes(a) -> list:
@@ -482,7 +461,7 @@ def _bubble_rank(a):
             defaults[schedule, m] = _plan_fields(autoshard.plan_pipeline(_gpt(a), (idx, tgt), pp=pp, microbatches=m,
                                                                          schedule=schedule))
         if latency is None:
-            latency = _ping_pong(int(max(pipe.plan.sent_bytes, default=0)))
+            latency = _one_way(int(max(pipe.plan.sent_bytes, default=0)), 20)
         for _ in range(a["warmup"]):
             pipe.step(idx, tgt)
             pipe.zero_grad(set_to_none=True)

@@ -96,12 +96,9 @@ def cut(root: nn.Module, graph: fx.Graph, stage_of: dict, stages: int, *, loss_o
             continue
         for i in n.all_input_nodes:
             reads_at[i] = max(reads_at.get(i, 0), place[n])
-    for leaf in leaves:
-        if isinstance(leaf, fx.Node) and leaf not in free and place[leaf] != ANYWHERE and place[leaf] > last:
-            raise ShardingError(f"pipeline: output {leaf.name} is computed after the last stage")
     sent = []
     for s in range(last):
-        sent.append([n for n in nodes if n in place and place[n] not in (ANYWHERE,) and place[n] <= s
+        sent.append([n for n in nodes if n in place and place[n] != ANYWHERE and place[n] <= s
                      and reads_at.get(n, -1) > s])
     modules = []
     originals = [n for n in nodes if n.op == "placeholder"]

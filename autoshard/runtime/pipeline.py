@@ -104,9 +104,6 @@ class Pipeline(nn.Module):
     def stage_indices(self) -> tuple:
         return tuple(s.index for s in self._stage_modules)
 
-    def _holds(self, index: int) -> bool:
-        return index in self.stage_indices
-
     # ------------------------------------------------------------------ schedules
     def _runner(self, training: bool):
         if training in self._runners:
