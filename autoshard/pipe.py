@@ -81,8 +81,11 @@ def plan_pipeline(model: nn.Module, example, *, pp: int, tp: int = 1, dp: int = 
 
 
 def _parts(model: nn.Module, names: list) -> dict:
-    """{block: its children}: where a stage boundary may fall inside a block (planner.pipeline)."""
-    return {n: [f"{n}.{k}" for k, _ in model.get_submodule(n).named_children()] for n in names}
+    """{block: its children holding tensors}: where a stage boundary may fall inside a block
+    (planner.pipeline). A child without tensors (a dropout, an activation) is no module of the
+    rank's graph to keep as a block: its ops run with the stage of their inputs."""
+    return {n: [f"{n}.{k}" for k, m in model.get_submodule(n).named_children()
+                if next(iter([*m.parameters(), *m.buffers()]), None) is not None] for n in names}
 
 
 def _mesh_dims(mesh):

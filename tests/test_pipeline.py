@@ -392,3 +392,29 @@ def _bf16_autocast(rank, world):
 def test_bf16_autocast(dist2):
     out = dist2.run(_bf16_autocast, timeout=300)
     assert out[0][0] == out[1][0]
+
+
+def _phi3_three_layers(rank, world):
+    """Phi-3 (a dropout child in each layer, fused qkv) with 3 layers on 2 stages: the middle layer
+    is cut between its children that hold tensors; the dropouts run with their inputs' stage."""
+    from hf_models import phi3
+    model, example = phi3(batch=6, num_hidden_layers=3)
+    model.train()
+    ref = copy.deepcopy(model)
+    pipe = autoshard.pipeline(model, example, mesh=_mesh(world, 2, 1), microbatches=3, tracer="export")
+    loss = pipe.step(**example)
+    want = _loss(ref, example)
+    want.backward()
+    close_to_scale(loss, want, "phi3 loss")
+    grads = autoshard.collect_state_dict(pipe, {n: p.grad for n, p in pipe.named_parameters()})
+    rgrads = dict(ref.named_parameters())
+    for n, g in grads.items():
+        close_to_scale(g, rgrads[n].grad, f"phi3 grad of {n}")
+    return sorted(grads), pipe.plan.stages
+
+
+def test_cut_inside_a_layer_with_a_dropout_child(dist2):
+    out = dist2.run(_phi3_three_layers, timeout=300)
+    from hf_models import phi3
+    assert set(out[0][0]) | set(out[1][0]) == {n for n, _ in phi3(num_hidden_layers=3)[0].named_parameters()}
+    assert any(n.startswith("model.layers.1.") for group in out[0][1] for n in group)
