@@ -1,15 +1,20 @@
-"""Shared-memory all-reduce and all-gather between the CPU ranks of one host (autoshard.runtime.shm).
+"""Shared-memory all-reduce and all-gather between the CPU ranks of one host (autoshard.runtime.shm):
+off by default, an opt-in (AUTOSHARD_SHM=1, shm.enable) for CPU inference.
 
-Gloo ranks: `raw_all_reduce` (sum, max, min, product, bitwise) and `gather_pieces` through the
-shared segment give gloo's own bits at 2 ranks for float32/64, float16, bfloat16 and integer
-tensors, contiguous or not, from a scalar up to `LIMIT` bytes a rank (larger ones, and the
-opted-out groups, take gloo: the segment's call count says which path ran); at 4 ranks every rank
-gets the same bits, gloo's where the sum is exact. Many back-to-back calls with ranks running
-ahead of each other (the two banks reused) give the sums computed locally; the byte counters
-record the same events on either path; a tiny LLaMA trains with the same bits through either
-path; AUTOSHARD_SHM=0 on any rank turns the group's fast path off; a rank that does not arrive, and
-ranks that run different collectives, sizes or dtypes at one call, are a ProcessGroupError; no file is
-left under /dev/shm.
+Default: a training step maps no segment (nothing under /dev/shm in /proc/self/maps) and equals
+one process. Opted in, gloo ranks: `raw_all_reduce` (sum, max, min, product, bitwise) and
+`gather_pieces` through the shared segment give gloo's own bits at 2 ranks for float32/64,
+float16, bfloat16 and integer tensors, contiguous or not, from a scalar up to `LIMIT` bytes a rank
+(larger ones, and the groups not opted in, take gloo: the segment's call count says which path
+ran); at 4 ranks every rank gets the same bits, gloo's where the sum is exact. Many back-to-back
+calls with ranks running ahead of each other (the two banks reused) give the sums computed
+locally; the byte counters record the same events on either path; a tiny LLaMA trains with the
+same bits through either path; a rank that does not opt in keeps the group on gloo; a rank that
+does not arrive, and ranks that run different collectives, sizes or dtypes at one call, are a
+ProcessGroupError; no file is left under /dev/shm. Hardening: a rank holding 1100 open files, a
+FlopCounterMode on one rank only, a group destroyed and made again 200 times (no descriptor
+grows), two threads on one group (one after the other): each exact, none hangs (the pool's
+timeout and the group's fail the test instead).
 """
 import copy
 import os
@@ -26,7 +31,7 @@ INTS = [torch.int64, torch.int32, torch.uint8]
 
 
 def _group(on: bool = True, **kw):
-    """A new group over every rank, its segment set up (or not) by a first collective."""
+    """A new group over every rank, opted in (or not), its path decided by a first collective."""
     import torch.distributed as dist
     from autoshard.runtime.collectives import raw_all_reduce
     before = os.environ.get("AUTOSHARD_SHM")
@@ -394,3 +399,154 @@ def test_a_compiled_training_step(reorder, dist2):
         # forward all-reduce and all-gather, backward all-reduce (copy_to's): through the segment
         # unless inductor may reorder collectives
         assert served == (0 if reorder else 3), served
+
+
+def _maps():
+    """The files under /dev/shm this process maps (an unlinked segment shows "... (deleted)"),
+    but POSIX semaphores (glibc's sem.*: multiprocessing's locks, the test pool's queues' and one
+    torch's export makes; a sem_t each, no data)."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split(maxsplit=5)[5].strip() for line in f if len(line.split(maxsplit=5)) == 6}
+    return sorted(q for q in paths if q.startswith("/dev/shm/") and not q.startswith("/dev/shm/sem."))
+
+
+def _default_case(rank, p):
+    """No opt-in: a tiny LLaMA's training step maps no segment and equals one process (loss,
+    logits, every gradient)."""
+    import torch.distributed as dist
+    import autoshard
+    import hf_models
+    import refs
+    from autoshard.runtime import shm
+    assert os.environ.get("AUTOSHARD_SHM", "0") == "0"
+    model, kw = hf_models.llama(num_hidden_layers=2)
+    ref = copy.deepcopy(model)
+    before = _maps()
+    group = dist.new_group(list(range(p)))
+    gm = autoshard.parallelize(model, p, kw, group=group, tracer="export")
+    refs.hf_step_matches(gm, ref, kw, "llama, default transport")
+    return before, _maps(), shm.served(group), shm.segment_path(group)
+
+
+def test_default_maps_no_segment(dist2):
+    for before, after, served, path in dist2.run(_default_case, timeout=300):
+        assert before == [] and after == [], (before, after)
+        assert served == 0 and path is None
+
+
+def _many_files_case(rank, p):
+    """1100 descriptors held before the group's setup: its FIFOs' numbers pass 1024 (select's
+    limit); sleeps make the ranks wait in poll; every sum exact."""
+    import resource
+    from autoshard.runtime import shm
+    from autoshard.runtime.collectives import raw_all_reduce
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1400:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        group = _group(timeout=timedelta(seconds=20))
+        top = max(os.listdir("/proc/self/fd"), key=int)
+        wrong = []
+        for i in range(40):
+            if i % 4 == rank:
+                time.sleep(0.01)                 # the other rank sleeps in poll meanwhile
+            got = raw_all_reduce(torch.full((64,), float(rank + i)), group)
+            if not torch.equal(got, torch.full((64,), float(2 * i + 1))):
+                wrong.append(i)
+        return int(top), wrong, shm.served(group)
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def test_a_rank_holding_1100_files(dist2):
+    for top, wrong, served in dist2.run(_many_files_case, timeout=120):
+        assert top > 1024 and wrong == [] and served == 41
+
+
+def _flop_counter_case(rank, p):
+    """Rank 0 trains under FlopCounterMode, rank 1 without: the path is the group's, decided at
+    setup, so both take the segment; loss and gradients equal gloo's and one process's."""
+    import autoshard
+    import hf_models
+    from torch.utils.flop_counter import FlopCounterMode
+    from autoshard.runtime import shm
+    model, kw = hf_models.llama(num_hidden_layers=2)
+    ref = copy.deepcopy(model)
+    out = {}
+    for on in (True, False):
+        group = _group(on, timeout=timedelta(seconds=20))
+        gm = autoshard.parallelize(copy.deepcopy(model), p, kw, group=group, tracer="export")
+        before = shm.served(group)
+        if rank == 0:
+            with FlopCounterMode(display=False):
+                loss = gm(**kw).loss
+                loss.backward()
+        else:
+            loss = gm(**kw).loss
+            loss.backward()
+        out[on] = (loss.item(), {k: _bits(v.grad).tolist() for k, v in gm.named_parameters()},
+                   shm.served(group) - before)
+    return out, ref(**kw).loss.item()
+
+
+def test_a_dispatch_mode_on_one_rank(dist2):
+    for out, want in dist2.run(_flop_counter_case, timeout=300):
+        assert out[True][0] == out[False][0] == pytest.approx(want, rel=1e-5)
+        assert out[True][1] == out[False][1]
+        assert out[True][2] > 0 and out[False][2] == 0
+
+
+def _made_again_case(rank, p, times):
+    """A group opted in, used and destroyed, `times` over: no descriptor and no mapping grows."""
+    import gc
+    import torch.distributed as dist
+    from autoshard.runtime import shm
+    from autoshard.runtime.collectives import raw_all_reduce
+    counts, wrong = [], 0
+    for i in range(times):
+        group = _group(timeout=timedelta(seconds=20))
+        got = raw_all_reduce(torch.full((8,), float(rank + i)), group)
+        wrong += not torch.equal(got, torch.full((8,), float(2 * i + 1))) or shm.served(group) != 2
+        dist.destroy_process_group(group)
+        del group
+        if i in (9, times - 1):
+            gc.collect()
+            counts.append((len(os.listdir("/proc/self/fd")), len(_maps())))
+    return counts, wrong
+
+
+def test_a_group_made_again_200_times(dist2):
+    for (first, last), wrong in dist2.run(_made_again_case, 200, timeout=240):
+        assert wrong == 0 and last[0] <= first[0] and last[1] <= first[1] <= 1, (first, last)
+
+
+def _threads_case(rank, p):
+    """Two threads of each rank run all-reduces on one opted-in group at once: the lock serves
+    them one after the other (same shapes and values, so any pairing across ranks is exact)."""
+    import threading
+    from autoshard.runtime import shm
+    from autoshard.runtime.collectives import raw_all_reduce
+    group = _group(timeout=timedelta(seconds=20))
+    results, errors = {0: [], 1: []}, []
+
+    def work(t):
+        try:
+            for _ in range(150):
+                results[t].append(torch.equal(raw_all_reduce(torch.full((32,), rank + 1.0), group),
+                                              torch.full((32,), 3.0)))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return [t.is_alive() for t in threads], errors, results[0] + results[1], shm.served(group)
+
+
+def test_two_threads_on_one_group(dist2):
+    for alive, errors, exact, served in dist2.run(_threads_case, timeout=120):
+        assert alive == [False, False] and errors == [] and exact == [True] * 300 and served == 301

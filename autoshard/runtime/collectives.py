@@ -10,15 +10,16 @@ an FX leaf (`torch.fx.wrap`), so a traced or rewritten graph shows it as one nam
 Under `torch.compile` every collective is one of PyTorch's functional collectives
 (`torch.ops._c10d_functional`, what DTensor dispatches), traced into its graph (fullgraph, no
 break at a collective), where inductor may reorder them; small CPU all-reduces and all-gathers
-are shared memory's custom ops instead (`shm.in_graph`: compiled decode and training steps alike,
-unless inductor is asked to reorder collectives for overlap).
+are this module's custom ops instead (`autoshard::all_reduce`, `autoshard::all_gather`, see
+`_in_graph`: compiled decode and training steps alike, unless inductor is asked to reorder
+collectives for overlap), which run c10d's own ops as eager does.
 Eager runs all-reduces and all-gathers as c10d's own ops (`dist.all_reduce` on a copy,
 `dist.all_gather_single`): on gloo a functional all-reduce of 4 KiB took 3 to 5 times as long as
 c10d's (2 ranks, measured; the cause inside c10d was not looked into), which a decode step of
-small collectives pays on each. Eager all-reduces and all-gathers of small CPU tensors among the
-ranks of one host go through shared memory instead (`shm`: tens of microseconds where gloo over
-loopback takes about a millisecond; `AUTOSHARD_SHM=0` turns it off). The others stay functional,
-waited for at once. The byte counters record eager runs only, whichever transport carried them.
+small collectives pays on each. Where a gloo group opted in to shared memory (`shm`, for CPU
+inference: `AUTOSHARD_SHM=1`), small CPU all-reduces and all-gathers of the ranks of one host go
+through its segment instead, eager and compiled alike. The others stay functional, waited for at
+once. The byte counters record eager runs only, whichever transport carried them.
 """
 from __future__ import annotations
 
@@ -54,13 +55,66 @@ def count_eager(op, kind, direction, t, p, group, times: int = 1) -> None:
         record(op, kind, direction, t.nbytes * times, p, group)
 
 
+def eager_all_reduce(x: torch.Tensor, group, reduce_op: str = "sum", inplace: bool = False) -> torch.Tensor:
+    """c10d's in-place all-reduce on a contiguous copy of `x` (on `x` itself with `inplace`), or
+    the group's shared-memory segment where it opted in and `x` fits (`shm.all_reduce`)."""
+    out = shm.all_reduce(x, group, reduce_op, inplace)
+    if out is None:
+        out = x if inplace else x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
+    return out
+
+
+def eager_all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's flat contiguous `x` in rank order, [p * x.numel()]: c10d's, or the segment's."""
+    out = shm.all_gather(x, group)
+    if out is None:
+        out = x.new_empty(group.size() * x.numel())
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+    return out.view(-1)
+
+
+def _in_graph(x: torch.Tensor) -> bool:
+    """Whether a collective of `x` traced by torch.compile calls this module's custom ops (a CPU
+    tensor of at most shm.LIMIT bytes) rather than PyTorch's functional ones; decided from what
+    tracing sees, the same on every rank. Not where inductor is asked to reorder collectives for
+    overlap (its passes move the functional ones), nor for an `x` that requires grad where grad is
+    on (the ops have no derivative: autoshard's autograd functions call them with grad off)."""
+    from torch._inductor import config as inductor_config
+    return x.device.type == "cpu" and x.numel() * x.element_size() <= shm.LIMIT and \
+        not (torch.is_grad_enabled() and x.requires_grad) and not inductor_config.reorder_for_compute_comm_overlap
+
+
+@torch.library.custom_op("autoshard::all_reduce", mutates_args=())
+def graph_all_reduce(x: torch.Tensor, group_name: str, reduce_op: str) -> torch.Tensor:
+    """eager_all_reduce as an op a compiled graph calls (opaque to inductor); `group_name`, the
+    process group's name."""
+    return eager_all_reduce(x, dist.distributed_c10d._resolve_process_group(group_name), reduce_op)
+
+
+@graph_all_reduce.register_fake
+def _(x, group_name, reduce_op):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("autoshard::all_gather", mutates_args=())
+def graph_all_gather(x: torch.Tensor, group_name: str, p: int) -> torch.Tensor:
+    """eager_all_gather of a flat `x` as an op a compiled graph calls: [p * x.numel()], rank order."""
+    return eager_all_gather(x.contiguous(), dist.distributed_c10d._resolve_process_group(group_name))
+
+
+@graph_all_gather.register_fake
+def _(x, group_name, p):
+    return x.new_empty(p * x.numel())
+
+
 def raw_all_reduce(x, group, op="copy_to", direction="forward", reduce_op="sum", inplace=False):
     """Sum (or `reduce_op`: "max", "min", ...) of `x` over the group, in a fresh contiguous tensor
     (in `x` itself with `inplace`, eager only, which needs `x` contiguous)."""
     if not torch.compiler.is_compiling():
-        out = shm.eager_all_reduce(x, group, reduce_op, inplace)
-    elif shm.in_graph(x):                         # compiled, a small CPU tensor: shared memory's op
-        out = torch.ops.autoshard.shm_all_reduce(x.contiguous(), _group_name(group), reduce_op)
+        out = eager_all_reduce(x, group, reduce_op, inplace)
+    elif _in_graph(x):                            # compiled, a small CPU tensor: c10d's own op (or the segment)
+        out = torch.ops.autoshard.all_reduce(x.contiguous(), _group_name(group), reduce_op)
     else:
         out = functional.wait_tensor(functional.all_reduce(x.contiguous(), reduce_op, _group_name(group)))
     count_eager(op, "all_reduce", direction, out, group.size(), group)
@@ -72,9 +126,9 @@ def _stacked_gather(x, group):
     p, shape = dist.get_world_size(group), tuple(x.shape)
     x = x.contiguous().view(-1)
     if not torch.compiler.is_compiling():
-        flat = shm.eager_all_gather(x, group)
-    elif shm.in_graph(x):
-        flat = torch.ops.autoshard.shm_all_gather(x, _group_name(group), p)
+        flat = eager_all_gather(x, group)
+    elif _in_graph(x):
+        flat = torch.ops.autoshard.all_gather(x, _group_name(group), p)
     else:
         flat = functional.wait_tensor(functional.all_gather_into_tensor(x, p, _group_name(group)))
     return flat.view((p,) + shape)

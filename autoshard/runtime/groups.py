@@ -25,6 +25,7 @@ import torch.distributed.nn  # noqa: F401 - see below
 # the group exists binds None instead.
 
 from ..errors import ProcessGroupError
+from .shm import enable as enable_segment
 from .shm import release_all as release_segments
 
 _GROUPS: dict[str, object] = {}          # key -> ProcessGroup
@@ -53,9 +54,11 @@ def device_of(pg=None) -> str:
 
 
 def init_process_group(group_size: int | None = None, backend: str | None = None,
-                       timeout: timedelta = timedelta(seconds=60), **kwargs):
+                       timeout: timedelta = timedelta(seconds=60), shm: bool = False, **kwargs):
     """Initialise torch.distributed if needed (env:// as torchrun sets it) and form the
-    tensor-parallel groups of `group_size` consecutive ranks; returns this rank's TP group."""
+    tensor-parallel groups of `group_size` consecutive ranks; returns this rank's TP group.
+    `shm=True` opts this rank's groups in to shared-memory collectives (CPU inference on one host,
+    runtime/shm.py; every rank must pass it alike)."""
     if not dist.is_initialized():
         dist.init_process_group(backend=backend or default_backend(), timeout=timeout, **kwargs)
     world = dist.get_world_size()
@@ -75,6 +78,9 @@ def init_process_group(group_size: int | None = None, backend: str | None = None
         if rank % group_size == offset:
             dp = g
     _STATE["tp"], _STATE["dp"], _STATE["mesh"] = tp, dp, None
+    if shm:
+        enable_segment(tp)
+        enable_segment(dp)
     register_group(tp)
     return tp
 

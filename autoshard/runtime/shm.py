@@ -1,57 +1,58 @@
-"""Shared-memory all-reduce and all-gather of small CPU tensors among the ranks of one host.
+"""Shared-memory all-reduce and all-gather of small CPU tensors among the ranks of one host: an
+opt-in for CPU inference (`AUTOSHARD_SHM=1`, or `init_process_group(..., shm=True)`).
 
-A decode step runs about ten collectives of a few KiB each; on gloo over loopback each waits
-about 1.5 ms (2 processes on 2 cores), as long as the matrix products a rank saves. Here the
-ranks of a process group exchange such tensors through one shared segment instead: each rank
-copies its tensor into its slot, publishes a sequence counter, waits until every rank's counter
-has reached the same value, and reduces (or concatenates) all slots in rank order, so every rank
-computes the same bits (at 2 ranks the same bits as gloo's sum, addition being commutative; at
-more ranks the order may round differently from gloo's ring, alike on every rank; max
-and min propagate NaN, as torch.maximum does, where gloo's keep a NaN only if it comes first).
+By default every collective takes c10d's path (gloo, NCCL), eager and compiled. A decode step
+runs about ten collectives of a few KiB each; on gloo over loopback each waits about 1.5 ms
+(2 processes on 2 cores), as long as the matrix products a rank saves. Opted in, the ranks of a
+gloo group exchange such tensors through one shared segment instead: each rank copies its tensor
+into its slot, publishes a sequence counter, waits until every rank's counter has reached the
+same value, and reduces (or concatenates) all slots in rank order, so every rank computes the
+same bits (at 2 ranks gloo's bits for a sum; at more ranks the order may round differently from
+gloo's ring, alike on every rank; max and min propagate NaN as torch.maximum does).
 `collectives.raw_all_reduce` and the all-gathers of `collectives.gather_pieces` call it, in eager
-mode and through custom ops in a compiled graph (`in_graph`), for tensors of at most `LIMIT`
-bytes a rank on groups whose backend is gloo; anything else (larger tensors, NCCL, a compiled
-graph whose collectives inductor may reorder, and any call made under a TorchDispatchMode:
-CommDebugMode counts c10d's ops, tracing modes record them; the ranks must agree on that too)
-keeps c10d's path, and autoshard's byte counters record the same collectives and bytes either way.
+mode and through their custom ops in a compiled graph (which run c10d's collective where the group
+has no segment), for plain CPU tensors of at most `LIMIT` bytes a rank; larger tensors
+and other backends keep c10d's path. Autoshard's byte counters record the same collectives and
+bytes either way; CommDebugMode, which counts c10d's ops, does not see the segment's.
 
-Setup, once a process group, at its first collective that fits (a collective over gloo that
-every rank reaches at the same call): rank 0 creates a file under /dev/shm and a FIFO a rank
-beside it; the ranks gather their host names, whether they opt in, and the file's name and a
-random token; each maps the file, opens the FIFOs and checks the token; a gloo all-reduce then
-agrees whether every rank did, after which rank 0 unlinks the files, so nothing stays on disk
-whatever happens next. The fast path is on only when every rank runs on the same host, mapped
-the same segment and did not opt out, on x86-64 (whose stores become visible in program order:
-a rank writes its data before its counter and reads the counters before the data, with no fence
-Python could issue).
+Limits: the ranks of one host only, x86-64 only (its stores become visible in program order: a
+rank writes its data before its counter and reads the counters before the data, with no fence
+Python could issue), 2 x p MiB of /dev/shm a group, every rank must set the switch alike.
+
+The path is decided once a group, at its first collective that fits (a collective over gloo that
+every rank reaches at the same call), and agreed by every rank: rank 0 creates a file under
+/dev/shm (allocated in full, posix_fallocate: a full /dev/shm falls back to gloo, logged) and a
+FIFO a rank beside it; the ranks gather their host names, whether they opt in, the file's name and
+a random token; each maps the file, opens the FIFOs and checks the token; a gloo all-reduce then
+agrees whether every rank did, after which rank 0 unlinks the files. Every later collective of
+the group that fits takes the path so decided, whatever dispatch mode, tracer or counter is
+active on one rank. The turn-on is logged once a group (logger "autoshard.runtime.shm", INFO),
+a fallback where asked for (WARNING, with its reason).
 
 Layout: a 64-byte line holding the token, one line a rank holding its counter and, per bank,
 what it wrote there (int64s: bytes, dtype and collective, checked alike on every rank: ranks that
 run different collectives, sizes or dtypes at one call raise ProcessGroupError rather than read
 garbage), then two banks of p slots of `LIMIT` bytes. Call n uses bank n % 2: a rank that starts
 call n has seen every rank publish n - 1, so every rank has finished reading bank n % 2 of call
-n - 2, and one wait a call suffices. The file is allocated in full at setup (posix_fallocate), so
-a full /dev/shm turns the fast path off rather than failing a later write.
+n - 2, and one wait a call suffices. One thread at a time runs a group's call (a lock a
+segment: threads are served one after the other, matched across ranks in the order each rank
+issues them, as c10d matches them).
 
-Waiting spins on the counters (tens of microseconds), then sleeps in `select` on the rank's
-own FIFO (made with the segment, unlinked with it), having first marked in its line the call it
-sleeps in; a rank that publishes its counter writes a byte to the FIFO of every rank asleep in
-that call, so the kernel wakes the sleeper at once, as it wakes a rank blocked on gloo's socket.
-(Spinning or yielding the core for longer lost to gloo on a loaded machine: the late rank needs
-the core; measured in docs/benchmarks.md section 13.) The mark is written before the counters are
-read again, and the counter before the marks are read, so a wake-up is lost only where x86
-reorders a store after a later load, which the sleep's 2 ms limit bounds. A rank that has
-exited (its process gone or a zombie, looked up in /proc every 25 sleeps, about 50 ms) makes the
-wait raise ProcessGroupError at once, naming it, as gloo fails when a peer's socket closes; past
-the process group's timeout (300 s where it cannot be read) the wait raises ProcessGroupError
-naming the collective and the ranks that did not arrive.
+Waiting spins on the counters (tens of microseconds), then sleeps in `poll` on the rank's own
+FIFO (any descriptor number), having first marked in its line the call it sleeps in; a rank that
+publishes its counter writes a byte to the FIFO of every rank asleep in that call, so the kernel
+wakes the sleeper at once. (Spinning longer lost to gloo on a loaded machine: the late rank needs
+the core; docs/benchmarks.md section 13.) A lost wake-up (a store reordered after a later load)
+is bounded by the sleep's 2 ms limit. A rank that has exited (looked up in /proc every 25 sleeps)
+makes the wait raise ProcessGroupError at once, naming it; past the process group's timeout
+(300 s where it cannot be read) the wait raises ProcessGroupError naming the late ranks.
 
-Opt out: the environment variable `AUTOSHARD_SHM=0`, read when a group sets up (a rank that sets
-it turns the fast path off on every rank of its groups). `release_all()` unmaps every segment
-(runtime.groups.forget and destroy_process_group call it).
+A segment's map and descriptors are closed when its process group is freed or destroyed (looked
+for at each setup) and by `release_all()` (runtime.groups.forget and destroy_process_group).
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import platform
@@ -59,6 +60,7 @@ import secrets
 import select
 import socket
 import tempfile
+import threading
 import time
 import weakref
 
@@ -68,8 +70,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ..errors import ProcessGroupError
 
-__all__ = ["LIMIT", "all_reduce", "all_gather", "eager_all_reduce", "eager_all_gather", "in_graph",
-           "graph_all_reduce", "graph_all_gather", "served", "segment_path", "release_all"]
+__all__ = ["LIMIT", "enable", "all_reduce", "all_gather", "served", "segment_path", "release_all"]
 
 LIMIT = 1 << 20                 # bytes of one rank's tensor; larger ones take gloo
 DIRECTORY = "/dev/shm"
@@ -90,6 +91,11 @@ _DTYPES = {dt: i for i, dt in enumerate(sorted(_BYTES, key=str))}       # a dtyp
 _PLAIN = (torch.Tensor, torch.nn.Parameter)     # not FakeTensor, DTensor or other subclasses
 
 _SEGMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # ProcessGroup -> _Segment, or None: off
+_ROUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # ProcessGroup -> setups begun (store keys)
+_OPTED: weakref.WeakSet = weakref.WeakSet()     # groups opted in by `enable` (besides AUTOSHARD_SHM=1)
+_SETUP = threading.Lock()                       # held while a group's setup lock is looked up
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # ProcessGroup -> held while its path is decided
+_LOG = logging.getLogger(__name__)
 
 
 class _Segment:
@@ -123,6 +129,9 @@ class _Segment:
             self.banks = torch.frombuffer(self.map, dtype=torch.uint8, offset=header,
                                           count=2 * self.p * LIMIT).view(2, self.p, LIMIT)
         self.seq = 0                    # calls made through this segment
+        self.lock = threading.Lock()    # one thread's call at a time (its slots, counter and reads)
+        self.poller = select.poll()     # poll, not select: a descriptor past 1024 is fine
+        self.poller.register(self.pipes[self.rank], select.POLLIN)
         self.pids = None                # each rank's process id, where this rank can see them (setup)
         self.slots: dict = {}           # (bank, dtype, shape) -> [p, *shape] view of that bank's slots
 
@@ -179,7 +188,7 @@ class _Segment:
                 if naps % _LOOK == 0 and self.pids is not None:
                     self._check_alive(seq, what, x)
                 if left > 0:
-                    select.select([pipe], [], [], min(_BLOCK_S, left))
+                    self.poller.poll(max(1, int(1000 * min(_BLOCK_S, left))))
                     try:
                         os.read(pipe, 4096)                             # the wake-ups, this call's and stale ones
                     except BlockingIOError:
@@ -203,12 +212,16 @@ class _Segment:
                 f"reaching call {seq}")
 
     def close(self) -> None:
-        """Unmap (the memory goes once every rank has unmapped it; the file is already unlinked)."""
+        """Close the FIFOs and unmap (the memory goes once every rank has unmapped it; the file
+        is already unlinked); a second call does nothing."""
+        if self.banks is None:
+            return
         self.slots.clear()
         self.banks = None
         for fd in self.pipes:
             os.close(fd)
         self.pipes = []
+        self.poller = None
         self.words.release()
         self._view.release()
         try:
@@ -225,26 +238,38 @@ def _timeout_s(pg) -> float:
         return TIMEOUT_S
 
 
-def _wanted() -> bool:
-    """Whether this rank may take the fast path: not opted out, x86-64, a /dev/shm."""
-    return (os.environ.get("AUTOSHARD_SHM", "1").strip() != "0"
-            and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(DIRECTORY))
+def enable(group) -> None:
+    """Opt `group` in (as AUTOSHARD_SHM=1 does every gloo group): every rank must call it, before
+    the group's first collective (its path is decided there, once)."""
+    _OPTED.add(group)
+
+
+def _asked(pg) -> bool:
+    """Whether this rank opts `pg` in: AUTOSHARD_SHM=1 or `enable`."""
+    return os.environ.get("AUTOSHARD_SHM", "0").strip() == "1" or pg in _OPTED
+
+
+def _unable() -> str | None:
+    """Why this rank cannot take the fast path (None where it can): x86-64 with a /dev/shm."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the machine is {platform.machine()}, not x86-64"
+    return None if os.path.isdir(DIRECTORY) else f"there is no {DIRECTORY}"
 
 
 def _create(pg) -> tuple:
-    """Rank 0: (segment, path, token) of a new file under DIRECTORY, or Nones where that fails."""
+    """Rank 0: (segment, path, token) of a new file under DIRECTORY, or (None, why, None)."""
     try:
         fd, path = tempfile.mkstemp(prefix="autoshard-shm-", dir=DIRECTORY)
-    except OSError:
-        return None, None, None
+    except OSError as e:
+        return None, f"{DIRECTORY}: {e}", None
     try:
         os.posix_fallocate(fd, 0, _LINE * (1 + pg.size()) + 2 * pg.size() * LIMIT)
         for q in range(pg.size()):
             os.mkfifo(f"{path}.{q}", 0o600)
         seg = _Segment(path, pg)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:
         _unlink(path, pg.size())
-        return None, None, None
+        return None, f"reserving {2 * pg.size() * LIMIT >> 20} MiB under {DIRECTORY}: {e}", None
     finally:
         os.close(fd)
     token = secrets.randbits(62)
@@ -263,27 +288,39 @@ def _unlink(path: str, p: int) -> None:
 
 def _setup(pg):
     """This rank's segment of `pg`, or None where the fast path is off (see the module docstring);
-    a collective over gloo that every rank of `pg` runs at the same call."""
+    a collective over gloo that every rank of `pg` runs at the same call, where this rank opts in."""
     if "gloo" not in str(dist.get_backend(pg)) or pg.size() < 2:
         return None
-    rank, want = dist.get_rank(pg), _wanted()
+    rank, asks = dist.get_rank(pg), _asks(pg)
+    if not all(asks):
+        if rank == 0 and any(asks):
+            _LOG.warning("autoshard: shared-memory collectives on process group %r asked for by rank(s) %s only; "
+                         "gloo's path kept (every rank must set AUTOSHARD_SHM=1 or call shm.enable alike)",
+                         pg.group_name, [r for r, a in enumerate(asks) if a])
+        return None
+    _sweep()
+    why = _unable()
     seg = path = token = None
-    if rank == 0 and want:
+    if rank == 0 and why is None:
         seg, path, token = _create(pg)
+        if seg is None:
+            why, path = path, None
     try:
         info = [None] * pg.size()
-        dist.all_gather_object(info, (socket.gethostname(), want, path, token, os.getpid()), group=pg)
+        dist.all_gather_object(info, (socket.gethostname(), why, path, token, os.getpid()), group=pg)
         host, _, path, token, _ = info[0]
-        agreed = path is not None and all(h == host and w for h, w, _, _, _ in info)
-        if agreed and rank != 0:
+        why = next((f"rank {r}: {w}" for r, (_, w, _, _, _) in enumerate(info) if w is not None), None)
+        why = why or next((f"rank {r} runs on {h}, rank 0 on {host}" for r, (h, *_) in enumerate(info) if h != host),
+                          None)
+        if why is None and rank != 0:
             try:
                 seg = _Segment(path, pg)
-            except (OSError, ValueError):        # another /dev/shm (a container of the same name)
-                seg = None
+            except (OSError, ValueError) as e:        # another /dev/shm (a container of the same name)
+                seg, why = None, f"rank {rank} cannot map {path}: {e}"
             if seg is not None and seg.words[0] != token:
                 seg.close()
-                seg = None
-        flag = torch.tensor([int(agreed and seg is not None)])
+                seg, why = None, f"rank {rank} mapped another {path} (another {DIRECTORY})"
+        flag = torch.tensor([int(why is None and seg is not None)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
     finally:
         if rank == 0 and path is not None:
@@ -291,10 +328,40 @@ def _setup(pg):
     if not flag.item() and seg is not None:
         seg.close()
         seg = None
-    if seg is not None:
-        pids = [i[4] for i in info]
-        seg.pids = pids if all(_alive(q) for q in pids) else None     # another PID namespace: the timeout only
+    if seg is None:
+        if rank == 0:
+            _LOG.warning("autoshard: shared-memory collectives asked for on process group %r but off, gloo's "
+                         "path kept: %s", pg.group_name, why or "another rank could not map the segment")
+        return None
+    pids = [i[4] for i in info]
+    seg.pids = pids if all(_alive(q) for q in pids) else None     # another PID namespace: the timeout only
+    weakref.finalize(pg, seg.close)
+    if rank == 0:
+        _LOG.info("autoshard: shared-memory collectives on for process group %r (%d ranks, %d MiB of %s; "
+                  "tensors of at most %d bytes a rank)", pg.group_name, pg.size(), 2 * pg.size() * LIMIT >> 20,
+                  DIRECTORY, LIMIT)
     return seg
+
+
+def _asks(pg) -> list:
+    """Whether each rank of `pg` opts it in, exchanged through the group's store (no collective,
+    so a default run's collectives are c10d's alone); keyed by this group's setup count."""
+    n = _ROUNDS[pg] = _ROUNDS.get(pg, 0) + 1
+    store, rank = c10d._get_process_group_store(pg), dist.get_rank(pg)
+    store.set(f"autoshard_shm/{n}/{rank}", "1" if _asked(pg) else "0")
+    return [store.get(f"autoshard_shm/{n}/{q}") == b"1" for q in range(pg.size())]
+
+
+def _sweep() -> None:
+    """Close the segments of groups that torch.distributed no longer holds (destroyed)."""
+    held = getattr(c10d, "_world", None)
+    held = getattr(held, "pg_map", None)
+    if held is None:
+        return
+    for pg, seg in list(_SEGMENTS.items()):
+        if seg is not None and pg not in held:
+            seg.close()
+            _SEGMENTS[pg] = None
 
 
 def _alive(pid: int) -> bool:
@@ -309,17 +376,22 @@ def _alive(pid: int) -> bool:
 
 def _segment(x, group, nbytes: int, dtypes):
     """The segment to run a collective of `x` on, or None for c10d's path: the same answer on
-    every rank (the group, the tensor's size and dtype, and the setup's agreed flag decide)."""
-    if not 0 < nbytes <= LIMIT or x.dtype not in dtypes or type(x) not in _PLAIN or x.device.type != "cpu" \
-            or torch._C._len_torch_dispatch_stack():      # CommDebugMode counts c10d's ops; tracing modes record them
+    every rank (the group's path, decided and agreed at its setup, and the tensor's size, dtype
+    and kind decide; not the rank's dispatch modes)."""
+    if not 0 < nbytes <= LIMIT or x.dtype not in dtypes or type(x) not in _PLAIN or x.device.type != "cpu":
         return None
     try:
         return _SEGMENTS[group]
     except KeyError:
-        seg = _SEGMENTS[group] = _setup(group)
-        return seg
+        pass
     except TypeError:                            # not a ProcessGroup (no weak reference)
         return None
+    with _SETUP:
+        lock = _LOCKS.setdefault(group, threading.Lock())
+    with lock:
+        if group not in _SEGMENTS:
+            _SEGMENTS[group] = _setup(group)
+    return _SEGMENTS[group]
 
 
 def all_reduce(x: torch.Tensor, group, reduce_op: str = "sum", inplace: bool = False):
@@ -331,7 +403,7 @@ def all_reduce(x: torch.Tensor, group, reduce_op: str = "sum", inplace: bool = F
     seg = None if fn is None else _segment(x, group, x.nbytes, dtypes)
     if seg is None:
         return None
-    with torch.no_grad():
+    with torch.no_grad(), seg.lock:
         slots = seg.exchange(x, f"all_reduce({reduce_op})", 1 + _CODES.index(reduce_op))
         out = x if inplace else torch.empty(x.shape, dtype=x.dtype)
         fn(slots[0], slots[1], out=out)
@@ -346,64 +418,8 @@ def all_gather(x: torch.Tensor, group):
     seg = _segment(x, group, x.nbytes, _BYTES)
     if seg is None:
         return None
-    with torch.no_grad():
+    with torch.no_grad(), seg.lock:
         return seg.exchange(x, "all_gather", 0).clone(memory_format=torch.contiguous_format)
-
-
-def eager_all_reduce(x: torch.Tensor, group, reduce_op: str = "sum", inplace: bool = False) -> torch.Tensor:
-    """`all_reduce` where it applies, else c10d's own in-place all-reduce (CommDebugMode counts
-    it) on a contiguous copy of `x` (on `x` itself with `inplace`)."""
-    out = all_reduce(x, group, reduce_op, inplace)
-    if out is None:
-        out = x if inplace else x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=getattr(dist.ReduceOp, reduce_op.upper()), group=group)
-    return out
-
-
-def eager_all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's flat contiguous `x` in rank order, [p * x.numel()]: `all_gather` where it
-    applies, else c10d's."""
-    out = all_gather(x, group)
-    if out is None:
-        out = x.new_empty(group.size() * x.numel())
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
-    return out.view(-1)
-
-
-def in_graph(x: torch.Tensor) -> bool:
-    """Whether a collective of `x` traced by torch.compile should call this module's ops (a CPU
-    tensor of at most LIMIT bytes) rather than PyTorch's functional ones; decided from what
-    tracing sees, the same on every rank. Where inductor is asked to reorder collectives for
-    overlap (`torch._inductor.config.reorder_for_compute_comm_overlap`), the functional ones,
-    which its passes know how to move; so too for an `x` that requires grad where grad is on (the
-    ops have no derivative: autoshard's autograd functions call them with grad off). (Where
-    shared memory is off, the op runs c10d's collective.)"""
-    from torch._inductor import config as inductor_config
-    return x.device.type == "cpu" and x.numel() * x.element_size() <= LIMIT and \
-        not (torch.is_grad_enabled() and x.requires_grad) and not inductor_config.reorder_for_compute_comm_overlap
-
-
-@torch.library.custom_op("autoshard::shm_all_reduce", mutates_args=())
-def graph_all_reduce(x: torch.Tensor, group_name: str, reduce_op: str) -> torch.Tensor:
-    """all_reduce as an op a compiled graph calls (opaque to inductor): shared memory where it
-    applies, else c10d's all-reduce on a copy; `group_name`, the process group's name."""
-    return eager_all_reduce(x, c10d._resolve_process_group(group_name), reduce_op)
-
-
-@graph_all_reduce.register_fake
-def _(x, group_name, reduce_op):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-@torch.library.custom_op("autoshard::shm_all_gather", mutates_args=())
-def graph_all_gather(x: torch.Tensor, group_name: str, p: int) -> torch.Tensor:
-    """all_gather of a flat `x` as an op a compiled graph calls: [p * x.numel()], rank order."""
-    return eager_all_gather(x.contiguous(), c10d._resolve_process_group(group_name))
-
-
-@graph_all_gather.register_fake
-def _(x, group_name, p):
-    return x.new_empty(p * x.numel())
 
 
 def served(group) -> int:
