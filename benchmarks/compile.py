@@ -50,11 +50,18 @@ single-process model under the same autocast. Then:
   DTensor's eager step with ``autoshard.runtime.counters.count_functional`` (both count eager
   runs; a compiled graph runs the same collectives but is not counted).
 
-Transport: autoshard's all-reduces and all-gathers of CPU tensors up to 1 MiB a rank go through
-a shared-memory segment between the ranks (``autoshard.runtime.shm``), eager and compiled;
-DTensor's go through gloo. ``AUTOSHARD_SHM=0`` sends autoshard's through gloo too, and under
-``--overlap`` the compiled variants use PyTorch's functional collectives (on gloo), which
-inductor's passes may reorder.
+Transport: gloo for both sides by default (autoshard's small all-reduces and all-gathers are
+c10d's own ops, in the compiled graph through its custom ops ``autoshard::all_reduce`` /
+``all_gather``; DTensor's are PyTorch's functional collectives). ``AUTOSHARD_SHM=1`` sends
+autoshard's small ones through its shared-memory segment instead (``autoshard.runtime.shm``: then
+the two sides do not share a transport; the transport is printed and stored). Under
+``--overlap`` the compiled variants use PyTorch's functional collectives, which inductor's passes
+may reorder.
+
+``--profile N``: after the timed rounds, N steps of each compiled variant under
+``torch.profiler`` (CPU) on every rank: per collective op (c10d's, gloo's, the functional ones,
+autoshard's custom ops, their waits) its calls a step and milliseconds a step, and the ops that
+take the most self time, rank 0's and rank 1's (what stands between the two compiled steps).
 
 ``--overlap`` sets ``torch._inductor.config.reorder_for_compute_comm_overlap = True`` before
 either compiled variant is built, and, since in torch 2.13 that flag runs only the passes listed in
@@ -194,19 +201,19 @@ def _warm_compiler(tmp: Path) -> float:
 
 
 def run(layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool, whole: bool = False,
-        outputs: str = "full") -> dict:
+        outputs: str = "full", profile_steps: int = 0) -> dict:
     """On every rank: build, check, count and time all variants; rank 0's dict is returned."""
     import shutil
     import tempfile
     tmp = Path(tempfile.mkdtemp(prefix=f"autoshard_compile_bench_r{dist.get_rank()}_"))
     try:
-        return _run(tmp, layers, warmup, rounds, budget_s, overlap, whole, outputs)
+        return _run(tmp, layers, warmup, rounds, budget_s, overlap, whole, outputs, profile_steps)
     finally:                            # the inductor caches: loaded already, not needed again
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run(tmp: Path, layers: int, warmup: int, rounds: int, budget_s: float, overlap: bool, whole: bool,
-         outputs: str) -> dict:
+         outputs: str, profile_steps: int = 0) -> dict:
     import torch._dynamo
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
@@ -327,6 +334,13 @@ def _run(tmp: Path, layers: int, warmup: int, rounds: int, budget_s: float, over
     times = time_interleaved({n: steps[n] for n in ok}, warmup=warmup, rounds=rounds,
                              budget_s=budget_s, min_rounds=min(5, rounds))
     later = _delta(_dynamo_counts(), graphs_before)
+    profiles = {}
+    for name in COMPILED if profile_steps else ():
+        if name in ok:
+            mine = _profile(steps[name], profile_steps)
+            both = [None] * world
+            dist.all_gather_object(both, mine)
+            profiles[name] = both
 
     variants = {}
     for name in VARIANTS:
@@ -386,7 +400,30 @@ def _run(tmp: Path, layers: int, warmup: int, rounds: int, budget_s: float, over
                          "cpp_threads": torch.get_num_threads()},
             "compiler_warmup_s": warm_s, "reference_loss": ref_loss, "reference_loss_bf16": ref_bf16,
             "variants": variants, "dtensor_bf16_comm": comm.get(DT_BF16), "ratios": ratios,
-            "recompiles_during_timing": later}
+            "recompiles_during_timing": later, "profiles": profiles,
+            "transport": "autoshard: shared memory (AUTOSHARD_SHM=1), DTensor: gloo"
+            if os.environ.get("AUTOSHARD_SHM", "0").strip() == "1" else "gloo, both sides"}
+
+
+_COMM_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "wait_tensor", "gloo",
+               "c10d", "autoshard::")
+
+
+def _profile(step, n: int) -> dict:
+    """`n` steps under torch.profiler: the collective ops (calls and ms a step) and the ops with
+    the most self time."""
+    from torch.profiler import ProfilerActivity, profile
+    dist.barrier()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            step()
+    wall = (time.perf_counter() - t0) * 1e3 / n
+    rows = [(e.key, e.count / n, e.cpu_time_total / 1e3 / n, e.self_cpu_time_total / 1e3 / n)
+            for e in prof.key_averages()]
+    comm = sorted((r for r in rows if any(w in r[0].lower() for w in _COMM_WORDS)), key=lambda r: -r[2])
+    top = sorted(rows, key=lambda r: -r[3])[:10]
+    return {"steps": n, "wall_ms_per_step": wall, "collectives": comm[:12], "top_self": top}
 
 
 def _autoshard_compiled(model, world: int, kw: dict, outputs: str = "full"):
@@ -464,6 +501,14 @@ def report(r: dict) -> None:
         if phases:
             print(f"{name}, compile phases on rank 0 (s): "
                   + ", ".join(f"{label} {phases.get(key, 0.0):.1f}" for key, label in PHASES))
+    for name, ranks in (r.get("profiles") or {}).items():
+        for rank, p in enumerate(ranks):
+            print(f"\n{name}, rank {rank}: torch.profiler over {p['steps']} steps, {p['wall_ms_per_step']:.1f} ms "
+                  "a step (profiled); collective ops: calls / step, total ms / step, self ms / step")
+            for key, calls, total, own in p["collectives"]:
+                print(f"  {key:<48} {calls:6.1f} {total:9.2f} {own:9.2f}")
+            print("  most self time: " + ", ".join(f"{k} {own:.1f}" for k, _, _, own in p["top_self"][:6]))
+    print(f"transport: {r.get('transport')}")
     later = r["recompiles_during_timing"]
     print(f"graphs compiled during the timed rounds (recompiles): {later['graphs']}; "
           f"graph breaks then: {later['graph_breaks']}")
@@ -487,6 +532,9 @@ def main(argv=None) -> int:
                     help="autoshard's outputs: full (default: the logits gathered, as the model returns them) "
                          "or sharded (the logits a DTensor split on vocabulary, the loss vocabulary-parallel; "
                          "what a training loop that reads only the loss can take)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, N steps of each compiled variant under torch.profiler (collectives' "
+                         "calls and ms a step, top ops by self time, each rank)")
     ap.add_argument("--name", help="results file stem (default compile[_quick][_overlap][_whole][_sharded])")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -495,7 +543,7 @@ def main(argv=None) -> int:
     budget = args.budget if args.budget is not None else (30.0 if args.quick else 150.0)
     warmup = 2 if args.quick else 3
     r = launch(run, args.world, args.layers, warmup, rounds, budget, args.overlap, args.whole, args.outputs,
-               timeout_s=1800.0, collective_timeout_s=600.0)
+               args.profile, timeout_s=1800.0, collective_timeout_s=600.0)
     report(r)
     name = args.name or ("compile" + ("_quick" if args.quick else "") + ("_overlap" if args.overlap else "")
                         + ("_whole" if args.whole else "") + ("_sharded" if args.outputs == "sharded" else ""))

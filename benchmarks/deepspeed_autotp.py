@@ -1,0 +1,308 @@
+#!/usr/bin/env python
+"""DeepSpeed's AutoTP beside autoshard on the model zoo's families, 2 ranks, the same transport.
+
+    pip install ".[peers]"        # deepspeed, pure Python: DS_BUILD_OPS=0 DS_ACCELERATOR=cpu
+    python benchmarks/deepspeed_autotp.py                      # every zoo entry (tests/zoo.py)
+    python benchmarks/deepspeed_autotp.py --models llama,opt,bert --steps 5
+
+Each model is run by `torchrun --nproc_per_node 2` (gloo, CPU; a launch holds several models, and
+a model that hangs or kills its launch is reported and the next launch goes on after it). Both
+sides run over gloo: DeepSpeed's shared-memory all-reduce op is turned off
+(`deepspeed.comm.torch.build_shm_op` returns None, so `inference_all_reduce` takes
+torch.distributed.all_reduce), and autoshard's collectives take c10d's path (its shared-memory
+opt-in, AUTOSHARD_SHM, is unset). Per model, on each side:
+
+- training: DeepSpeed `deepspeed.initialize(model, optimizer=SGD, config={"tensor_parallel":
+  {"autotp_size": 2}, ...})`, one `engine(**kw)`, `engine.backward(loss)`, `engine.step()`;
+  autoshard `autoshard.parallelize(model, 2, kw)`, forward, backward, SGD step. Whether it runs
+  (else the first line of its error), whether its loss and logits equal one process's (1e-5 of
+  scale; autoshard's gradients too, collected whole), the bytes one rank sends in a training step
+  (ring bytes, `autoshard.runtime.collectives.ring_bytes`: DeepSpeed's counted by wrapping
+  torch.distributed's collectives, autoshard's by its own counters) with the collectives' count,
+  and the median step time over `--steps` steps (both sides in one process, so the same load).
+- inference: DeepSpeed `deepspeed.init_inference(model, tensor_parallel={"tp_size": 2},
+  dtype=float32)`, autoshard the same parallelized module under no_grad: whether it runs and
+  equals one process's logits, and the median forward time.
+
+Results: a table on stdout and benchmarks/results/deepspeed_autotp.json (one row a model).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+RESULTS = ROOT / "benchmarks" / "results" / "deepspeed_autotp.json"
+LAUNCH_S = 900
+
+
+# ----------------------------------------------------------------------------- worker (one rank)
+
+@contextmanager
+def counted(events: list):
+    """Wrap torch.distributed's collectives: (kind, ring bytes, shape) of each call into `events`."""
+    import torch.distributed as dist
+    from autoshard.runtime.collectives import ring_bytes
+    saved = {n: getattr(dist, n) for n in ("all_reduce", "all_gather_into_tensor", "all_gather",
+                                           "reduce_scatter_tensor", "broadcast")}
+
+    def wrap(name, kind, size):
+        def call(*a, **k):
+            group = k.get("group")
+            p = dist.get_world_size(group)
+            t = size(*a, **k)
+            events.append((kind, ring_bytes(kind, t.nbytes, p), tuple(t.shape)))
+            return saved[name](*a, **k)
+        return call
+
+    first = lambda *a, **k: a[0] if a else next(iter(k.values()))               # noqa: E731
+    dist.all_reduce = wrap("all_reduce", "all_reduce", first)
+    dist.all_gather_into_tensor = wrap("all_gather_into_tensor", "all_gather", first)
+    dist.all_gather = wrap("all_gather", "all_gather", lambda out, *a, **k: __import__("torch").cat(out))
+    dist.reduce_scatter_tensor = wrap("reduce_scatter_tensor", "reduce_scatter", lambda o, i, *a, **k: i)
+    dist.broadcast = wrap("broadcast", "broadcast", first)
+    try:
+        yield events
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
+def _close(a, b) -> bool:
+    import torch
+    a, b = a.detach().float(), b.detach().float()
+    if a.shape != b.shape:
+        return False
+    scale = b.abs().max().item() if b.numel() else 0.0
+    return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-5 * scale + 1e-7))
+
+
+def _logits(out):
+    t = getattr(out, "logits", None)
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _median_s(fn, steps: int) -> float:
+    import torch.distributed as dist
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _same(out, ref_out, grads_ok=None) -> str:
+    loss_ok = ref_out.loss is None or _close(out.loss, ref_out.loss)
+    lg, rlg = _logits(out), _logits(ref_out)
+    logits_ok = rlg is None or (lg is not None and _close(lg, rlg))
+    if loss_ok and logits_ok and grads_ok in (None, True):
+        return "exact"
+    what = [w for w, ok in (("loss", loss_ok), ("logits", logits_ok), ("gradients", grads_ok)) if ok is False]
+    return "differs: " + ", ".join(what)
+
+
+def _deepspeed_train(model, kw, ref_out, steps):
+    import deepspeed
+    import torch
+    from deepspeed.module_inject import layers
+    layers.set_autotp_mode(training=True)
+    m = copy.deepcopy(model).train()
+    cfg = {"train_micro_batch_size_per_gpu": next(iter(kw.values())).shape[0], "gradient_accumulation_steps": 1,
+           "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 9}
+    engine, *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.0), config=cfg)
+    events = []
+    with counted(events):
+        out = engine(**kw)
+        engine.backward(out.loss)
+        engine.step()
+    row = {"train": _same(out, ref_out), "bytes": sum(e[1] for e in events), "calls": len(events),
+           "events": [list(e) for e in events]}
+
+    def step():
+        engine.backward(engine(**kw).loss)
+        engine.step()
+    row["step_ms"] = 1e3 * _median_s(step, steps)
+    return row
+
+
+def _deepspeed_infer(model, kw, ref_out, steps):
+    import deepspeed
+    import torch
+    from deepspeed.module_inject import layers
+    layers.set_autotp_mode(training=False)
+    engine = deepspeed.init_inference(copy.deepcopy(model), tensor_parallel={"tp_size": 2}, dtype=torch.float32,
+                                      replace_with_kernel_inject=False)
+    with torch.no_grad():
+        out = engine(**kw)
+        row = {"infer": _same(out, ref_out)}
+        row["infer_ms"] = 1e3 * _median_s(lambda: engine(**kw), steps)
+    return row
+
+
+def _autoshard(model, kw, ref, ref_out, steps):
+    import torch
+    import autoshard
+    import refs
+    from autoshard.runtime.collectives import count_comm
+    gm = autoshard.parallelize(copy.deepcopy(model), 2, kw)
+    with count_comm() as c:
+        out = gm(**kw)
+        out.loss.backward()
+    try:
+        refs.grads_match(gm, ref, "autoshard")
+        grads_ok = True
+    except AssertionError:
+        grads_ok = False
+    row = {"train": _same(out, ref_out, grads_ok), "bytes": c.bytes, "calls": c.calls,
+           "events": [[e.op, e.kind, e.direction, e.bytes] for e in c.events]}
+    opt = torch.optim.SGD(gm.parameters(), lr=0.0)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        gm(**kw).loss.backward()
+        opt.step()
+    row["step_ms"] = 1e3 * _median_s(step, steps)
+    with torch.no_grad():
+        row["infer"] = _same(gm(**kw), ref_out)
+        row["infer_ms"] = 1e3 * _median_s(lambda: gm(**kw), steps)
+    return row
+
+
+def _guarded(fn, *args) -> dict:
+    from autoshard.errors import first_line
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - a peer's failure is a result
+        return {"error": f"{type(e).__name__}: {first_line(e, 200)}"}
+
+
+def worker(names: list, out_path: str, steps: int) -> None:
+    """One rank of a torchrun launch: each model in turn, a JSON line a model appended by rank 0."""
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401 - the module (deepspeed.comm's attribute `torch` is torch itself)
+    import torch
+    import torch.distributed as dist
+    from zoo import ZOO
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None     # its shared-memory all-reduce off: gloo
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    for name in names:
+        arch = ZOO[name]
+        if rank == 0:
+            with open(out_path + ".at", "w") as f:
+                f.write(name)
+        model, kw = arch.build()
+        model.train()
+        ref = copy.deepcopy(model)
+        ref_out = ref(**kw)
+        ref_out.loss.backward()
+        with torch.no_grad():
+            ref_eval = ref(**kw)
+        row = {"model": name, "family": arch.family, "task": arch.task,
+               "deepspeed": {**_guarded(_deepspeed_infer, model, kw, ref_eval, steps)},
+               "autoshard": _guarded(_autoshard, model, kw, ref, ref_out, steps)}
+        row["deepspeed_train"] = _guarded(_deepspeed_train, model, kw, ref_out, steps)
+        if rank == 0:
+            with open(out_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------- parent
+
+def run(names: list, steps: int, per_launch: int) -> list:
+    """Launch torchrun over `names` (`per_launch` a launch); a launch that dies or passes
+    LAUNCH_S is reported on the model it was at, and the rest go on in a new launch."""
+    rows, todo = [], list(names)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("AUTOSHARD_SHM", None)
+    while todo:
+        batch, todo = todo[:per_launch], todo[per_launch:]
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "rows.jsonl")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   __file__, "--worker", ",".join(batch), "--out", out, "--steps", str(steps)]
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_S)
+                failure = None if proc.returncode == 0 else f"launch exited {proc.returncode}: " + \
+                    next((ln for ln in reversed(proc.stderr.splitlines()) if "Error" in ln), proc.stderr[-200:])
+            except subprocess.TimeoutExpired:
+                failure = f"no result within {LAUNCH_S} s (hang)"
+            done = [json.loads(ln) for ln in open(out)] if os.path.exists(out) else []
+            rows += done
+            if failure is not None and len(done) < len(batch):
+                at = open(out + ".at").read() if os.path.exists(out + ".at") else batch[len(done)]
+                rows.append({"model": at, "launch_failure": failure[:300]})
+                todo = batch[batch.index(at) + 1:] + todo
+        for r in rows[-len(batch):]:
+            print(json.dumps(_brief(r)), flush=True)
+    return rows
+
+
+def _brief(r: dict) -> dict:
+    return {k: ({kk: vv for kk, vv in v.items() if kk != "events"} if isinstance(v, dict) else v) for k, v in r.items()}
+
+
+def _cell(d: dict, key: str) -> str:
+    if "error" in d:
+        return "fails"
+    return d.get(key, "-")
+
+
+def table(rows: list) -> str:
+    lines = ["| model | DeepSpeed training | DeepSpeed inference | autoshard training / inference | bytes a step "
+             "DeepSpeed (calls) | bytes a step autoshard (calls) | autoshard / DeepSpeed | step ms DeepSpeed | "
+             "step ms autoshard | infer ms DeepSpeed | infer ms autoshard |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "launch_failure" in r:
+            lines.append(f"| {r['model']} | {r['launch_failure']} |" + " - |" * 9)
+            continue
+        t, i, a = r["deepspeed_train"], r["deepspeed"], r["autoshard"]
+        tb = f"{t['bytes']:,.0f} ({t['calls']})" if "bytes" in t else "-"
+        ab = f"{a['bytes']:,.0f} ({a['calls']})" if "bytes" in a else "-"
+        ratio = f"{a['bytes'] / t['bytes']:.2f}" if "bytes" in a and t.get("bytes") else "-"
+        ms = lambda d, k: f"{d[k]:.1f}" if k in d else "-"        # noqa: E731
+        err = lambda d, k: d.get(k, "") if "error" not in d else f"fails: {d['error']}"  # noqa: E731
+        lines.append(f"| {r['model']} | {err(t, 'train')} | {err(i, 'infer')} | {err(a, 'train')} / "
+                     f"{a.get('infer', '-')} | {tb} | {ab} | {ratio} | {ms(t, 'step_ms')} | {ms(a, 'step_ms')} | "
+                     f"{ms(i, 'infer_ms')} | {ms(a, 'infer_ms')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=None, help="comma-separated zoo names (default: the whole zoo)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--per-launch", type=int, default=8)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a.worker.split(","), a.out, a.steps)
+        return
+    from zoo import ZOO
+    names = a.models.split(",") if a.models else list(ZOO)
+    rows = run(names, a.steps, a.per_launch)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
