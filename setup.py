@@ -14,6 +14,8 @@ setup(
         "bench": ["matplotlib>=3.7"],
         "draw": ["matplotlib>=3.7"],
         "hf": ["transformers>=4.40", "safetensors>=0.4", "tqdm", "accelerate"],
+        # benchmarks/deepspeed_autotp.py's peer; on CPU install with DS_BUILD_OPS=0 DS_ACCELERATOR=cpu
+        "peers": ["deepspeed>=0.16", "transformers>=4.40"],
     },
     entry_points={"console_scripts": ["autoshard=autoshard.cli:main"]},
 )

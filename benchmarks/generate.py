@@ -14,8 +14,8 @@ the one-process baseline: Hugging Face's own `model.generate`) runs one thread. 
   over 31: what the step costs the rank, whatever the machine's load (the wall time waits on
   the other ranks and the scheduler; with shared-memory collectives, autoshard.runtime.shm, it
   includes their spinning wait);
-- how many of the decode step's collectives ran through shared memory (`AUTOSHARD_SHM=0` in
-  the environment sends them through gloo: the comparison before / after that transport).
+- how many of the decode step's collectives ran through shared memory (off by default: gloo;
+  `AUTOSHARD_SHM=1` in the environment opts in: the comparison of the two transports).
 
 The module is planned with a fine-tuning batch (`--example train`: 4 x 256 tokens with labels),
 whose layouts then serve generation; `--example prompt` plans with the prompt itself (32 tokens;
@@ -34,7 +34,7 @@ once (a decode step reads every weight once, so it is memory-bound on CPU; where
 the memory bandwidth, this ratio, not the plan, caps the decode speed-up).
 
 With `--transports` (world 2 only), one launch times one process's generate (rank 0 alone), the
-module over gloo (`AUTOSHARD_SHM=0`) and the module over shared memory (autoshard.runtime.shm),
+module over gloo (the default) and the module over shared memory (autoshard.runtime.shm),
 in interleaved rounds, so that the three see the same load (a shared machine's load moves
 between launches). Measured so far, the one process ran slower inside that launch than in its
 own (66-72 against 50-56 ms of CPU a token, the 214 M model; cause not found): compare its two

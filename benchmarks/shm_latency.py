@@ -1,7 +1,7 @@
 """Latency of a small all-reduce and all-gather between CPU ranks: gloo against shared memory.
 
 autoshard's eager collectives (`raw_all_reduce`, `gather_pieces`) on two process groups over the
-same ranks: one set up with `AUTOSHARD_SHM=0` (gloo over loopback, c10d's own ops), one with the
+same ranks: one on gloo (the default: loopback, c10d's own ops), one opted in (`AUTOSHARD_SHM=1`) to the
 shared-memory segment (autoshard.runtime.shm). Per size (bytes a rank's tensor: 4 KiB and 64 KiB
 by default) and collective, rounds alternate the transports (the order rotated each round); a
 round times `--calls` back-to-back calls one by one after a barrier. Reported: the median latency

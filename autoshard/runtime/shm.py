@@ -199,7 +199,7 @@ class _Segment:
                         f"shared-memory {what} of a {tuple(x.shape)} {x.dtype} tensor on process group "
                         f"{self.name!r} (ranks {self.ranks}): rank(s) {late} did not reach call {seq} within "
                         f"{self.timeout_s:.0f} s (the ranks must run the same collectives in the same order; "
-                        "AUTOSHARD_SHM=0 sends them through gloo instead)")
+                        "without AUTOSHARD_SHM=1 they go through gloo)")
 
     def _check_alive(self, seq: int, what: str, x) -> None:
         """Raise if a rank that has not reached call `seq` has exited (gloo sees its socket close)."""
