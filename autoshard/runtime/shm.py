@@ -347,7 +347,10 @@ def _asks(pg) -> list:
     """Whether each rank of `pg` opts it in, exchanged through the group's store (no collective,
     so a default run's collectives are c10d's alone); keyed by this group's setup count."""
     n = _ROUNDS[pg] = _ROUNDS.get(pg, 0) + 1
-    store, rank = c10d._get_process_group_store(pg), dist.get_rank(pg)
+    try:
+        store, rank = c10d._get_process_group_store(pg), dist.get_rank(pg)
+    except (KeyError, AttributeError, RuntimeError):     # a group c10d does not hold: alike on every rank
+        return [False] * pg.size()
     store.set(f"autoshard_shm/{n}/{rank}", "1" if _asked(pg) else "0")
     return [store.get(f"autoshard_shm/{n}/{q}") == b"1" for q in range(pg.size())]
 
