@@ -116,6 +116,32 @@ def patch_accelerate(load: bool = False) -> None:
     ParallelismConfig._validate_accelerator = _validate_accelerator
 
 
+def patch_trainer() -> None:
+    """`transformers.Trainer.save_model` (and so its checkpoints' weights) of a parallel module:
+    every rank joins the module's `save_pretrained` (full weights, gathered as each tensor is
+    written), where the Trainer's own would write global rank 0's shards alone; the training
+    arguments are written beside them as the Trainer does. Done once the Trainer is imported."""
+    mod = sys.modules.get("transformers.trainer")
+    if mod is None or getattr(mod.Trainer.save_model, "_autoshard", False):
+        return
+    original = mod.Trainer.save_model
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if self.model not in _MODULES:
+            return original(self, output_dir, _internal_call)
+        import os
+        import torch
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self.model.save_pretrained(output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+    save_model._autoshard = True
+    save_model.__doc__ = original.__doc__
+    mod.Trainer.save_model = save_model
+
+
 def attach(gm, pg, check_inputs) -> None:
     """See the module docstring. `check_inputs`: N (first call of each signature and every N-th
     call), 0 (first calls only) or None / False (never)."""
@@ -138,6 +164,7 @@ def attach(gm, pg, check_inputs) -> None:
             reducer.under_ddp = ddp is not None
         if guard.due(key):
             patch_accelerate()
+            patch_trainer()
             agreement.check_same_inputs(pg, arguments, type(gm).__name__)
     gm._autoshard_signatures.guard = before_call
     cls = type(gm)                      # unique to this GraphModule (torch.fx)
@@ -147,6 +174,7 @@ def attach(gm, pg, check_inputs) -> None:
     cls.grad_norm = _norm
     _MODULES.add(gm)
     patch_accelerate(load="config" in gm.__dict__)       # a Hugging Face model: its Trainer comes next
+    patch_trainer()
 
 
 def _active_ddp() -> bool:
