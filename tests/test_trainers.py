@@ -88,6 +88,9 @@ def _train(tp, batch, accum, out, miswire="none", save=False):
 
 def _rank_case(rank, world, tp, batch, accum, out, miswire, save):
     _trainer_env(rank, world)
+    if world > tp:
+        from autoshard.distributed import init_process_group
+        init_process_group(tp)                    # tensor-parallel pairs, data-parallel groups across them
     try:
         return _train(tp, batch, accum, out, miswire, save)
     finally:
