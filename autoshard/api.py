@@ -240,7 +240,7 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
                                               overlap))
     torch.clear_autocast_cache()      # planning's casts (of fake and meta weights) must not serve a call in this region
     if D.is_initialized() and torch.distributed.get_world_size(pg) > 1:
-        training.attach(gm, pg, check_inputs)
+        training.attach(gm, pg, check_inputs, group)
     return gm
 
 

@@ -140,6 +140,35 @@ def test_miswired_trainer_is_refused_on_the_first_step(miswire, named, dist2, tm
         assert r["losses"] == [], "refused before any step was logged"
 
 
+# ----------------------------------------------------------------------------- accelerate's loop, Lightning
+
+EXAMPLES = os.path.join(os.path.dirname(HERE), "docs", "examples")
+sys.path.insert(0, EXAMPLES)
+
+
+def _loop_case(rank, world, loop):
+    import importlib
+    _trainer_env(rank, world)
+    try:
+        return importlib.import_module(loop).train(tp=2, batch=2, steps=STEPS, clip=CLIP)
+    finally:
+        _reset_accelerate()
+
+
+@pytest.mark.parametrize("loop", ["train_accelerate", "train_lightning"])
+def test_accelerate_and_lightning_loops_equal_one_process(loop, dist4):
+    if loop == "train_lightning":
+        pytest.importorskip("lightning")
+    import importlib
+    ref = importlib.import_module(loop).train(tp=1, batch=4, steps=STEPS, clip=CLIP)
+    _reset_accelerate()
+    out = dist4.run(_loop_case, loop, timeout=400)
+    if loop == "train_lightning":            # each rank: its data-parallel replica's loss; ranks 0, 2 are the replicas
+        out = [[(a + b) / 2 for a, b in zip(out[0], out[2])]] * 4
+    for losses in out:
+        assert _close(losses, ref), (losses, ref)
+
+
 # ----------------------------------------------------------------------------- the pieces
 
 def _tiny(rank, p, **kw):

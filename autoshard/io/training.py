@@ -35,9 +35,18 @@ __all__ = ["attach", "data_parallel_of"]
 _MODULES: "weakref.WeakSet" = weakref.WeakSet()      # modules whose parameters Accelerator.clip_grad_norm_ knows
 
 
-def data_parallel_of(pg):
-    """(data-parallel group or None, its size) of the tensor-parallel group `pg`: the group of
-    autoshard.distributed.init_process_group, else none (size: the world over `pg`)."""
+def data_parallel_of(pg, group=None):
+    """(data-parallel group or None, its size) of the tensor-parallel group `pg`: the other dim of
+    the 2-D DeviceMesh that `group` (a 1-D slice of it, as Lightning's `device_mesh["tensor_parallel"]`)
+    comes from, else the group of autoshard.distributed.init_process_group, else none (size: the
+    world over `pg`)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(group, DeviceMesh):
+        root = group._get_root_mesh()
+        others = [n for n in (root.mesh_dim_names or ()) if n not in (group.mesh_dim_names or ())]
+        if root is not group and root.ndim == 2 and len(others) == 1:
+            dp = root[others[0]].get_group()
+            return dp, dist.get_world_size(dp)
     dp = get_data_parallel_group()
     if dp is not None and pg in (None, _tp_of_state()):
         return dp, dist.get_world_size(dp)
@@ -142,11 +151,11 @@ def patch_trainer() -> None:
     mod.Trainer.save_model = save_model
 
 
-def attach(gm, pg, check_inputs) -> None:
+def attach(gm, pg, check_inputs, group=None) -> None:
     """See the module docstring. `check_inputs`: N (first call of each signature and every N-th
-    call), 0 (first calls only) or None / False (never)."""
+    call), 0 (first calls only) or None / False (never); `group`: what parallelize was given."""
     p = dist.get_world_size(pg)
-    dp, dp_size = data_parallel_of(pg)
+    dp, dp_size = data_parallel_of(pg, group)
     gm.tp_size = p
     if "config" in gm.__dict__:
         gm.config = _config_for(gm, p, dp_size)
