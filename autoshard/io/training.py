@@ -162,6 +162,7 @@ def attach(gm, pg, check_inputs, group=None) -> None:
     reducer = replicas.Replicas(gm, dp) if dp is not None and dp_size > 1 else None
     gm.__dict__["_autoshard_replicas"] = reducer
     guard = agreement.Guard(pg, None if check_inputs is False else check_inputs, type(gm).__name__)
+    gm.__dict__["_autoshard_guard"] = guard          # its `every` may be changed later
     seen_ddp: dict = {}
 
     def before_call(module, key, arguments) -> None:
