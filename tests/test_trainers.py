@@ -10,7 +10,8 @@ equal those of the one-process Trainer with the same global batch (within 1e-4),
 DistributedSampler over the whole world and a DDP wrap across the tensor-parallel ranks are each
 refused by name on the first step. The pieces: the input check (a batch split over the world,
 another data order, another shape), the gradient norm over every shard, the data-parallel average
-with `no_sync`. The same run under `torchrun` as a user launches it is behind `-m slow`.
+with `no_sync`. World 4, the DDP refusal, accelerate and Lightning (a minute or more each on 2
+cores) and the same run under `torchrun` as a user launches it are behind `-m slow`.
 """
 import json
 import os
@@ -112,7 +113,7 @@ def _close(a, b, tol=1e-4):
     return len(a) == len(b) == STEPS and all(abs(x - y) <= tol for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("world,accum", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("world,accum", [(2, 2), pytest.param(4, 1, marks=pytest.mark.slow)])
 def test_trainer_equals_one_process(world, accum, dist2, dist4, tmp_path):
     pool = dist2 if world == 2 else dist4
     dp = world // 2
@@ -132,7 +133,8 @@ def test_trainer_equals_one_process(world, accum, dist2, dist4, tmp_path):
         assert torch.allclose(state[k], v, atol=1e-4), k
 
 
-@pytest.mark.parametrize("miswire,named", [("sampler", "InputMismatchError"), ("ddp", "DistributedDataParallel")])
+@pytest.mark.parametrize("miswire,named", [("sampler", "InputMismatchError"),
+                                            pytest.param("ddp", "DistributedDataParallel", marks=pytest.mark.slow)])
 def test_miswired_trainer_is_refused_on_the_first_step(miswire, named, dist2, tmp_path):
     out = dist2.run(_rank_case, 2, 2, 1, str(tmp_path), miswire, False, timeout=300)
     for r in out:
@@ -155,6 +157,7 @@ def _loop_case(rank, world, loop):
         _reset_accelerate()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["train_accelerate", "train_lightning"])
 def test_accelerate_and_lightning_loops_equal_one_process(loop, dist4):
     if loop == "train_lightning":
@@ -228,7 +231,7 @@ def _norm_case(rank, p):
                          for k, q in ref.named_parameters()))
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_grad_norm_over_every_shard_equals_one_process(world, dist2, dist4):
     pool = dist2 if world == 2 else dist4
     for r in pool.run(_norm_case, timeout=240):
