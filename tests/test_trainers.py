@@ -10,8 +10,9 @@ equal those of the one-process Trainer with the same global batch (within 1e-4),
 DistributedSampler over the whole world and a DDP wrap across the tensor-parallel ranks are each
 refused by name on the first step. The pieces: the input check (a batch split over the world,
 another data order, another shape), the gradient norm over every shard, the data-parallel average
-with `no_sync`. World 4, the DDP refusal, accelerate and Lightning (a minute or more each on 2
-cores) and the same run under `torchrun` as a user launches it are behind `-m slow`.
+with `no_sync`. The Trainer runs (a minute or more each on 2 loaded cores; the default suite keeps
+the sampler's refusal, a Trainer at world 2), accelerate, Lightning and the same run under
+`torchrun` as a user launches it are behind `-m slow`.
 """
 import json
 import os
@@ -113,7 +114,8 @@ def _close(a, b, tol=1e-4):
     return len(a) == len(b) == STEPS and all(abs(x - y) <= tol for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("world,accum", [(2, 2), pytest.param(4, 1, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world,accum", [(2, 2), (4, 1)])
 def test_trainer_equals_one_process(world, accum, dist2, dist4, tmp_path):
     pool = dist2 if world == 2 else dist4
     dp = world // 2
