@@ -5,7 +5,8 @@ beside them); what users call and import is here: `plan`, `parallelize`, `from_p
 Plan and CostModel, placements, errors, and TorchShard's names (`import autoshard as ts`).
 """
 from . import amp, distributed, nn
-from .errors import AutoshardError, CaptureError, LoadError, MemoryBudgetError, ProcessGroupError, ShardingError
+from .errors import (AutoshardError, CaptureError, InputMismatchError, LoadError, MemoryBudgetError, ProcessGroupError,
+                     ShardingError)
 from .runtime import collectives, placements
 from .runtime.placements import Partial, Replicate, Shard
 from .runtime.rng import manual_seed

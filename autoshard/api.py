@@ -15,7 +15,7 @@ from .capture import capture, has_meta
 from .capture.trace import fake_mode_of
 from .runtime.autocast import autocast_as
 from .errors import CaptureError, LoadError, ProcessGroupError, ShardingError
-from .io import hf, loading
+from .io import hf, loading, training
 from .nn.dropout import MASKS
 from .plan import Plan, check_outputs
 from .planner import plan_graph
@@ -119,7 +119,8 @@ def _fingerprint(model: nn.Module) -> tuple:
 def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan: Plan | None = None,
                 group=None, rank: int | None = None, load=None, device=None, progress=None,
                 dropout_masks: str = "independent", blocks="auto", outputs: str | None = None,
-                overlap: bool = False, only=None, **plan_options) -> fx.GraphModule:
+                overlap: bool = False, only=None, check_inputs: int | None = 100,
+                **plan_options) -> fx.GraphModule:
     """This rank's tensor-parallel GraphModule of `model` (plans first unless `plan` is given).
 
     With a process group (the current tensor-parallel group of autoshard.distributed, or
@@ -157,6 +158,13 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     `overlap=True`: each column-parallel layer (the linear layers reading one copy of their input)
     runs as one autograd function whose backward all-reduces the input gradient while it computes
     the weight gradients, as Megatron does (autoshard.runtime.overlap); the same values.
+
+    Under a process group of more than one rank the module is ready for the training loops people
+    use (autoshard.io.training: the Trainer, accelerate, Lightning): it averages its gradients over
+    its data-parallel replicas, clips by the norm over every shard, refuses a DDP wrap across its
+    shards, and `check_inputs`: the ranks compare their inputs on the first call of each call
+    signature and every `check_inputs`-th call after (0: first calls only; None: never), raising
+    InputMismatchError where a batch was split over tensor-parallel ranks.
     """
     world_size = _check_world_size(world_size)
     _check_plain(model)
@@ -231,6 +239,8 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
                            _signature_builder(plan, rank, key, pg if D.is_initialized() else None, dropout_masks,
                                               overlap))
     torch.clear_autocast_cache()      # planning's casts (of fake and meta weights) must not serve a call in this region
+    if D.is_initialized() and torch.distributed.get_world_size(pg) > 1:
+        training.attach(gm, pg, check_inputs, group)
     return gm
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch.fx
 
 from .runtime.collectives import copy_to, gather_from, reduce_from, scatter_to
-from .runtime.groups import (default_backend, destroy_process_group, device_mesh, get_data_parallel_group, get_group,
-                             get_group_size, get_rank, get_world_size, init_process_group, is_initialized, local_rank,
-                             register_group, set_group)
+from .runtime.groups import (data_parallel_rank, data_parallel_size, default_backend, destroy_process_group,
+                             device_mesh, get_data_parallel_group, get_group, get_group_size, get_rank, get_world_size,
+                             init_process_group, is_initialized, local_rank, register_group, set_group)
 
 
 def _label(out, input, parallel_dim):

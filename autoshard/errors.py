@@ -36,3 +36,9 @@ class LoadError(AutoshardError, ValueError):
 
 class CheckpointError(AutoshardError, ValueError):
     """A checkpoint that does not fit the model, or that cannot be read or written."""
+
+
+class InputMismatchError(ProcessGroupError):
+    """The ranks of a tensor-parallel group were given different inputs (a batch split over every
+    rank, not by data-parallel rank), or the module is wrapped so that different shards would be
+    averaged; the message names the inputs or the wrapper, the ranks, and the fix."""

@@ -92,7 +92,8 @@ def _save_case(rank, p, root):
     for name in MODELS:
         model, kwargs = _build(name, p)
         gm = autoshard.parallelize(model, p, kwargs, tracer="export")
-        assert gm.config is model.config and gm.generation_config is model.generation_config
+        assert gm.config.to_dict() == model.config.to_dict() and gm.generation_config is model.generation_config
+        assert gm.config.distributed_config.tp_size == p        # a copy carrying what the Trainer reads
         assert callable(gm.save_pretrained)
         _train_step(gm, kwargs)
         full = autoshard.collect_state_dict(gm, gm.state_dict())

@@ -71,6 +71,9 @@ def attach(gm, model) -> bool:
             or not callable(getattr(config, "to_json_string", None)):
         return False
     gm.config = config
+    for name in ("loss_type", "main_input_name"):       # what the Trainer reads of a model (its loss's label shift)
+        if isinstance(getattr(model, name, None), str):
+            setattr(gm, name, getattr(model, name))
     generation = getattr(model, "generation_config", None)
     if generation is not None:
         gm.generation_config = generation

@@ -206,10 +206,13 @@ class Signatures:
         self.served = {(True, first.key, recipe): served}    # (training, call key, precision): its graph
         self.plans = {(True, first.key, recipe): None}       # the module's own plan is module._autoshard_plan
         self.copy_error, self.first, self.recipe = copy_error, first, recipe
+        self.guard = None        # guard(module, key, arguments) before each call (autoshard.io.training)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         call = bind(self.signature, args, kwargs)
         key = (module.training, call.key, precision(module))
+        if self.guard is not None:
+            self.guard(module, key, call.arguments)
         served = self.served.get(key)
         if served is None:
             served = self._add(module, call, key)

@@ -222,6 +222,28 @@ def get_data_parallel_group():
     return _STATE["dp"]
 
 
+def data_parallel_size() -> int:
+    """How many data-parallel replicas there are: the size of this rank's data-parallel group
+    (`init_process_group(group_size)`), else the world over the tensor-parallel group's size;
+    1 without a process group. Split the data into this many parts."""
+    if not is_initialized():
+        return 1
+    if _STATE["dp"] is not None:
+        return dist.get_world_size(_STATE["dp"])
+    return dist.get_world_size() // get_world_size()
+
+
+def data_parallel_rank() -> int:
+    """Which part of the data this rank reads: its rank in its data-parallel group, else the
+    index of its tensor-parallel group (groups of consecutive ranks); 0 without a process group.
+    Every rank of a tensor-parallel group has the same one."""
+    if not is_initialized():
+        return 0
+    if _STATE["dp"] is not None:
+        return dist.get_rank(_STATE["dp"])
+    return dist.get_rank() // get_world_size()
+
+
 def register_group(group) -> str:
     """Register `group` and return the key rewritten graphs use to name it."""
     if group is None or group is dist.group.WORLD:
