@@ -81,7 +81,7 @@ def compare(model, p: int, example, tokens: int = 512) -> dict:
                 ratio=g_step / o_step if o_step else 1.0, greedy_bytes=g_bytes, optimal_bytes=o_bytes,
                 greedy_state=g_held, optimal_state=o_held, greedy_s=tg, optimal_s=to, problem_s=built,
                 status=s.status, gap=s.gap, solver_s=s.seconds, variables=s.variables, binaries=s.integers,
-                free=free, differs=differs[:12])
+                free=free, held_classes=s.held_classes, differs=differs[:12])
 
 
 def _choice(prob, g, c) -> str:

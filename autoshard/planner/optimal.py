@@ -33,7 +33,8 @@ from .budget import group_bytes, least_state, step_seconds
 from .cost import STATE_TOLERANCE, TIE_PRICE
 from .problem import INF, Problem
 
-COMBOS = 200_000          # combinations one tensor's factor may enumerate
+COMBOS = 200_000          # combinations one tensor's factor may hold
+RAW = 2_000_000           # combinations enumerated to find them, views read as held
 TIME_LIMIT = 600.0        # seconds HiGHS may run
 GAP = 1e-7                # relative MIP gap asked of HiGHS
 
@@ -51,11 +52,13 @@ class Solved:
     integers: int
     constraints: int
     objective: float
+    held_classes: int = 0     # tensor classes solved with their views reading as held (`_views_as_held`)
 
     def note(self) -> str:
         return (f"search=optimal: HiGHS {self.status}, gap {self.gap:.2g}, {self.seconds:.2f} s solving + "
                 f"{self.build_seconds:.2f} s building, {self.variables} variables ({self.integers} binary), "
-                f"{self.constraints} constraints")
+                f"{self.constraints} constraints" +
+                (f"; {self.held_classes} classes of views read as held" if self.held_classes else ""))
 
 
 class _Program:
@@ -64,6 +67,7 @@ class _Program:
     def __init__(self):
         self.cost, self.upper, self.integer = [], [], []
         self.rows, self.lo, self.hi = [], [], []        # rows: {variable: coefficient}
+        self.offset = 0.0                                # the objective's constant
 
     def var(self, cost: float, integer: bool = True, upper: float = 1.0) -> int:
         self.cost.append(cost)
@@ -122,9 +126,13 @@ class _Deciders:
 
 
 def _factor(prob: Problem, dec: _Deciders, r: int, place, sidx):
-    """Tensor class r's communication as a table: (deciders, per decider a list of value classes,
-    {class combination: cost}). A decider's values fall in one class where every feature the tensor's
-    cost reads (the members' placements it makes, the placements and gradients it reads them in) agrees."""
+    """Tensor class r's communication as a table over what it depends on: the placements its members
+    are made in (`makers`: decider -> value classes, values alike where they make the same placements)
+    and the set of (member, placement, gradient) its readers read them in (`reads`: reader decider ->
+    {value: that reader's features}). `tensor_cost` depends on the readers only through that set (one
+    redistribution per distinct placement, one backward fix per distinct pair), so the table is over
+    maker classes x reachable sets: {(maker classes..., feature set): cost}, with a representative
+    labelling per entry costed by `tensor_cost` itself; entries no redistribution serves are left out."""
     members = prob.members.get(r, (r,))
     mset = set(members)
     makes: dict = {}                 # decider -> [(member, value -> placement)]
@@ -134,44 +142,144 @@ def _factor(prob: Problem, dec: _Deciders, r: int, place, sidx):
             place[m] = f
         else:
             makes.setdefault(d, []).append((m, f))
-    reads: dict = {}                 # decider -> reader op
+    reads: dict = {}                 # reader decider -> {value: frozenset of (member, placement, gradient)}
     for m in members:
         for c in prob.users[m]:
             if prob.strats[c] and len(prob.strats[c]) > 1:
-                reads[("s", c)] = c
+                reads[("s", c)] = {v: _features(prob, c, s, mset) for v, s in enumerate(prob.strats[c])}
             elif prob.strats[c]:
                 sidx[c] = 0
-    deciders = sorted(set(makes) | set(reads))
+    makers = sorted(makes)
     classes = []
-    for d in deciders:
-        by_feature: dict = {}
+    for d in makers:
+        by_place: dict = {}
         for v in range(dec.domain(d)):
-            feat = [f(v) for _, f in makes.get(d, ())]
-            c = reads.get(d)
-            if c is not None:
-                s = prob.strats[c][v]
-                feat += [(s.inputs[slot], s.grad(slot)) for slot, k in enumerate(prob.ins[c])
-                         if k in mset and s.inputs[slot] is not None]
-            by_feature.setdefault(repr(feat), []).append(v)
-        classes.append(list(by_feature.values()))
-    n = math.prod(len(c) for c in classes)
-    if n > COMBOS:
+            by_place.setdefault(repr([f(v) for _, f in makes[d]]), []).append(v)
+        classes.append(list(by_place.values()))
+    reach = {frozenset(): {}}        # feature set -> {reader decider: a value giving it}
+    for d, feats in sorted(reads.items()):
+        options: dict = {}
+        for v, fs in feats.items():
+            options.setdefault(fs, v)
+        reach = {S | fs: {**assign, d: v} for S, assign in reach.items() for fs, v in options.items()}
+        if len(reach) > COMBOS:
+            break
+    n = math.prod(len(c) for c in classes) * len(reach)
+    joint = _joint_classes(dec, sorted(set(makes) | set(reads)), makes, reads)
+    held = n > COMBOS and math.prod(len(c) for c in joint) <= RAW
+    if held or math.prod(len(c) for c in joint) <= n:       # as few entries with every decision's values apart
+        makers, classes, reach = sorted(set(makes) | set(reads)), joint, {frozenset(): {}}
+        makes = {d: [(m, (lambda v, f=f, d=d: f(v))) for m, f in makes.get(d, ())] +
+                 ([(None, (lambda v, d=d: sidx.__setitem__(d[1], v)))] if d in reads else []) for d in makers}
+        reads = {}
+        n = math.prod(len(c) for c in classes)
+    if n > COMBOS and not held:
         raise ValueError(f"search='optimal': the communication of %{prob.nodes[r].name} depends on "
-                         f"{len(deciders)} decisions with {n} combinations (> {COMBOS})")
+                         f"{len(makers)} placements and {len(reads)} readers with {n} combinations (> {COMBOS})")
     table = {}
     for combo in itertools.product(*(range(len(c)) for c in classes)):
-        for d, k, cls in zip(deciders, combo, classes):
-            v = cls[k][0]
-            for m, f in makes.get(d, ()):
-                place[m] = f(v)
-            if d in reads:
-                sidx[reads[d]] = v
-        if not all(_servable(prob, m, place, sidx) for m in members):
+        for d, k, cls in zip(makers, combo, classes):
+            for m, f in makes[d]:
+                if m is None:
+                    f(cls[k][0])                # (a reader's strategy, set by its setter)
+                else:
+                    place[m] = f(cls[k][0])
+        if held and not _views_as_held(prob, makers, combo, classes, mset, place):
             continue
-        cost = prob.tensor_cost(r, place, sidx)
-        if cost != INF and not math.isnan(cost):
-            table[combo] = cost
-    return deciders, classes, table
+        for S, assign in reach.items():
+            for d, v in assign.items():
+                sidx[d[1]] = v
+            if not all(_servable(prob, m, place, sidx) for m in members):
+                continue
+            cost = prob.tensor_cost(r, place, sidx)
+            if cost != INF and not math.isnan(cost):
+                table[(*combo, S)] = cost
+    if len(table) > COMBOS:
+        raise ValueError(f"search='optimal': the communication of %{prob.nodes[r].name} has {len(table)} "
+                         f"combinations of placements and readers (> {COMBOS}), views read as held")
+    return makers, classes, reads, table, held
+
+
+def _views_as_held(prob: Problem, makers, combo, classes, mset, place) -> bool:
+    """Whether every view in a class reads the member it views in the placement that member is held in
+    (no redistribution inside the class): the restriction a class too large to enumerate is solved
+    under (`Solved.held_classes` counts them)."""
+    for d, k, cls in zip(makers, combo, classes):
+        if d[0] != "s" or d[1] not in mset:
+            continue
+        st = prob.strats[d[1]][cls[k][0]]
+        for slot, j in enumerate(prob.ins[d[1]]):
+            if j in mset and st.inputs[slot] is not None and st.inputs[slot] != place[j]:
+                return False
+    return True
+
+
+def _joint_classes(dec: _Deciders, deciders, makes, reads) -> list:
+    """Per decider, its values grouped where they make the same placements and read alike."""
+    out = []
+    for d in deciders:
+        by: dict = {}
+        for v in range(dec.domain(d)):
+            by.setdefault(repr(([f(v) for _, f in makes.get(d, ())], sorted(map(repr, reads.get(d, {}).get(v, ()))))),
+                          []).append(v)
+        out.append(list(by.values()))
+    return out
+
+
+def _features(prob: Problem, c: int, s, mset) -> frozenset:
+    """(member, placement, gradient) of each slot of strategy `s` of op c that reads a member."""
+    return frozenset((k, s.inputs[slot], s.grad(slot)) for slot, k in enumerate(prob.ins[c])
+                     if k in mset and s.inputs[slot] is not None)
+
+
+def _add_factor(prog: _Program, var: dict, makers, classes, reads, table, scale: float) -> None:
+    """A tensor's table in the program: one continuous variable per entry, its marginal on each maker's
+    classes that maker's choice, and on each feature that feature's presence (a variable between the
+    largest and the sum of the readers' indicators of it: their OR once they are integral). An entry
+    over one decision, or none, goes onto that decision's variables."""
+    keys = list(table)
+    readers = sorted(reads)
+    if not makers and not readers:
+        prog.offset += scale * table[keys[0]]
+        return
+    if len(makers) + len(readers) == 1:
+        d = (makers or readers)[0]
+        for v in range(len(prog_values := _values(d, makers, classes, reads))):
+            key = prog_values[v]
+            x = var[d, v]
+            if key in table:
+                prog.cost[x] += scale * table[key]
+            else:
+                prog.upper[x] = 0.0
+        return
+    t = {key: prog.var(scale * c, integer=False) for key, c in table.items()}
+    for n, d in enumerate(makers):
+        for k, cls in enumerate(classes[n]):
+            row = {x: 1.0 for key, x in t.items() if key[n] == k}
+            for v in cls:
+                row[var[d, v]] = -1.0
+            prog.row(row, 0.0, 0.0)
+    universe = sorted({f for fs in (fs for feats in reads.values() for fs in feats.values()) for f in fs}, key=repr)
+    for f in universe:
+        z = prog.var(0.0, integer=False)
+        prog.row({**{x: 1.0 for key, x in t.items() if f in key[-1]}, z: -1.0}, 0.0, 0.0)
+        total = {z: -1.0}
+        for d in readers:
+            has = {var[d, v]: 1.0 for v, fs in reads[d].items() if f in fs}
+            if has:
+                prog.row({**has, z: -1.0}, -math.inf, 0.0)          # z >= this reader's indicator
+                total.update(has)
+        prog.row(total, 0.0, math.inf)                                # z <= their sum
+
+
+def _values(d, makers, classes, reads) -> list:
+    """The table key each value of the factor's one decision `d` selects."""
+    if makers:
+        cls = classes[0]
+        kth = {v: k for k, c in enumerate(cls) for v in c}
+        feats = reads.get(d)
+        return [(kth[v], feats[v] if feats else frozenset()) for v in range(len(kth))]
+    return [(reads[d][v],) for v in range(len(reads[d]))]
 
 
 def _servable(prob: Problem, m: int, place, sidx) -> bool:
@@ -219,34 +327,17 @@ def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LI
     constant = sum(prob.param_cost(k, REPLICATE) for k in prob.param_obj if k not in dec.of_param)
     constant += sum(prob.node_cost[i][0] for i in range(len(prob.nodes)) if prob.strats[i] and prob.kind[i] != "op")
     base = State(prob)
-    factors = []
+    factors, held_classes = [], 0
     place, sidx = list(base.place), list(base.sidx)
     for r in range(len(prob.nodes)):
         if not prob.nbytes[r] or prob.root[r] != r:
             continue
-        ds, classes, table = _factor(prob, dec, r, place, sidx)
-        factors.append((r, ds, classes, table))
+        makers, classes, reads, table, held = _factor(prob, dec, r, place, sidx)
+        factors.append((r, makers, classes, reads, table))
+        held_classes += held
         if not table:
             raise ValueError(f"search='optimal': no placement of %{prob.nodes[r].name} serves its readers")
-        if not ds:
-            constant += table[()]
-            continue
-        if len(ds) == 1:                       # a function of one decision: on its variables
-            for k, cls in enumerate(classes[0]):
-                for v in cls:
-                    x = var[ds[0], v]
-                    if (k,) in table:
-                        prog.cost[x] += scale * table[(k,)]
-                    else:
-                        prog.upper[x] = 0.0
-            continue
-        t = {combo: prog.var(scale * c, integer=False) for combo, c in table.items()}
-        for n, d in enumerate(ds):             # the factor's marginal on each decision is that decision
-            for k, cls in enumerate(classes[n]):
-                row = {x: 1.0 for combo, x in t.items() if combo[n] == k}
-                for v in cls:
-                    row[var[d, v]] = -1.0
-                prog.row(row, 0.0, 0.0)
+        _add_factor(prog, var, makers, classes, reads, table, scale)
     if bound is not None:
         gb = 1e-9                               # bytes -> GB
         fixed = sum(group_bytes(prob, [k], [REPLICATE]) for k in prob.param_obj if k not in dec.of_param)
@@ -271,9 +362,9 @@ def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LI
     x = res.x
     state = _state_of(prob, dec, var, x)
     gap = getattr(res, "mip_gap", None)
-    objective = (res.fun / scale) + constant
+    objective = (res.fun + prog.offset) / scale + constant
     state.solved = Solved(_status(res), float(gap) if gap is not None else math.nan, solving, built,
-                          len(prog.cost), sum(prog.integer), len(prog.rows), objective)
+                          len(prog.cost), sum(prog.integer), len(prog.rows), objective, held_classes)
     if abs(state.total - objective) > 1e-6 * max(abs(state.total), 1e-12) + 1e-15:
         raise AssertionError(f"search='optimal': the program's objective {objective!r} is not the plan's "
                              f"{state.total!r} as State.evaluate counts it; tensors counted otherwise: "
@@ -285,10 +376,11 @@ def _mismatch(prob: Problem, state: State, factors) -> list:
     """The tensors whose table cost at the chosen decisions differs from `tensor_cost` (a feature the
     factor missed): for the message of a failed check."""
     out = []
-    for r, ds, classes, table in factors:
-        combo = tuple(next(k for k, cls in enumerate(c) if _value(state, d) in cls) for d, c in zip(ds, classes))
-        if table.get(combo) != state.tcost[r]:
-            out.append((prob.nodes[r].name, table.get(combo), state.tcost[r]))
+    for r, makers, classes, reads, table in factors:
+        combo = tuple(next(k for k, cls in enumerate(c) if _value(state, d) in cls) for d, c in zip(makers, classes))
+        S = frozenset().union(*(reads[d][_value(state, d)] for d in reads))
+        if table.get((*combo, S)) != state.tcost[r]:
+            out.append((prob.nodes[r].name, table.get((*combo, S)), state.tcost[r]))
     return out[:5]
 
 
