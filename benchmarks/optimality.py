@@ -48,8 +48,9 @@ def _greedy(prob):
     return state
 
 
-def compare(model, p: int, example, tokens: int = 512) -> dict:
-    """Greedy and optimum of one model at `p` ranks (see the module docstring)."""
+def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = None) -> dict:
+    """Greedy and optimum of one model at `p` ranks (see the module docstring); with `optimum` (an
+    earlier record of the same case), the greedy only, against that record's optimum."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t0 = time.perf_counter()
@@ -64,6 +65,14 @@ def compare(model, p: int, example, tokens: int = 512) -> dict:
         tg = time.perf_counter() - t0
         g_step, g_held = step_seconds(prob, g), state_bytes(prob, g)
         g_bytes = build_plan(prob, g, tracer=cap.tracer, search="greedy", seconds=tg, memory_now=False).comm_bytes
+        if optimum is not None:
+            keep = ("optimal_step", "optimal_bytes", "optimal_state", "optimal_s", "status", "gap", "solver_s",
+                    "variables", "binaries", "free", "held_classes", "optimal_choice")
+            o_choice = optimum.get("optimal_choice")
+            return dict({k: optimum[k] for k in keep if k in optimum}, p=p, nodes=len(prob.nodes),
+                        groups=len(prob.groups), greedy_step=g_step, ratio=g_step / optimum["optimal_step"],
+                        greedy_bytes=g_bytes, greedy_state=g_held, greedy_s=tg, problem_s=built,
+                        differs=optimum.get("differs", []) if o_choice is None else _differs(prob, g.choice, o_choice))
         t0 = time.perf_counter()
         o = optimal.fastest_within(prob)
         o.reduce_early()
@@ -74,14 +83,18 @@ def compare(model, p: int, example, tokens: int = 512) -> dict:
         prop.set_choices(dict(enumerate(o.choice)))
         prop.reduce_early()
         free = step_seconds(prob, prop) / o_step if o_step else 1.0
-    differs = [f"{prob.groups[k].names[0]}: {_choice(prob, k, g.choice[k])} -> {_choice(prob, k, o.choice[k])}"
-               for k in range(len(prob.groups)) if g.choice[k] != o.choice[k]]
+    differs = _differs(prob, g.choice, o.choice)
     s = o.solved
     return dict(p=p, nodes=len(prob.nodes), groups=len(prob.groups), greedy_step=g_step, optimal_step=o_step,
                 ratio=g_step / o_step if o_step else 1.0, greedy_bytes=g_bytes, optimal_bytes=o_bytes,
                 greedy_state=g_held, optimal_state=o_held, greedy_s=tg, optimal_s=to, problem_s=built,
                 status=s.status, gap=s.gap, solver_s=s.seconds, variables=s.variables, binaries=s.integers,
-                free=free, held_classes=s.held_classes, differs=differs[:12])
+                free=free, held_classes=s.held_classes, differs=differs[:12], optimal_choice=list(o.choice))
+
+
+def _differs(prob, mine, best) -> list:
+    return [f"{prob.groups[k].names[0]}: {_choice(prob, k, mine[k])} -> {_choice(prob, k, best[k])}"
+            for k in range(len(prob.groups)) if mine[k] != best[k]][:12]
 
 
 def _choice(prob, g, c) -> str:
@@ -105,16 +118,17 @@ def cases(only=()):
             yield "config", name, make
 
 
-def run(only, degrees, out, done=frozenset(), log=print):
+def run(only, degrees, out, done=frozenset(), log=print, optima=None):
     """Every case at the first degree, then at the next (a partial run covers every model); records
     (kind, name, p) in `done` are skipped."""
     for p in degrees:
         for kind, name, make in cases(only):
-            if (kind, name, p) in done:
+            if (kind, name, p) in done or (optima is not None and (kind, name, p) not in optima):
                 continue
             try:
                 model, example = make()
-                rec = dict(kind=kind, name=name, **compare(model, p, example))
+                rec = dict(kind=kind, name=name, **compare(model, p, example,
+                                                           optimum=None if optima is None else optima[kind, name, p]))
             except Exception as exc:               # noqa: BLE001 - recorded, never fatal
                 rec = dict(kind=kind, name=name, p=p, error=f"{type(exc).__name__}: {exc}"[:300])
             out.write(json.dumps(rec) + "\n")
@@ -150,6 +164,8 @@ def main(argv=None):
     ap.add_argument("--degrees", nargs="*", type=int, default=list(DEGREES))
     ap.add_argument("--out", default="optimality.jsonl")
     ap.add_argument("--table", default=None, help="print the table of a records file and stop")
+    ap.add_argument("--greedy-against", default=None,
+                    help="a records file: run the greedy only, against the optima recorded there")
     args = ap.parse_args(argv)
     if args.table:
         print(table([json.loads(x) for x in open(args.table)]))
@@ -158,8 +174,11 @@ def main(argv=None):
     done = set()
     if Path(args.out).exists():
         done = {(r["kind"], r["name"], r.get("p")) for r in map(json.loads, open(args.out))}
+    optima = None
+    if args.greedy_against:
+        optima = {(r["kind"], r["name"], r["p"]): r for r in map(json.loads, open(args.greedy_against)) if "error" not in r}
     with open(args.out, "a") as out:
-        run(set(args.only), args.degrees, out, done)
+        run(set(args.only), args.degrees, out, done, optima=optima)
 
 
 if __name__ == "__main__":
