@@ -48,7 +48,7 @@ def _greedy(prob):
     return state
 
 
-def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = None) -> dict:
+def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = None, outputs: str = "full") -> dict:
     """Greedy and optimum of one model at `p` ranks (see the module docstring); with `optimum` (an
     earlier record of the same case), the greedy only, against that record's optimum."""
     with warnings.catch_warnings():
@@ -57,7 +57,7 @@ def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = No
         cap = capture(model, example, tracer="auto", tokens=tokens, once=True)
         gm = cap.gm
         prob = S.Problem(gm, p, CostModel(), chunk_candidates(gm), unit_candidates(gm),
-                         part_candidates=part_candidates(gm))
+                         part_candidates=part_candidates(gm), outputs=outputs)
         built = time.perf_counter() - t0
         t0 = time.perf_counter()
         g = least_comm(prob, _greedy)
@@ -118,7 +118,7 @@ def cases(only=()):
             yield "config", name, make
 
 
-def run(only, degrees, out, done=frozenset(), log=print, optima=None):
+def run(only, degrees, out, done=frozenset(), log=print, optima=None, outputs="full"):
     """Every case at the first degree, then at the next (a partial run covers every model); records
     (kind, name, p) in `done` are skipped."""
     for p in degrees:
@@ -128,7 +128,8 @@ def run(only, degrees, out, done=frozenset(), log=print, optima=None):
             try:
                 model, example = make()
                 rec = dict(kind=kind, name=name, **compare(model, p, example,
-                                                           optimum=None if optima is None else optima[kind, name, p]))
+                                                           optimum=None if optima is None else optima[kind, name, p],
+                                                           outputs=outputs), outputs=outputs)
             except Exception as exc:               # noqa: BLE001 - recorded, never fatal
                 rec = dict(kind=kind, name=name, p=p, error=f"{type(exc).__name__}: {exc}"[:300])
             out.write(json.dumps(rec) + "\n")
@@ -163,6 +164,7 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", default=())
     ap.add_argument("--degrees", nargs="*", type=int, default=list(DEGREES))
     ap.add_argument("--out", default="optimality.jsonl")
+    ap.add_argument("--outputs", default="full", choices=("full", "sharded"))
     ap.add_argument("--table", default=None, help="print the table of a records file and stop")
     ap.add_argument("--greedy-against", default=None,
                     help="a records file: run the greedy only, against the optima recorded there")
@@ -178,7 +180,7 @@ def main(argv=None):
     if args.greedy_against:
         optima = {(r["kind"], r["name"], r["p"]): r for r in map(json.loads, open(args.greedy_against)) if "error" not in r}
     with open(args.out, "a") as out:
-        run(set(args.only), args.degrees, out, done, optima=optima)
+        run(set(args.only), args.degrees, out, done, optima=optima, outputs=args.outputs)
 
 
 if __name__ == "__main__":
