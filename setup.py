@@ -10,7 +10,9 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "networkx>=3.0", "tabulate>=0.9", "numpy", "isal>=1.0"],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.40", "safetensors>=0.4", "matplotlib>=3.7", "accelerate", "lightning"],
+        "test": ["pytest>=7", "transformers>=4.40", "safetensors>=0.4", "matplotlib>=3.7", "accelerate", "lightning",
+                 "scipy>=1.9"],
+        "optimal": ["scipy>=1.9"],     # search="optimal": HiGHS through scipy.optimize.milp
         "bench": ["matplotlib>=3.7"],
         "draw": ["matplotlib>=3.7"],
         "hf": ["transformers>=4.40", "safetensors>=0.4", "tqdm", "accelerate"],

@@ -43,7 +43,9 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
 
     `example_inputs`: a tuple of positional arguments or a dict of keyword arguments (shapes
     only matter; with none, a batch of `tokens` positions is synthesised). `pin` fixes the
-    TorchShard dim of named modules, e.g. {"head": None}. `search` is "greedy" or "exact".
+    TorchShard dim of named modules, e.g. {"head": None}. `search` is "greedy", "exact" (every
+    combination: small graphs) or "optimal" (an integer linear program solved by HiGHS, with the
+    extra `autoshard[optimal]`: planner.optimal).
     `outputs="full"` returns every output whole, as the model does; `outputs="sharded"` leaves
     an output the plan splits split (a DTensor at run time: no collective is spent on it).
     Cost knobs (bandwidth, latency, flops, memory_weight, state_factor, memory_budget, optimizer)
@@ -65,8 +67,8 @@ def plan(model: nn.Module, world_size: int, example_inputs=None, *, pin: dict | 
     if unknown:
         raise TypeError(f"plan() got unknown options {sorted(unknown)}; cost knobs are {sorted(_COST_KEYS)}")
     cost = cost_model or CostModel(**cost_options)
-    if search not in ("greedy", "exact"):
-        raise ValueError(f"search must be 'greedy' or 'exact', got {search!r}")
+    if search not in ("greedy", "exact", "optimal"):
+        raise ValueError(f"search must be 'greedy', 'exact' or 'optimal', got {search!r}")
     _check_plain(model)
     cap = capture(model, example_inputs, tracer=tracer, tokens=tokens, once=capture_once)
     result = plan_graph(cap.gm, world_size, cost, pin=pin, search=search, tracer=cap.tracer,

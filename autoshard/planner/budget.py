@@ -342,3 +342,6 @@ def fit_budget(make_problem, run, cost, blocks=(), sequence_parallel=False):
         f"peak reachable is {_fmt(smallest.peak)}{' with every block recomputed' if blocks else ''}, at the "
         f"{smallest.peak_at}; largest there: {held}. Use more ranks, a smaller batch or sequence, or a "
         f"lower-precision dtype")
+
+
+group_bytes = _group_bytes      # (public: search "optimal" bounds the state by it)

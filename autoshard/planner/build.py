@@ -138,7 +138,11 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
     checkpointed = ()
     if not budgeted:
-        if layouts is None and cost.memory_weight is None:
+        if layouts is None and cost.memory_weight is None and search == "optimal":
+            from . import optimal       # least_comm's bound on the state as a constraint of the program
+            state = optimal.fastest_within(prob)
+            state.reduce_early()
+        elif layouts is None and cost.memory_weight is None:
             state = least_comm(prob, lambda pr: _run(pr, search))
             state.reduce_early()
         else:
@@ -159,11 +163,16 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
         state, prob, checkpointed = fit_budget(make, lambda pr: _run(pr, search), cost, blocks, sequence_parallel)
     seconds = time.perf_counter() - t0
     notes = list(notes) + _divisibility_notes(prob, world_size)
+    if getattr(state, "solved", None) is not None:
+        notes.append(state.solved.note())          # search="optimal": the solver's status, gap and time
     return build_plan(prob, state, tracer=tracer, search=search, seconds=seconds, notes=notes, example=example,
                       checkpointed=checkpointed, memory_now=layouts is None, autocast=autocast)
 
 
 def _searched(prob, search):
+    if search == "optimal":
+        from . import optimal           # the extra (scipy): only this search imports it
+        return optimal.solve(prob)
     return _search.exact(prob) if search == "exact" else _search.greedy(prob)
 
 
