@@ -207,9 +207,13 @@ def _autocast_cache(prob, state, cached, p: int) -> list:
     return out
 
 
-def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), device: str = "cpu") -> Memory:
+def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), device: str = "cpu",
+                scores: int | None = None) -> Memory:
     """Memory of one training step per rank under `state` (a search State of `prob`);
-    `checkpointed`: names of blocks whose activations are recomputed in backward."""
+    `checkpointed`: names of blocks whose activations are recomputed in backward; `scores` (a
+    sequence length): attention scores are recomputed (Megatron's selective recomputation: what an op
+    saves of shape [..., scores, scores] is made again at its backward, not held from forward).
+    `device="cuda"`: a dropout's mask is held as CUDA's kernel holds it, one byte an element."""
     from .decisions import module_of
     n, p = len(prob.nodes), prob.p
     end = 2 * n
@@ -286,6 +290,9 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
             else:                       # a tensor of the op's own: split as the op's work is
                 f = _own_fraction(prob, state, i, s, p, (saved.shapes or {}).get(st))
                 j, moved = i, False
+                if device == "cuda" and _is_dropout(prob.nodes[i]) and _copy_of((saved.shapes or {}).get(st),
+                                                                                 prob.val[i]):
+                    nb = prob.val[i].numel()            # CUDA's fused dropout keeps a bool mask
             key = (st, round(f, 9)) if moved else (st, "own")
             rec = keyed.setdefault(key, [int(nb * f), i if moved or j is None else j, [], module_of(prob, i)])
             rec[2].append(i)
@@ -295,7 +302,10 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
     for key, (nb, born, savers, what) in keyed.items():
         outside = [i for i in savers if i not in block_of]
         last = max(bwd(i) for i in savers)
-        if outside:
+        shape = (saved.shapes or {}).get(key[0])
+        if scores and outside and shape is not None and len(shape) >= 2 and tuple(shape[-2:]) == (scores, scores):
+            items.append([nb, bwd(max(savers)), last, f"scores recomputed in {what}", "activations"])
+        elif outside:
             activations += nb
             items.append([nb, born, last, f"saved by {what}", "activations"])
         else:                           # recomputed at the start of its block's backward
@@ -401,10 +411,17 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
                   buffers=buffers, peak_at=where, largest=largest, exact=saved.exact)
 
 
-def memory_of(prob, state, checkpointed=()) -> Memory:
-    """`step_memory` of `state`, the saved tensors read once per graph (kept on the Problem)."""
+def memory_of(prob, state, checkpointed=(), scores: int | None = None, device: str | None = None) -> Memory:
+    """`step_memory` of `state`, the saved tensors read once per graph (kept on the Problem);
+    `device`: where the step runs (default: the inputs' device)."""
     if getattr(prob, "saved", None) is None:
         prob.saved = saved_tensors(prob)
-    device = next((v.device.type for i, v in enumerate(prob.val) if prob.kind[i] == "input"
-                   and isinstance(v, torch.Tensor)), "cpu")
-    return step_memory(prob, state, prob.saved, prob.cost.optimizer, checkpointed, device)
+    device = device or next((v.device.type for i, v in enumerate(prob.val) if prob.kind[i] == "input"
+                             and isinstance(v, torch.Tensor)), "cpu")
+    return step_memory(prob, state, prob.saved, prob.cost.optimizer, checkpointed, device, scores)
+
+
+def _is_dropout(node) -> bool:
+    """Whether `node` is a dropout (F.dropout, torch.dropout, aten's native_dropout)."""
+    name = getattr(node.target, "__name__", str(node.target))
+    return node.op == "call_function" and "dropout" in name and "feature" not in name
