@@ -29,6 +29,7 @@ __all__ = ["Cluster", "Layout", "Estimate", "estimate", "advise", "main"]
 _PROFILES: dict = {}            # (model key, tp, sequence parallel, seq, dtype) -> planner.step.Profile
 MICROBATCHES = (1, 2, 4, 8, 16)
 INTERLEAVE = (1, 2, 3, 4, 6, 8)
+REPLAYED = 4                    # advise replays the schedule of the REPLAYED x top best by the textbook bubble
 
 
 def _dtype(model_or_config, dtype):
@@ -111,7 +112,7 @@ def profile_of(model_or_config, tp: int, sequence_parallel: bool, seq: int, dtyp
 
 
 def estimate(model_or_config, cluster: Cluster, layout: Layout, *, global_batch: int, seq_len: int,
-             dtype=None) -> Estimate:
+             dtype=None, replay: bool = True) -> Estimate:
     """What a training step of `layout` on `cluster` is predicted to cost (autoshard.planner.step):
     seconds an optimizer step of `global_batch` sequences of `seq_len` tokens, peak memory a GPU and
     its parts, tokens/s a GPU, MFU and the breakdown. `model_or_config`: a transformers config, a
@@ -121,7 +122,7 @@ def estimate(model_or_config, cluster: Cluster, layout: Layout, *, global_batch:
     if layout.tp > cluster.gpus_per_node:
         raise ShardingError(f"estimate: tp {layout.tp} spans nodes of {cluster.gpus_per_node} GPUs")
     prof = profile_of(model_or_config, layout.tp, layout.sequence_parallel, seq_len, dtype)
-    return estimate_step(prof, cluster, layout, global_batch)
+    return estimate_step(prof, cluster, layout, global_batch, replay)
 
 
 def layouts(cluster: Cluster, layers: int, global_batch: int):
@@ -158,14 +159,16 @@ def advise(model_or_config, cluster: Cluster, *, global_batch: int, seq_len: int
     for layout in layouts(cluster, layers, global_batch):
         try:
             out.append(estimate(model_or_config, cluster, layout, global_batch=global_batch, seq_len=seq_len,
-                                dtype=dtype))
+                                dtype=dtype, replay=False))
         except ShardingError:
             continue
     if not out:
         raise ShardingError(f"advise: no layout of {cluster.gpus} GPUs runs a global batch of {global_batch}")
     check_fits(out, cluster)
     fit = sorted((e for e in out if e.fits), key=lambda e: (e.step_time, e.memory))
-    return fit[:top]
+    replayed = [estimate(model_or_config, cluster, e.layout, global_batch=global_batch, seq_len=seq_len, dtype=dtype)
+                for e in fit[:REPLAYED * top]]          # the best by the textbook bubble, timed by the schedule
+    return sorted(replayed, key=lambda e: (e.step_time, e.memory))[:top]
 
 
 def code(estimate: Estimate, source: str, global_batch: int, seq_len: int) -> str:

@@ -252,6 +252,14 @@ LARGE: dict[str, Spec] = {
         num_key_value_heads=8, hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_theta=500000.0, attention_bias=False, tie_word_embeddings=False, bos_token_id=128000,
         eos_token_id=128001), dtype="bfloat16"),
+    "llama2-13b": Spec("meta-llama/Llama-2-13b-hf", "LlamaConfig", dict(
+        vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+        num_key_value_heads=40, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2), dtype="bfloat16"),
+    "llama2-70b": Spec("meta-llama/Llama-2-70b-hf", "LlamaConfig", dict(
+        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2), dtype="bfloat16"),
     "llama3-405b": Spec("meta-llama/Llama-3.1-405B", "LlamaConfig", dict(
         vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
         num_key_value_heads=8, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,

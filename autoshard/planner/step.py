@@ -147,7 +147,21 @@ def _readers(node) -> list:
     return out
 
 
-def _part(nodes, plan, seq: int) -> Part:
+def score_nodes(nodes, seq: int) -> frozenset:
+    """Names of attention's score ops: a matmul of two activations (q @ k^T) whose output ends in
+    (seq, seq), and the ops that make a tensor of that shape from one (scale, mask, softmax, dropout)."""
+    out = set()
+    for n in nodes:
+        if n.op not in ("call_function", "call_method") or not _square(_tensor(n.meta.get("val")), seq):
+            continue
+        srcs = [_source(a) for a in n.all_input_nodes]
+        if family_of(n) == "matmul" and not any(a.op == "get_attr" for a in n.all_input_nodes) or \
+                any(a.name in out for a in srcs):
+            out.add(n.name)
+    return frozenset(out)
+
+
+def _part(nodes, plan, seq: int, scores=frozenset()) -> Part:
     p = plan.world_size
     by_name = {r.node: [] for r in plan.redistributions}
     for r in plan.redistributions:
@@ -164,13 +178,13 @@ def _part(nodes, plan, seq: int) -> Part:
             fwd += list(dec.comm)
         out = _tensor(node.meta.get("val"))
         share = 1.0 if dec is None or isinstance(dec.output, Replicate) or p == 1 else 1.0 / p
-        scores = _square(out, seq)
+        score = node.name in scores
         if family_of(node) == "matmul" or _name(node) == "scaled_dot_product_attention":
             g = _gemms(node, share, dec)
             gemms += g
             fl += sum(6.0 * b * m * n * k for b, m, n, k, _, _ in g) \
                 if _name(node) == "scaled_dot_product_attention" else flops(node, None) * share
-            if scores or any(_square(_tensor(a.meta.get("val")), seq) for a in node.all_input_nodes):
+            if score or any(_source(a).name in scores for a in node.all_input_nodes):
                 sg += g
             continue
         if out is None:
@@ -183,7 +197,7 @@ def _part(nodes, plan, seq: int) -> Part:
             nb += out.numel() * out.element_size()
         nb *= share
         moved += nb
-        if scores:
+        if score:
             sm += nb
     return Part(tuple(gemms), moved, tuple(fwd), tuple(bwd), tuple(sg), sm, fl)
 
@@ -204,7 +218,8 @@ def profile(plan, blocks: list, seq: int, layers: int | None = None) -> Profile:
     any_block = [w is not None for w in whose]
     a = any_block.index(True)
     z = len(nodes) - 1 - any_block[::-1].index(True)
-    layer = _part([n for n, i in zip(nodes, inside) if i], plan, seq)
+    scores = score_nodes(nodes, seq)
+    layer = _part([n for n, i in zip(nodes, inside) if i], plan, seq, scores)
     first, last = _part(nodes[:a], plan, seq), _part(nodes[z + 1:], plan, seq)
     width = next((p.element_size() for p in plan.graph_module.parameters() if p.is_floating_point()), 2)
     p = plan.world_size
@@ -222,15 +237,16 @@ def profile(plan, blocks: list, seq: int, layers: int | None = None) -> Profile:
     k = len(blocks)
     none = plan.memory_with(device="cuda")
     full = plan.memory_with(checkpointed=tuple(blocks), device="cuda").activations
-    selective = plan.memory_with(scores=seq, device="cuda").activations
+    selective = plan.memory_with(scores=scores, device="cuda").activations
     outside = max(0.0, full - k * send)
+    early = plan.memory_with(device="cuda", before=nodes[a].name).activations     # what the first part saves
     acts = {"none": (none.activations - outside) / k, "selective": (selective - outside) / k, "full": float(send)}
-    workspace = max(0.0, none.peak - none.parameters - none.buffers - none.optimizer - none.gradients
-                    - none.activations)
+    workspace = 0.0 if none.peak_at == "optimizer step" else \
+        max(0.0, none.peak - none.parameters - none.buffers - none.optimizer - none.gradients - none.activations)
     return Profile(tp=p, sequence_parallel=bool(plan.sequence_parallel), seq=seq, layers=layers or k, layer=layer,
                    first=first, last=last, params_layer=layer_params, params_first=first_params,
                    params_last=last_params, params_outside=plan.params_per_rank - k * layer_params,
-                   activations=acts, act_first=min(outside, send), act_last=max(0.0, outside - send),
+                   activations=acts, act_first=float(early), act_last=max(0.0, outside - early),
                    workspace=workspace, send=send, dtype_bytes=width)
 
 
@@ -282,8 +298,10 @@ def _in_flight(pp: int, v: int, rank: int, chunks_m: int) -> int:
     return min(chunks_m, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)
 
 
-def estimate_step(prof: Profile, cluster: Cluster, layout: Layout, global_batch: int) -> Estimate:
-    """The Estimate of one optimizer step of `global_batch` sequences under `layout`."""
+def estimate_step(prof: Profile, cluster: Cluster, layout: Layout, global_batch: int, replay: bool = True) -> Estimate:
+    """The Estimate of one optimizer step of `global_batch` sequences under `layout`; `replay`: the
+    pipeline's schedule replayed action by action (`stages.simulate`), else its textbook bubble (a
+    search ranks by that, then replays the best)."""
     tp, pp, dp, b, v = layout.tp, layout.pp, layout.dp, layout.microbatch, layout.interleave
     if tp != prof.tp:
         raise ValueError(f"estimate: the profile is of tp {prof.tp} sp {prof.sequence_parallel}, not {layout.short()}")
@@ -309,14 +327,17 @@ def estimate_step(prof: Profile, cluster: Cluster, layout: Layout, global_batch:
                       "tp_comm": c * (lay["tf"] + lay["tb"]) + sum(x["tf"] + x["tb"] for x in extra),
                       "recompute": c * rc})
     schedule = "1F1B" if v == 1 else "Interleaved1F1B"
+    work = [sum(fwd[s] + bwd[s] for s in range(r, chunks, pp)) for r in range(pp)]
+    busy_rank = max(range(pp), key=work.__getitem__)
     if pp == 1:
-        makespan, busy_rank = m * (fwd[0] + bwd[0]), 0
+        makespan = m * work[0]
     else:
         bw, lat = link["pp"]
         send = prof.send * b / (bw * 0.8) + lat
-        line = simulate(schedule, pp, m, fwd, bwd, stages_per_rank=v, send=send)
-        makespan = line.makespan
-        busy_rank = max(range(pp), key=lambda r: line.busy[r])
+        if replay:
+            makespan = simulate(schedule, pp, m, fwd, bwd, stages_per_rank=v, send=send).makespan
+        else:               # the textbook bubble, (pp - 1) / v of a microbatch's work, and the sends on the way
+            makespan = (m + (pp - 1) / v) * work[busy_rank] + 2 * (pp - 1) * send
     mine = [s for s in range(chunks) if s % pp == busy_rank]
     breakdown = {k: m * sum(parts[s][k] for s in mine) for k in ("compute", "tp_comm", "recompute")}
     breakdown["pipeline"] = max(0.0, makespan - sum(breakdown.values()))
