@@ -27,9 +27,10 @@ from .rewrite.blocks import resolve_blocks
 __all__ = ["Cluster", "Layout", "Estimate", "estimate", "advise", "main"]
 
 _PROFILES: dict = {}            # (model key, tp, sequence parallel, seq, dtype) -> planner.step.Profile
+_CAPTURES: dict = {}            # (model key, seq, dtype) -> (the capture of the one-layer model, its blocks)
 MICROBATCHES = (1, 2, 4, 8, 16)
 INTERLEAVE = (1, 2, 3, 4, 6, 8)
-REPLAYED = 4                    # advise replays the schedule of the REPLAYED x top best by the textbook bubble
+REPLAYED = 4                    # advise replays the schedule of the REPLAYED x top (>= 20) best by the textbook bubble
 
 
 def _dtype(model_or_config, dtype):
@@ -88,26 +89,30 @@ def profile_of(model_or_config, tp: int, sequence_parallel: bool, seq: int, dtyp
     key = (_key(model_or_config, cfg), tp, bool(sequence_parallel and tp > 1), seq, dt)
     if key in _PROFILES:
         return _PROFILES[key]
-    if cfg is not None:
-        layers = _layers(cfg)
-        one = copy.deepcopy(cfg)
-        one.num_hidden_layers = 1
-        one.use_cache = False
-        model = loading.meta_model(one, dt)
-        if getattr(cfg, "_attn_implementation", None):
-            model.config._attn_implementation = cfg._attn_implementation
-    else:
-        model, layers = model_or_config, None
-    model.train()
-    blocks = resolve_blocks(model, "auto") if cfg is None else _single_layer(model)
-    if not blocks:
-        raise ShardingError(f"{type(model).__name__} has no layers to repeat (no ModuleList of one class)")
-    ids = torch.zeros((1, seq), dtype=torch.long, device="meta")
-    cap = capture(model, {"input_ids": ids, "labels": ids}, once=True)
+    ckey = key[0], seq, dt
+    if ckey not in _CAPTURES:        # one capture serves every degree (planning reads the graph, never writes it)
+        if cfg is not None:
+            one = copy.deepcopy(cfg)
+            one.num_hidden_layers = 1
+            one.use_cache = False
+            model = loading.meta_model(one, dt)
+            if getattr(cfg, "_attn_implementation", None):
+                model.config._attn_implementation = cfg._attn_implementation
+        else:
+            model = model_or_config
+        model.train()
+        blocks = resolve_blocks(model, "auto") if cfg is None else _single_layer(model)
+        if not blocks:
+            raise ShardingError(f"{type(model).__name__} has no layers to repeat (no ModuleList of one class)")
+        ids = torch.zeros((1, seq), dtype=torch.long, device="meta")
+        _CAPTURES.clear()
+        _CAPTURES[ckey] = capture(model, {"input_ids": ids, "labels": ids}, once=True), blocks
+    cap, blocks = _CAPTURES[ckey]
+    layers = _layers(cfg) if cfg is not None else len(blocks)
     plan = plan_graph(cap.gm, tp, CostModel(), tracer=cap.tracer, notes=cap.notes, example=(cap.args, cap.kwargs),
                       outputs="sharded", sequence_parallel=bool(sequence_parallel and tp > 1),
                       autocast=cap.autocast, memory_with=True)
-    _PROFILES[key] = profile(plan, blocks, seq, layers or len(blocks))
+    _PROFILES[key] = profile(plan, blocks, seq, layers)
     return _PROFILES[key]
 
 
@@ -154,20 +159,26 @@ def advise(model_or_config, cluster: Cluster, *, global_batch: int, seq_len: int
     """The `top` fastest layouts of the job that fit the GPUs' memory, best first (Estimates); a
     MemoryBudgetError giving the smallest peak where none fits."""
     cfg = _config(model_or_config)
+    source = cfg if cfg is not None else model_or_config
     layers = _layers(cfg) if cfg is not None else len(resolve_blocks(model_or_config, "auto"))
+    profiles: dict = {}
+
+    def step(layout, replay):
+        key = (layout.tp, layout.sequence_parallel and layout.tp > 1)
+        if key not in profiles:
+            profiles[key] = profile_of(source, *key, seq_len, dtype)
+        return estimate_step(profiles[key], cluster, layout, global_batch, replay)
     out = []
     for layout in layouts(cluster, layers, global_batch):
         try:
-            out.append(estimate(model_or_config, cluster, layout, global_batch=global_batch, seq_len=seq_len,
-                                dtype=dtype, replay=False))
+            out.append(step(layout, False))
         except ShardingError:
             continue
     if not out:
         raise ShardingError(f"advise: no layout of {cluster.gpus} GPUs runs a global batch of {global_batch}")
     check_fits(out, cluster)
     fit = sorted((e for e in out if e.fits), key=lambda e: (e.step_time, e.memory))
-    replayed = [estimate(model_or_config, cluster, e.layout, global_batch=global_batch, seq_len=seq_len, dtype=dtype)
-                for e in fit[:REPLAYED * top]]          # the best by the textbook bubble, timed by the schedule
+    replayed = [step(e.layout, True) for e in fit[:max(REPLAYED * top, 20)]]   # the best by the textbook bubble
     return sorted(replayed, key=lambda e: (e.step_time, e.memory))[:top]
 
 
@@ -193,6 +204,8 @@ def code(estimate: Estimate, source: str, global_batch: int, seq_len: int) -> st
         lines.append(f'gm = autoshard.parallelize(model, {lay.tp}, batch, group=mesh["tp"], device="cuda"{extra})')
         if lay.recompute == "full":
             lines.append("# full recomputation: torch.utils.checkpoint each of autoshard.blocks_of(gm)")
+        elif lay.recompute == "selective":
+            lines.append("# selective recomputation: attention's scores (sdpa / flash attention recomputes them itself)")
         if lay.fsdp:
             lines += ["from torch.distributed.fsdp import fully_shard",
                       'for block in autoshard.blocks_of(gm).values(): fully_shard(block, mesh=mesh["dp"])',

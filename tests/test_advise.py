@@ -76,12 +76,12 @@ def test_layer_activations_match_megatron_formula():
 
 def test_advise_fits_and_is_no_slower_than_a_given_layout():
     cfg = small()
-    c = Cluster(gpus=4, gpu="A100-40GB")
+    c = Cluster(gpus=2, gpu="A100-40GB")
     best = autoshard.advise(cfg, c, global_batch=16, seq_len=SEQ, top=3)
     assert 1 <= len(best) <= 3
     assert all(e.fits and e.memory <= USABLE * c.memory for e in best)
     assert [e.step_time for e in best] == sorted(e.step_time for e in best)
-    given = autoshard.estimate(cfg, c, Layout(tp=2, pp=2, microbatch=1), global_batch=16, seq_len=SEQ)
+    given = autoshard.estimate(cfg, c, Layout(tp=2, microbatch=1), global_batch=16, seq_len=SEQ)
     assert best[0].step_time <= given.step_time
 
 
@@ -104,11 +104,11 @@ def test_cluster_and_layout_checks():
 
 def test_cli_prints_table_for_builtin(capsys):
     from autoshard.cli import main
-    assert main(["advise", "--config", "gpt2", "--gpus", "2", "--gpu", "A100-80GB", "--global-batch", "8",
+    assert main(["advise", "--config", "gpt2", "--gpus", "1", "--gpu", "A100-80GB", "--global-batch", "8",
                  "--seq", "256", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "| tp" in out and "step s" in out and "memory GiB" in out
-    assert "autoshard.parallelize" in out or "autoshard.pipeline" in out
+    assert "autoshard.parallelize" in out
 
 
 # Korthikanti et al. 2022: Table 5 (iteration seconds: full recomputation; SP + selective) and Figure 1

@@ -24,6 +24,7 @@ the schedule holds in flight on its first rank (its last rank: one, with the hea
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -288,6 +289,14 @@ def _times(part: Part, cluster: Cluster, b: int, tp: int, link) -> dict:
             if part.score_gemms or part.score_moved else 0.0}
 
 
+@functools.lru_cache(maxsize=4096)
+def _counts(layers: int, chunks: int, first: float, last: float) -> tuple:
+    """Layers a stage of `chunks` holds, the cut `stages.balance` makes of alike layers with the
+    embedding (`first`) and the head (`last`) counted in layers' time."""
+    starts = balance([1.0] * layers, chunks, first=first, last=last)
+    return tuple(e - s for s, e in zip(starts, list(starts[1:]) + [layers]))
+
+
 def _in_flight(pp: int, v: int, rank: int, chunks_m: int) -> int:
     """Chunk-microbatches whose activations rank `rank` holds at most (torch's and Megatron's warm-up
     of 1F1B and of the interleaved schedule, plus the one in its steady state)."""
@@ -315,9 +324,8 @@ def estimate_step(prof: Profile, cluster: Cluster, layout: Layout, global_batch:
     lay, fst, lst = (_times(x, cluster, b, tp, link["tp"]) for x in (prof.layer, prof.first, prof.last))
     rc = {"none": 0.0, "selective": lay["scores"], "full": lay["f"] + lay["tf"]}[layout.recompute]
     per_layer = lay["f"] + lay["b"] + lay["tf"] + lay["tb"] + rc
-    starts = balance([per_layer] * prof.layers, chunks, first=fst["f"] + fst["b"] + fst["tf"] + fst["tb"],
-                     last=lst["f"] + lst["b"] + lst["tf"] + lst["tb"])
-    counts = [e - s for s, e in zip(starts, list(starts[1:]) + [prof.layers])]
+    counts = _counts(prof.layers, chunks, round((fst["f"] + fst["b"] + fst["tf"] + fst["tb"]) / per_layer, 2),
+                     round((lst["f"] + lst["b"] + lst["tf"] + lst["tb"]) / per_layer, 2))
     fwd, bwd, parts = [], [], []
     for s, c in enumerate(counts):
         extra = [x for x, on in ((fst, s == 0), (lst, s == chunks - 1)) if on]
