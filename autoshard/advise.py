@@ -117,17 +117,19 @@ def profile_of(model_or_config, tp: int, sequence_parallel: bool, seq: int, dtyp
 
 
 def estimate(model_or_config, cluster: Cluster, layout: Layout, *, global_batch: int, seq_len: int,
-             dtype=None, replay: bool = True) -> Estimate:
+             dtype=None, fused: bool = True, replay: bool = True) -> Estimate:
     """What a training step of `layout` on `cluster` is predicted to cost (autoshard.planner.step):
     seconds an optimizer step of `global_batch` sequences of `seq_len` tokens, peak memory a GPU and
     its parts, tokens/s a GPU, MFU and the breakdown. `model_or_config`: a transformers config, a
-    built-in name (autoshard.io.configs), a config.json path, or a module (on meta)."""
+    built-in name (autoshard.io.configs), a config.json path, or a module (on meta). `fused`: element-wise
+    ops run in fused chains (Megatron's kernels, torch.compile), else one kernel an op (eager PyTorch);
+    `replay`: the pipeline schedule replayed (else its textbook bubble)."""
     if layout.gpus != cluster.gpus:
         raise ShardingError(f"estimate: {layout.short()} uses {layout.gpus} GPUs, the cluster has {cluster.gpus}")
     if layout.tp > cluster.gpus_per_node:
         raise ShardingError(f"estimate: tp {layout.tp} spans nodes of {cluster.gpus_per_node} GPUs")
     prof = profile_of(model_or_config, layout.tp, layout.sequence_parallel, seq_len, dtype)
-    return estimate_step(prof, cluster, layout, global_batch, replay)
+    return estimate_step(prof, cluster, layout, global_batch, replay, fused)
 
 
 def layouts(cluster: Cluster, layers: int, global_batch: int):
@@ -155,7 +157,7 @@ def layouts(cluster: Cluster, layers: int, global_batch: int):
 
 
 def advise(model_or_config, cluster: Cluster, *, global_batch: int, seq_len: int, top: int = 5,
-           dtype=None) -> list:
+           dtype=None, fused: bool = True) -> list:
     """The `top` fastest layouts of the job that fit the GPUs' memory, best first (Estimates); a
     MemoryBudgetError giving the smallest peak where none fits."""
     cfg = _config(model_or_config)
@@ -167,7 +169,7 @@ def advise(model_or_config, cluster: Cluster, *, global_batch: int, seq_len: int
         key = (layout.tp, layout.sequence_parallel and layout.tp > 1)
         if key not in profiles:
             profiles[key] = profile_of(source, *key, seq_len, dtype)
-        return estimate_step(profiles[key], cluster, layout, global_batch, replay)
+        return estimate_step(profiles[key], cluster, layout, global_batch, replay, fused)
     out = []
     for layout in layouts(cluster, layers, global_batch):
         try:

@@ -15,7 +15,8 @@
    Llama 2 / Llama 3 numbers on 64 A100-80GB with FSDP2 (docs/performance.md of pytorch/torchtitan,
    "Llama 3 performance numbers" and "Llama 2 performance numbers": tokens/s a GPU and MFU, local
    batch 1 or 2, sequence 8192 / 4096, activation checkpointing as listed; torchtitan's "selective
-   op" checkpointing is taken as autoshard's "selective"). Predicted tokens/s a GPU against published.
+   op" checkpointing is taken as autoshard's "selective"; eager PyTorch, `fused=False`: torchtitan's
+   configurations then left torch.compile off). Predicted tokens/s a GPU against published.
 3. `advise` for the LLaMA-3-70B configuration on 64 H100-SXM, global batch 128 of 8192 tokens, timed.
 
 Wall seconds include planning the model's layer once per tensor-parallel degree and sequence
@@ -81,7 +82,7 @@ def torchtitan(log) -> list:
     for name, b, seq, rc, wps, mfu in TORCHTITAN:
         c = Cluster(gpus=64, gpu="A100-80GB")
         e = autoshard.estimate(name, c, Layout(dp=64, microbatch=b, recompute=rc, fsdp=True), global_batch=64 * b,
-                               seq_len=seq)
+                               seq_len=seq, fused=False)
         row = {"model": name, "batch": b, "seq": seq, "recompute": rc, "wps_published": wps,
                "wps_predicted": e.tokens_per_s_per_gpu, "error": e.tokens_per_s_per_gpu / wps - 1,
                "mfu_published": mfu, "mfu_predicted": e.mfu, "memory_gib": e.memory / GiB, "fits": e.fits,

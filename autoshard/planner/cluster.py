@@ -13,9 +13,9 @@ The efficiency model (one for every GPU and model, nothing fitted per published 
 - an element-wise op (norms, softmax, dropout, activations, casts) moves its inputs and output
   through HBM at HBM_EFFICIENCY of the bandwidth, + LAUNCH;
 - a ring collective of n bytes over g ranks sends `ring_bytes` (2(g-1)/g n for an all-reduce) at
-  COMM_EFFICIENCY of the link's bandwidth per GPU (NVLink inside a node, the network between
-  nodes) scaled by the message's size, n / (n + COMM_HALF): small messages reach less (NCCL's
-  bus bandwidth curve), plus a latency a ring step.
+  COMM_EFFICIENCY of the link's bandwidth per GPU (NVLink inside a node; between nodes the network's
+  a GPU times the group's ranks a node, `links`) scaled by the message's size, m / (m + COMM_HALF):
+  small messages reach less (NCCL's bus bandwidth curve), plus a latency a ring step.
 """
 from __future__ import annotations
 
@@ -173,10 +173,15 @@ def comm_time(kind: str, nbytes: float, ranks: int, bandwidth: float, latency: f
 
 
 def links(cluster: Cluster, layout: Layout) -> dict:
-    """(bandwidth, latency) of each group's collectives, ranks ordered tp, dp, pp (Megatron's): a
-    group whose ranks span nodes runs at the network's bandwidth."""
-    def of(span: int):
-        inside = span <= cluster.gpus_per_node
-        return (cluster.nvlink if inside else cluster.network), LATENCY["nvlink" if inside else "network"]
-    return {"tp": of(layout.tp), "dp": of(layout.tp * layout.dp), "pp": of(layout.tp * layout.dp * 2)}
+    """(bandwidth, latency) of each group's collectives, ranks ordered tp, dp, pp (Megatron's). A
+    group inside a node runs on NVLink; one spanning nodes with k of its ranks a node runs NCCL's
+    rings, one per NIC, whose only inter-node hop carries 1/k of the data: k times the network's
+    bandwidth a GPU, at most NVLink's. Pipeline sends go GPU to GPU."""
+    gpn = cluster.gpus_per_node
 
+    def of(span: int, per_node: int):
+        if span <= gpn:
+            return cluster.nvlink, LATENCY["nvlink"]
+        return min(cluster.nvlink, cluster.network * max(1, per_node)), LATENCY["network"]
+    tp, dp = layout.tp, layout.dp
+    return {"tp": of(tp, tp), "dp": of(tp * dp, min(dp, gpn // tp)), "pp": of(tp * dp * 2, 1)}

@@ -59,6 +59,7 @@ class Part:
     score_gemms: tuple
     score_moved: float
     flops: float
+    eager: float = 0.0           # bytes element-wise ops move run one kernel an op (no fusion)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def _part(nodes, plan, seq: int, scores=frozenset()) -> Part:
     by_name = {r.node: [] for r in plan.redistributions}
     for r in plan.redistributions:
         by_name[r.node].append(r)
-    gemms, moved, fwd, bwd, sg, sm, fl = [], 0.0, [], [], [], 0.0, 0.0
+    gemms, moved, fwd, bwd, sg, sm, fl, eager = [], 0.0, [], [], [], 0.0, 0.0, 0.0
     for node in nodes:
         for r in by_name.get(node.name, ()):
             fwd += [(k, r.nbytes) for k in r.forward]
@@ -190,6 +191,8 @@ def _part(nodes, plan, seq: int, scores=frozenset()) -> Part:
             continue
         if out is None:
             continue
+        ins = [t for t in (_tensor(a.meta.get("val")) for a in node.all_input_nodes) if t is not None and t.dim()]
+        eager += (sum(t.numel() * t.element_size() for t in ins) + out.numel() * out.element_size()) * share
         nb = sum(t.numel() * t.element_size() for t in (_tensor(a.meta.get("val")) for a in node.all_input_nodes
                                                          if not _fused(_source(a)))
                  if t is not None and t.dim())         # a fused chain reads what comes from outside it once
@@ -200,7 +203,7 @@ def _part(nodes, plan, seq: int, scores=frozenset()) -> Part:
         moved += nb
         if score:
             sm += nb
-    return Part(tuple(gemms), moved, tuple(fwd), tuple(bwd), tuple(sg), sm, fl)
+    return Part(tuple(gemms), moved, tuple(fwd), tuple(bwd), tuple(sg), sm, fl, eager)
 
 
 def profile(plan, blocks: list, seq: int, layers: int | None = None) -> Profile:
@@ -274,15 +277,17 @@ def _params(plan, nodes, inside, a: int, z: int) -> tuple:
     return layer, first, last
 
 
-def _times(part: Part, cluster: Cluster, b: int, tp: int, link) -> dict:
-    """Seconds of one microbatch of `b` sequences through `part` on one rank."""
+def _times(part: Part, cluster: Cluster, b: int, tp: int, link, fused: bool = True) -> dict:
+    """Seconds of one microbatch of `b` sequences through `part` on one rank (`fused`: element-wise
+    chains one kernel each, else one kernel an op)."""
     def gemm(g, backward):
         batch, m, n, k, batched, factor = g
         t = matmul_time(cluster, batch * b, m, n, k) if batched else matmul_time(cluster, batch, m * b, n, k)
         return t * (factor if backward else 1.0)
     bw, lat = link
-    return {"f": sum(gemm(g, False) for g in part.gemms) + memory_time(cluster, part.moved * b),
-            "b": sum(gemm(g, True) for g in part.gemms) + 2 * memory_time(cluster, part.moved * b),
+    moved = part.moved if fused else part.eager
+    return {"f": sum(gemm(g, False) for g in part.gemms) + memory_time(cluster, moved * b),
+            "b": sum(gemm(g, True) for g in part.gemms) + 2 * memory_time(cluster, moved * b),
             "tf": sum(comm_time(k, nb * b, tp, bw, lat) for k, nb in part.forward),
             "tb": sum(comm_time(k, nb * b, tp, bw, lat) for k, nb in part.backward),
             "scores": sum(gemm(g, False) for g in part.score_gemms) + memory_time(cluster, part.score_moved * b)
@@ -307,10 +312,12 @@ def _in_flight(pp: int, v: int, rank: int, chunks_m: int) -> int:
     return min(chunks_m, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)
 
 
-def estimate_step(prof: Profile, cluster: Cluster, layout: Layout, global_batch: int, replay: bool = True) -> Estimate:
+def estimate_step(prof: Profile, cluster: Cluster, layout: Layout, global_batch: int, replay: bool = True,
+                  fused: bool = True) -> Estimate:
     """The Estimate of one optimizer step of `global_batch` sequences under `layout`; `replay`: the
     pipeline's schedule replayed action by action (`stages.simulate`), else its textbook bubble (a
-    search ranks by that, then replays the best)."""
+    search ranks by that, then replays the best); `fused`: element-wise chains run fused (Megatron's
+    kernels, torch.compile), else one kernel an op (eager PyTorch)."""
     tp, pp, dp, b, v = layout.tp, layout.pp, layout.dp, layout.microbatch, layout.interleave
     if tp != prof.tp:
         raise ValueError(f"estimate: the profile is of tp {prof.tp} sp {prof.sequence_parallel}, not {layout.short()}")
@@ -321,7 +328,7 @@ def estimate_step(prof: Profile, cluster: Cluster, layout: Layout, global_batch:
     if chunks > prof.layers:
         raise ShardingError(f"estimate: {chunks} pipeline stages (pp {pp} x interleave {v}) but {prof.layers} layers")
     link = links(cluster, layout)
-    lay, fst, lst = (_times(x, cluster, b, tp, link["tp"]) for x in (prof.layer, prof.first, prof.last))
+    lay, fst, lst = (_times(x, cluster, b, tp, link["tp"], fused) for x in (prof.layer, prof.first, prof.last))
     rc = {"none": 0.0, "selective": lay["scores"], "full": lay["f"] + lay["tf"]}[layout.recompute]
     per_layer = lay["f"] + lay["b"] + lay["tf"] + lay["tb"] + rc
     counts = _counts(prof.layers, chunks, round((fst["f"] + fst["b"] + fst["tf"] + fst["tb"]) / per_layer, 2),
