@@ -6,6 +6,8 @@ sequence parallelism: the module's profile cache), and the published table of Ko
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import transformers
 
@@ -102,12 +104,23 @@ def test_cluster_and_layout_checks():
         Layout(interleave=2)
 
 
+def test_cli_prints_table_for_config_json(capsys, tmp_path):
+    from autoshard.cli import main
+    small(layers=4, h=256, heads=4).to_json_file(tmp_path / "config.json")
+    assert main(["advise", "--config", str(tmp_path / "config.json"), "--gpus", "1", "--gpu", "H100-SXM",
+                 "--global-batch", "8", "--seq", "128", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\|\s+tp\s+\|", out) and "step s" in out and "memory GiB" in out
+    assert "autoshard.parallelize" in out or "autoshard.pipeline" in out
+
+
+@pytest.mark.slow
 def test_cli_prints_table_for_builtin(capsys):
     from autoshard.cli import main
     assert main(["advise", "--config", "gpt2", "--gpus", "1", "--gpu", "A100-80GB", "--global-batch", "8",
                  "--seq", "256", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "| tp" in out and "step s" in out and "memory GiB" in out
+    assert re.search(r"\|\s+tp\s+\|", out) and "step s" in out and "memory GiB" in out
     assert "autoshard.parallelize" in out
 
 
