@@ -7,7 +7,7 @@ work on one rank at the plan's placements (matmuls by shape, from the captured s
 the plan splits them; scaled_dot_product_attention as its two matmuls, half of them under a causal
 mask; other ops the bytes they move), the plan's own collectives and redistributions (forward and
 backward, exact bytes), the attention-score ops (what Megatron's selective recomputation makes
-again), the parameters each part holds (`pipeline.block_costs`), and the saved activations of the
+again), the parameters each part holds (read where the graph reads them), and the saved activations of the
 plan's memory model (`memory.step_memory`) with nothing, the scores or the whole layer recomputed.
 All of it for one sequence; a microbatch of b sequences scales it by b.
 
