@@ -18,6 +18,7 @@ from .plan import Plan
 from .planner.cost import CostModel
 from .rewrite.blocks import blocks_of
 from .pipe import pipeline, plan_pipeline
+from .advise import Cluster, Estimate, Layout, advise, estimate
 
 __version__ = "0.1.0"
 

@@ -104,7 +104,7 @@ def _weight(s: str):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m autoshard",
                                  description="autoshard: automatic tensor parallelism by torch.fx graph rewriting")
-    sub = ap.add_subparsers(dest="command", metavar="{plan,demo,convert,verify}")
+    sub = ap.add_subparsers(dest="command", metavar="{plan,demo,convert,verify,advise}")
     sub.required = True
     pp = sub.add_parser("plan", help="plan a model and print the sharding-plan report",
                         description="Build a model with MODULE:FACTORY, plan it and print the report.")
@@ -420,6 +420,9 @@ def cmd_verify(args) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv[:1] == ["advise"]:               # the layout of a whole job (autoshard.advise.main)
+        from .advise import main as advise
+        return advise(argv[1:])
     if argv[:1] == ["demo"]:                 # everything after `demo` belongs to the demo
         try:
             return cmd_demo(argv[1:])

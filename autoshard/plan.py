@@ -101,6 +101,9 @@ class Plan:
     sequence_parallel: int = 0                # ops holding the stream split on tokens (planner.sequence)
     autocast: tuple = ()                      # ((device, dtype), ...): the torch.autocast captured under
     memory_model: Any = field(default=None, compare=False, repr=False)   # Lazy of the step's Memory
+    # (checkpointed=(), scores=None, device=None) -> Memory: the step under other recomputation or on another
+    # device (planner.memory.memory_of); kept only where planning was asked to (it holds the Problem)
+    memory_with: Any = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def memory(self):

@@ -31,7 +31,7 @@ LAYERS = [
     ("rewrite", ["rewrite"]),
     ("io: loading, Hugging Face, checkpoints", ["io"]),
     ("views of a plan", ["views"]),
-    ("entry points", ["api", "pipe", "checkpoint", "cli", "demo", "__main__", ""]),
+    ("entry points", ["api", "pipe", "checkpoint", "advise", "cli", "demo", "__main__", ""]),
 ]
 # (importer, imported unit): allowed upward, and only from inside a function (a lazy hand-over).
 HAND_OVERS = {("plan", "views")}

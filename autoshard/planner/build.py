@@ -6,6 +6,8 @@ predicted peak fits: `budget`), and `build_plan` freezes the chosen State into a
 """
 from __future__ import annotations
 
+import functools
+
 import math
 import operator
 import time
@@ -110,7 +112,7 @@ def unit_candidates(gm: fx.GraphModule) -> tuple:
 def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None, search="greedy",
                tracer="fx", notes=(), example=((), {}), layouts=None, outputs="full", blocks=(),
                held=frozenset(), sequence_parallel=False, inference=False, held_inputs=None,
-               autocast=()) -> Plan:
+               autocast=(), memory_with=False) -> Plan:
     """Plan an already captured graph (shapes in node.meta['val']); `layouts` (parameter name ->
     placement) fixes the parameters' layouts, leaving the search only the activations; with
     `cost.memory_budget`, the fastest plan that fits (`budget`; `blocks`: the modules it may recompute);
@@ -121,7 +123,8 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     strategies whose gradients would not be placed right;
     `sequence_parallel` (True, False, or None: where a memory budget needs it) holds the stream
     between row and column layers split on tokens (`planner.sequence`); `autocast`: the
-    torch.autocast the graph was captured under (it runs under it only)."""
+    torch.autocast the graph was captured under (it runs under it only); `memory_with`: the Plan
+    keeps its Problem to answer `plan.memory_with(...)` (other recomputation, another device)."""
     check_outputs(outputs)
     if sequence_parallel not in (True, False, None):
         raise ValueError(f"sequence_parallel must be True, False or None, got {sequence_parallel!r}")
@@ -166,7 +169,8 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     if getattr(state, "solved", None) is not None:
         notes.append(state.solved.note())          # search="optimal": the solver's status, gap and time
     return build_plan(prob, state, tracer=tracer, search=search, seconds=seconds, notes=notes, example=example,
-                      checkpointed=checkpointed, memory_now=layouts is None, autocast=autocast)
+                      checkpointed=checkpointed, memory_now=layouts is None, autocast=autocast,
+                      memory_with=memory_with)
 
 
 def _searched(prob, search):
@@ -238,7 +242,7 @@ def unserved(prob, state) -> str | None:
 
 
 def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(), example=((), {}),
-               checkpointed=(), memory_now=True, autocast=()) -> Plan:
+               checkpointed=(), memory_now=True, autocast=(), memory_with=False) -> Plan:
     """Freeze a search State into a Plan. Its memory is worked out now (`memory_now`: the Problem
     holds the model's own weights, which a plan must not keep alive) or on first use (the plans of
     other call signatures, captured on a meta copy: most are never asked)."""
@@ -333,4 +337,4 @@ def build_plan(prob, state, *, tracer: str, search: str, seconds: float, notes=(
         search=search, search_seconds=seconds, objective=state.total, graph_module=prob.gm, example=example,
         outputs=prob.outputs, output_placements=MappingProxyType(returned),
         checkpointed=tuple(checkpointed), memory_model=memory, sequence_parallel=_sequence.split_ops(prob, state),
-        autocast=tuple(autocast))
+        autocast=tuple(autocast), memory_with=functools.partial(memory_of, prob, state) if memory_with else None)

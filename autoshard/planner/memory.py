@@ -207,9 +207,15 @@ def _autocast_cache(prob, state, cached, p: int) -> list:
     return out
 
 
-def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), device: str = "cpu") -> Memory:
+def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), device: str = "cpu",
+                scores=frozenset(), before: str | None = None) -> Memory:
     """Memory of one training step per rank under `state` (a search State of `prob`);
-    `checkpointed`: names of blocks whose activations are recomputed in backward."""
+    `checkpointed`: names of blocks whose activations are recomputed in backward; `scores` (node
+    names: attention's scores and what is made of them) are recomputed (Megatron's selective
+    recomputation: what their ops save of them is made again at its backward, not held from forward).
+    `device="cuda"`: a dropout's mask is held as CUDA's kernel holds it, one byte an element;
+    `before` (a node's name): `activations` counts only what ops before that node save (a pipeline's
+    first stage's share)."""
     from .decisions import module_of
     n, p = len(prob.nodes), prob.p
     end = 2 * n
@@ -286,18 +292,28 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
             else:                       # a tensor of the op's own: split as the op's work is
                 f = _own_fraction(prob, state, i, s, p, (saved.shapes or {}).get(st))
                 j, moved = i, False
+                if device == "cuda" and _is_dropout(prob.nodes[i]) and _copy_of((saved.shapes or {}).get(st),
+                                                                                 prob.val[i]):
+                    nb = prob.val[i].numel()            # CUDA's fused dropout keeps a bool mask
             key = (st, round(f, 9)) if moved else (st, "own")
             rec = keyed.setdefault(key, [int(nb * f), i if moved or j is None else j, [], module_of(prob, i)])
             rec[2].append(i)
     items += _autocast_cache(prob, state, cached, p)
     activations = 0
     kept_inputs = {}
+    held_own = set()                    # own tensors saved by an op outside every checkpointed block
+    early, first_of = 0, next((i for i, x in enumerate(prob.nodes) if x.name == before), -1)
     for key, (nb, born, savers, what) in keyed.items():
         outside = [i for i in savers if i not in block_of]
         last = max(bwd(i) for i in savers)
-        if outside:
+        if scores and outside and prob.nodes[born].name in scores:
+            items.append([nb, bwd(max(savers)), last, f"scores recomputed in {what}", "activations"])
+        elif outside:
             activations += nb
+            early += nb if min(savers) < first_of else 0
             items.append([nb, born, last, f"saved by {what}", "activations"])
+            if key[1] == "own":
+                held_own.add(key[0])
         else:                           # recomputed at the start of its block's backward
             b = block_of[savers[0]]
             items.append([nb, bwd(spans[b][1]), last, f"recomputed in {b}", "activations"])
@@ -307,8 +323,8 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
                 if (k < a) and prob.kind[k] in ("op", "select") and saved.storage[k] is not None:
                     kept_inputs[(b, saved.storage[k])] = (int(prob.nbytes[k] * _fraction(prob.val[k], state.place[k], p)),
                                                           k, bwd(a), b)
-    for nb, k, last, b in kept_inputs.values():
-        if (saved.storage[k], "own") not in keyed:
+    for nb, k, last, b in kept_inputs.values():     # (held anyway where an op outside the block saves it)
+        if saved.storage[k] not in held_own:
             activations += nb
             items.append([nb, k, last, f"input of {b}", "activations"])
 
@@ -397,14 +413,24 @@ def step_memory(prob, state, saved: Saved, optimizer="adamw", checkpointed=(), d
             at_peak[what] = at_peak.get(what, 0) + nb
     at_peak.update({"parameters": params, "optimizer state": opt})
     largest = tuple(sorted(at_peak.items(), key=lambda kv: -kv[1])[:6])
+    if before is not None:
+        activations = early
     return Memory(parameters=params, gradients=grads, optimizer=opt, activations=activations, peak=held + best,
                   buffers=buffers, peak_at=where, largest=largest, exact=saved.exact)
 
 
-def memory_of(prob, state, checkpointed=()) -> Memory:
-    """`step_memory` of `state`, the saved tensors read once per graph (kept on the Problem)."""
+def memory_of(prob, state, checkpointed=(), scores=frozenset(), device: str | None = None,
+              before: str | None = None) -> Memory:
+    """`step_memory` of `state`, the saved tensors read once per graph (kept on the Problem);
+    `device`: where the step runs (default: the inputs' device)."""
     if getattr(prob, "saved", None) is None:
         prob.saved = saved_tensors(prob)
-    device = next((v.device.type for i, v in enumerate(prob.val) if prob.kind[i] == "input"
-                   and isinstance(v, torch.Tensor)), "cpu")
-    return step_memory(prob, state, prob.saved, prob.cost.optimizer, checkpointed, device)
+    device = device or next((v.device.type for i, v in enumerate(prob.val) if prob.kind[i] == "input"
+                             and isinstance(v, torch.Tensor)), "cpu")
+    return step_memory(prob, state, prob.saved, prob.cost.optimizer, checkpointed, device, scores, before)
+
+
+def _is_dropout(node) -> bool:
+    """Whether `node` is a dropout (F.dropout, torch.dropout, aten's native_dropout)."""
+    name = getattr(node.target, "__name__", str(node.target))
+    return node.op == "call_function" and "dropout" in name and "feature" not in name
