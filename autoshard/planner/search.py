@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 
 import torch
 
-from ..capture.repeats import owner
+from ..capture.repeats import layer_key, owner
 from .assignment import State  # noqa: F401  (search.State: the state greedy and exact return)
 from .decisions import transposed
 from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers build)
@@ -227,12 +226,6 @@ def greedy(prob: Problem, max_sweeps: int = 4, joint: bool = True) -> State:
         return state
     _descend(prob, refined, [joints.get(g, w) for g, w in enumerate(wins)], max_sweeps)
     return refined if refined.total < state.total - 1e-12 * max(1.0, abs(state.total)) else state
-
-
-def layer_key(name: str):
-    """(the name with its first layer index blanked, that index), or None outside numbered layers."""
-    m = re.search(r"\.(\d+)\.", name)
-    return None if m is None else ((name[:m.start()], name[m.end():]), int(m.group(1)))
 
 
 def improve_by_layers(state: State) -> bool:
