@@ -352,6 +352,7 @@ def improve_single(state: State) -> None:
 def exact(prob: Problem, limit: int = 200_000) -> State:
     """Every combination of every group (the product must stay under `limit`)."""
     state = State(prob)
+    state.path = None        # every combination once: nothing to share, no trial kept (`State.path`)
     sizes = [len(g.choices) for g in prob.groups]
     total = math.prod(sizes)
     if total > limit:
