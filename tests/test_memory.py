@@ -256,3 +256,39 @@ def test_memory_of_a_model_on_meta():
     fake = autoshard.plan(recipe_copy(model, {}, fake=True), 2, {"input_ids": ids, "labels": ids}).memory
     assert on_meta.exact and fake.exact
     assert on_meta.activations == fake.activations        # (the optimizer step's transient follows the device)
+
+
+def _canonical(sv):
+    """A Saved with its storages named by the node that makes them (and their order there)."""
+    made, own = {}, {}
+    for s, i in sv.producer.items():
+        made.setdefault(i, []).append(s)
+
+    def name(s, i):
+        p = sv.producer.get(s)
+        return ("own", i, own.setdefault((i, s), len(own))) if p is None else (p, made[p].index(s))
+    return ([None if s is None else name(s, -1) for s in sv.storage],
+            [tuple((name(s, i), nb) for s, nb in x) for i, x in enumerate(sv.saves)],
+            {i: tuple((name(s, i), nb) for s, nb in x) for i, x in (sv.ungrouped or {}).items()})
+
+
+@pytest.mark.parametrize("tracer", ["symbolic_trace", "export"])
+def test_repeated_layers_save_what_the_whole_run_saves(tracer, monkeypatch):
+    """A run of 6 identical layers is run by the fake pass up to its third layer, the later ones
+    written as its copies (`saved.Repeats`): the same storages, saves and producers as running all."""
+    from autoshard.capture.trace import capture
+    from autoshard.planner import saved as SV
+    from autoshard.planner.build import chunk_candidates
+    from autoshard.planner.cost import CostModel
+    from autoshard.planner.problem import Problem
+    torch.manual_seed(0)
+    model = GPT(vocab=64, h=32, heads=4, blocks=6, seq=16, dropout=0.1).train()
+    idx = torch.randint(0, 64, (2, 16))
+    gm = capture(model, (idx, idx), tracer=tracer).gm
+    prob = Problem(gm, 2, CostModel(), chunk_candidates(gm))
+    assert SV.Repeats.of(prob) is not None
+    fast = SV.saved_tensors(prob)
+    monkeypatch.setattr(SV.Repeats, "of", classmethod(lambda cls, p: None))
+    whole = SV.saved_tensors(prob)
+    assert fast.exact and whole.exact
+    assert _canonical(fast) == _canonical(whole)

@@ -80,3 +80,49 @@ def test_parallel_block_with_a_centred_norm(p):
                         intermediate_size=5632, max_position_embeddings=2048, use_qk_norm=True,
                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     _check(plan, model, _megatron(2048, p, parallel=True), p)
+
+
+class _ParallelBlock(torch.nn.Module):
+    """Attention and MLP each normalising the same input, their outputs summed into the stream."""
+
+    def __init__(self, h, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+        self.qkv, self.out = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
+        self.fc1, self.fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(h, dim=-1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = self.out(a.transpose(1, 2).reshape(b, t, h))
+        return x + a + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class _ParallelLM(torch.nn.Module):
+    def __init__(self, vocab=1024, h=256, heads=8):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, h)
+        self.blocks = torch.nn.ModuleList([_ParallelBlock(h, heads) for _ in range(LAYERS)])
+        self.ln_f, self.head = torch.nn.LayerNorm(h), torch.nn.Linear(h, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.wte(ids)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_parallel_residual_pattern(p):
+    """The pattern, not a named model: two norms read one stream, attention and MLP summed into it.
+    At most 1.05 of Megatron's bytes for it (one forward all-reduce a layer, the two row-parallel
+    outputs summed while Partial, and one backward all-reduce per norm's column-parallel input)."""
+    with torch.device("meta"):
+        model = _ParallelLM()
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    plan = autoshard.plan(model, p, (ids, ids), outputs="sharded")
+    _check(plan, model, _megatron(256, p, parallel=True, norms=2), p)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 
 import torch
 import torch.fx as fx
@@ -189,6 +190,12 @@ def owner(node: fx.Node, names) -> str | None:
             if prefix in known:
                 return prefix
     return None
+
+
+def layer_key(name: str):
+    """(the name with its first layer index blanked, that index), or None outside numbered layers."""
+    m = re.search(r"\.(\d+)\.", name)
+    return None if m is None else ((name[:m.start()], name[m.end():]), int(m.group(1)))
 
 
 def _rename(target: str, old: str, new: str) -> str:

@@ -23,6 +23,13 @@ def _whole_in_group(placement) -> bool:
     tensor every rank of a group holds whole, its gradient a summand per rank."""
     return isinstance(placement, ReplicatePartialGrad) or held_by_groups(placement) or held_by_readers(placement)
 
+def _path_after(prob: Problem, path: int, changes) -> int:
+    """The number naming the labelling that committing `changes` to labelling `path` makes
+    (`State.path`; 0: State(prob)'s). A trial's propagation does not read the price of state, so
+    the searches at several prices (`budget.least_comm`) share theirs while their commits agree."""
+    return prob.paths.setdefault((path, changes), len(prob.paths) + 1)
+
+
 class State:
     """A labelling: the group choices and every node's strategy and output placement."""
 
@@ -42,6 +49,7 @@ class State:
         # communication cost of every tensor under this labelling, kept current by commit()
         self.tcost = [prob.tensor_cost(j, self.place, self.sidx) for j in range(n)]
         self.total = self.evaluate()
+        self.path = (prob, 0)       # the labelling, named by the commits since State(prob) (`trial`)
 
     # ---------------------------------------------------------------- propagation
     def placement_of_param(self, key):
@@ -145,6 +153,32 @@ class State:
         Re-propagates in place from the changed parameters (in topological order) and undoes
         the change before returning; old tensor costs come from `tcost`, not recomputed."""
         prob = self.prob
+        memo = self.path is not None and self.path[0] is prob
+        if memo:
+            key = (self.path[1], tuple(changes.items()))
+            hit = prob.trial_memo.get(key)
+            if hit is not None:
+                return self._priced(*hit)
+        base, overlay = self._propagated(changes)
+        if memo:
+            prob.trial_memo[key] = base, overlay
+        return self._priced(base, overlay)
+
+    def _priced(self, base, overlay):
+        """A trial's delta: its communication and compute (`base`) plus the parameters' memory term at
+        the problem's price of state now."""
+        if overlay is None:
+            return base, None
+        prob, delta = self.prob, base
+        for key, pl in overlay[1].items():
+            delta += prob.param_cost(key, pl) - prob.param_cost(key, self.placement_of_param(key))
+        if math.isnan(delta):
+            delta = INF
+        return delta, overlay
+
+    def _propagated(self, changes: dict[int, int]):
+        """(communication and compute delta, overlay) of `changes`: `trial` without the memory term."""
+        prob = self.prob
         new_pp = {}
         heap = []
         for g, ch in changes.items():
@@ -208,10 +242,6 @@ class State:
                 place[i] = v
             for i, v in old_sidx.items():
                 sidx[i] = v
-        for key, pl in new_pp.items():
-            delta += prob.param_cost(key, pl) - prob.param_cost(key, self.placement_of_param(key))
-        if math.isnan(delta):
-            delta = INF
         return delta, (changes, new_pp, place_new, sidx_new, tnew)
 
     def commit(self, delta, overlay):
@@ -228,6 +258,8 @@ class State:
         for j, c in tnew.items():
             self.tcost[j] = c
         self.total += delta
+        if self.path is not None:
+            self.path = (self.prob, _path_after(self.prob, self.path[1], tuple(changes.items())))
 
     def reduce_early(self) -> None:
         """Settle the ties the per-node choice breaks late: an op that keeps Partial inputs Partial
@@ -270,6 +302,8 @@ class State:
             self.total += after - before
             for j, c in new.items():
                 self.tcost[j] = c
+        if self.path is not None:        # (a function of the labelling, as a commit is)
+            self.path = (prob, _path_after(prob, self.path[1], "reduce_early"))
 
     def _read_as(self, i: int):
         """The one placement every reader's strategy reads tensor i in, or None if they differ."""
@@ -288,6 +322,7 @@ class State:
         new.prob, new.total, new.param_place = self.prob, self.total, dict(self.param_place)
         new.choice, new.sidx = list(self.choice), list(self.sidx)
         new.place, new.tcost = list(self.place), list(self.tcost)
+        new.path = self.path
         return new
 
     def set_choices(self, choices: dict[int, int]) -> float:

@@ -23,13 +23,14 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+from ..capture.repeats import layer_key
 from ..errors import MemoryBudgetError
 from ..runtime.counters import ring_bytes
 from ..runtime.placements import REPLICATE, Replicate, Shard, local_numel
 from .cost import STATE_TOLERANCE, TIE_PRICE, flops
 from .memory import memory_of
 from .problem import IMBALANCE
-from .search import layer_key, uniform_layers
+from .search import uniform_layers
 from .sequence import (EPS, activation_bytes, held_chains, regather_seconds, relabel, token_dim,
                        with_sequence_parallel)
 
@@ -125,7 +126,7 @@ def least_comm(prob, run):
 
 def _families(prob) -> list:
     """The decision groups as families flipped together: a group with its namesakes of every other
-    numbered layer (`search.layer_key`; alike layers stay alike: one block graph, one compile), a
+    numbered layer (`capture.repeats.layer_key`; alike layers stay alike: one block graph, one compile), a
     group outside numbered layers alone."""
     by_key: dict = {}
     for g, grp in enumerate(prob.groups):

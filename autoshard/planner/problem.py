@@ -142,6 +142,8 @@ class Problem:
         self.best_memo: dict = {}
         self.tensor_memo: dict = {}
         self._param_memo: dict = {}
+        self.trial_memo: dict = {}       # (labelling, changes) -> a trial without its memory term (`State.path`)
+        self.paths: dict = {}            # (labelling, changes) -> the labelling committing them makes
         self.state_price = None          # seconds per byte of state; None: the cost model's (`price_state`)
         self.groups = decision_groups(self, pins or {})
         if layouts is not None:
@@ -416,8 +418,6 @@ class Problem:
         only the parameters' memory term changes; States made before keep their totals."""
         self.state_price = price
         self._param_memo.clear()
-
-    # ---------------------------------------------------------------- decisions
 
 
 def _structure(n: fx.Node, module) -> tuple | None:

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 
 import torch
 
-from ..capture.repeats import owner
+from ..capture.repeats import layer_key, owner
 from .assignment import State  # noqa: F401  (search.State: the state greedy and exact return)
 from .decisions import transposed
 from .moves import improve_entry
@@ -232,12 +231,6 @@ def greedy(prob: Problem, max_sweeps: int = 4, joint: bool = True) -> State:
     return refined if refined.total < state.total - 1e-12 * max(1.0, abs(state.total)) else state
 
 
-def layer_key(name: str):
-    """(the name with its first layer index blanked, that index), or None outside numbered layers."""
-    m = re.search(r"\.(\d+)\.", name)
-    return None if m is None else ((name[:m.start()], name[m.end():]), int(m.group(1)))
-
-
 def improve_by_layers(state: State) -> bool:
     """Give a numbered layer the decisions of the layer after or before it, all at once, where the
     total drops: the windows decide a layer from what its neighbours hold, and the first layer,
@@ -362,6 +355,7 @@ def improve_single(state: State) -> None:
 def exact(prob: Problem, limit: int = 200_000) -> State:
     """Every combination of every group (the product must stay under `limit`)."""
     state = State(prob)
+    state.path = None        # every combination once: nothing to share, no trial kept (`State.path`)
     sizes = [len(g.choices) for g in prob.groups]
     total = math.prod(sizes)
     if total > limit:

@@ -288,7 +288,7 @@ def relabel(state, place, sidx) -> None:
     """Give `state` the labelling (`place`, `sidx`: lists of its own, not shared) and the costs that
     follow from it."""
     prob = state.prob
-    state.place, state.sidx = place, sidx
+    state.place, state.sidx, state.path = place, sidx, None
     state.tcost = [prob.tensor_cost(j, place, sidx) for j in range(len(prob.nodes))]
     state.total = state.evaluate()
 
