@@ -141,40 +141,6 @@ def _optimal_rank(rank, world):
     grads_match(gm, ref, "GPT planned by search='optimal'")
 
 
-class SummedEmbeddings(torch.nn.Module):
-    """The pattern: a token and a position embedding summed into the stream, a norm and a residual
-    MLP applied twice, the head tied to the token embedding, the loss inside."""
-
-    def __init__(self, vocab=256, h=64, seq=16):
-        super().__init__()
-        self.wte, self.wpe = torch.nn.Embedding(vocab, h), torch.nn.Embedding(seq, h)
-        self.ln = torch.nn.LayerNorm(h)
-        self.fc1, self.fc2 = torch.nn.Linear(h, 2 * h), torch.nn.Linear(2 * h, h)
-        self.head = torch.nn.Linear(h, vocab, bias=False)
-        self.head.weight = self.wte.weight
-
-    def forward(self, idx, labels):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        for _ in range(2):
-            x = x + self.fc2(torch.relu(self.fc1(self.ln(x))))
-        return torch.nn.functional.cross_entropy(self.head(self.ln(x)).flatten(0, 1), labels.flatten())
-
-
-@pytest.mark.parametrize("p", [2, 4])
-def test_greedy_moves_summed_embeddings_together(p):
-    """Embeddings summed at the graph's entry split alike, on features, where that is fastest: no flip
-    of one alone reaches it from the vocabulary-parallel pair (6.2% and 7.2% above the optimum at 2 and
-    4 ranks before `moves.improve_entry`); the greedy now ends at the program's optimum."""
-    ids = torch.randint(0, 256, (2, 16))
-    gm = capture(SummedEmbeddings(), (ids, ids)).gm
-    prob = _problem(gm, p, CostModel())
-    greedy = step_seconds(prob, least_comm(prob, S.greedy))
-    best = O.fastest_within(prob)
-    assert greedy <= step_seconds(prob, best) * (1 + 1e-3), (greedy, step_seconds(prob, best))
-    names = {prob.groups[g].names[0]: prob.groups[g].choices[c] for g, c in enumerate(best.choice)}
-    assert "Shard(dim=1" in str(names["wte.weight"]) and "Shard(dim=1" in str(names["wpe.weight"])
-
-
 @pytest.mark.zoo
 @pytest.mark.parametrize("p", [2, 4])
 def test_greedy_within_one_percent_of_optimum_on_zoo(p):

@@ -23,7 +23,6 @@ import torch
 from ..capture.repeats import layer_key, owner
 from .assignment import State  # noqa: F401  (search.State: the state greedy and exact return)
 from .decisions import transposed
-from .moves import improve_entry
 from .problem import INF, Problem  # noqa: F401  (search.Problem is what callers build)
 
 WINDOW_DEPTH = 10        # ops a window looks ahead of its anchors
@@ -203,8 +202,6 @@ def _descend(prob: Problem, state: State, wins, max_sweeps: int) -> None:
     like the others."""
     _sweep(prob, state, wins, max_sweeps)
     improve_single(state)
-    if improve_entry(state):          # (planner.moves: the embeddings summed into the stream, together)
-        improve_single(state)
     if improve_by_layers(state):
         improve_single(state)
     uniform_layers(state)
