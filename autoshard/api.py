@@ -166,7 +166,8 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
     its data-parallel replicas, clips by the norm over every shard, refuses a DDP wrap across its
     shards, and `check_inputs`: the ranks compare their inputs on the first call of each call
     signature and every `check_inputs`-th call after (0: first calls only; None: never), raising
-    InputMismatchError where a batch was split over tensor-parallel ranks.
+    InputMismatchError where a batch was split over tensor-parallel ranks. Not with `only` (a
+    pipeline's stages: autoshard.pipeline's Pipeline averages and steps them).
     """
     world_size = _check_world_size(world_size)
     _check_plain(model)
@@ -241,8 +242,8 @@ def parallelize(model: nn.Module, world_size: int, example_inputs=None, *, plan:
                            _signature_builder(plan, rank, key, pg if D.is_initialized() else None, dropout_masks,
                                               overlap))
     torch.clear_autocast_cache()      # planning's casts (of fake and meta weights) must not serve a call in this region
-    if D.is_initialized() and torch.distributed.get_world_size(pg) > 1:
-        training.attach(gm, pg, check_inputs, group)
+    if D.is_initialized() and torch.distributed.get_world_size(pg) > 1 and only is None:
+        training.attach(gm, pg, check_inputs, group)     # (a pipeline's stages: its Pipeline steps them)
     return gm
 
 
