@@ -45,12 +45,13 @@ def _reset_accelerate():
     PartialState._reset_state()
 
 
-def _train(tp, batch, accum, out, miswire="none", save=False):
-    """hf_trainer's run, in this process (a gloo rank, or the parent for tp=1)."""
+def _train(tp, batch, accum, out, miswire="none", save=False, save_steps=0, resume=None, seed=0):
+    """hf_trainer's run, in this process (a gloo rank, or the parent for tp=1); `save_steps`: a
+    Trainer checkpoint every so many steps; `resume`: the checkpoint to resume from."""
     import transformers
     import autoshard
     transformers.logging.set_verbosity_error()
-    model = hf_trainer.build()
+    model = hf_trainer.build(seed)
     data = hf_trainer.dataset()
     if tp > 1:
         example = {"input_ids": data[0]["input_ids"][None].repeat(batch, 1),
@@ -61,7 +62,8 @@ def _train(tp, batch, accum, out, miswire="none", save=False):
     args = transformers.TrainingArguments(
         output_dir=os.path.join(out, "run"), per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
         max_steps=STEPS, logging_steps=1, max_grad_norm=CLIP, learning_rate=1e-2, lr_scheduler_type="constant",
-        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_drop_last=True,
+        report_to=[], save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, use_cpu=True,
+        disable_tqdm=True, seed=0, dataloader_drop_last=True,
         weight_decay=0.0)
     trainer = transformers.Trainer(model=module, args=args, train_dataset=data)
     if miswire == "sampler":
@@ -75,7 +77,7 @@ def _train(tp, batch, accum, out, miswire="none", save=False):
         trainer._wrap_model = lambda model, training=True, dataloader=None: wrapped
     result = {}
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     except autoshard.AutoshardError as e:
         result["error"] = f"{type(e).__name__}: {e}"
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -133,6 +135,48 @@ def test_trainer_equals_one_process(world, accum, dist2, dist4, tmp_path):
         assert torch.allclose(state[k], v, atol=1e-6), k
     for k, v in ref["state"].items():          # and they are one process's trained weights
         assert torch.allclose(state[k], v, atol=1e-4), k
+
+
+def _resume_case(rank, world, out):
+    """4 steps with a Trainer checkpoint at step 2, then a model built from another seed resumed
+    from that checkpoint by a fresh Trainer: (the whole run, the resumed run)."""
+    _trainer_env(rank, world)
+    if world > 2:
+        from autoshard.distributed import init_process_group
+        init_process_group(2)
+    try:
+        whole = _train(2, 2, 1, out, save=True, save_steps=2)
+        _reset_accelerate()
+        checkpoint = os.path.join(out, "run", "checkpoint-2")
+        stored = sorted(os.listdir(checkpoint))
+        resumed = _train(2, 2, 1, os.path.join(out, "again"), save=True, resume=checkpoint, seed=1)
+        _reset_accelerate()
+        if rank == 0:                 # a checkpoint with weights only (as save_only_model writes)
+            import shutil
+            shutil.copytree(checkpoint, os.path.join(out, "weights"), ignore=shutil.ignore_patterns("optimizer_*"))
+        torch.distributed.barrier()
+        weights = _train(2, 2, 1, os.path.join(out, "third"), resume=os.path.join(out, "weights"), seed=1)
+        return whole, resumed, stored, weights
+    finally:
+        _reset_accelerate()
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_trainer_resumes_from_its_checkpoint_exactly(world, dist2, dist4, tmp_path):
+    """The checkpoint holds every rank's optimizer state (AdamW's moments: without them steps 3
+    and 4 differ) and the module's shards; the resumed run's losses and weights are the whole run's."""
+    pool = dist2 if world == 2 else dist4
+    out = pool.run(_resume_case, str(tmp_path), timeout=400)
+    for whole, resumed, stored, weights in out:
+        assert "error" not in whole and "error" not in resumed, (whole.get("error"), resumed.get("error"))
+        assert "optimizer_autoshard" in stored and "scheduler.pt" in stored and "optimizer.pt" not in stored, stored
+        assert _close(resumed["losses"], whole["losses"], 1e-6), (resumed["losses"], whole["losses"])
+        for k, v in whole["state"].items():
+            assert torch.allclose(resumed["state"][k], v, atol=1e-6), k
+        # weights only: step 3's loss is the saved weights' (each rank kept its shards of the full
+        # tensors); the fresh optimizer's step 4 is not the whole run's
+        assert abs(weights["losses"][2] - whole["losses"][2]) < 1e-6, (weights["losses"], whole["losses"])
+        assert abs(weights["losses"][3] - whole["losses"][3]) > 1e-4, (weights["losses"], whole["losses"])
 
 
 @pytest.mark.parametrize("miswire,named", [("sampler", "InputMismatchError"),

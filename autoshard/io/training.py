@@ -17,16 +17,21 @@ than one rank) gives the rank's module:
   given exactly such a module's parameters (as the Trainer and accelerate loops call it) uses it;
 - a guard run before each call: a DistributedDataParallel across its tensor-parallel ranks is
   refused (`replicas.refuse_ddp`), and the ranks' inputs are compared on the first call of each
-  signature and every `check_inputs`-th call after (`runtime.agreement`).
+  signature and every `check_inputs`-th call after (`runtime.agreement`);
+- the Trainer's checkpoints: full weights from every rank, the shards of module and optimizer
+  beside them, resumed rank by rank (`patch_trainer`).
 """
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import weakref
 
+import torch
 import torch.distributed as dist
 
+from ..errors import LoadError
 from ..runtime import agreement, replicas
 from ..runtime.groups import get_data_parallel_group
 
@@ -125,30 +130,107 @@ def patch_accelerate(load: bool = False) -> None:
     ParallelismConfig._validate_accelerator = _validate_accelerator
 
 
+STATE_DIR = "optimizer_autoshard"      # in a Trainer checkpoint: the model's and optimizer's shards (DCP)
+
+
 def patch_trainer() -> None:
-    """`transformers.Trainer.save_model` (and so its checkpoints' weights) of a parallel module:
-    every rank joins the module's `save_pretrained` (full weights, gathered as each tensor is
-    written), where the Trainer's own would write global rank 0's shards alone; the training
-    arguments are written beside them as the Trainer does. Done once the Trainer is imported."""
+    """The Hugging Face Trainer's checkpoints of a parallel module (done once the Trainer is imported):
+
+    - `save_model` (and so each checkpoint's weights): every rank joins the module's
+      `save_pretrained` (full weights, gathered as each tensor is written), where the Trainer's own
+      would write global rank 0's shards alone; the training arguments are written beside them;
+    - `_save_optimizer_and_scheduler`: the module's and optimizer's shards as one sharded
+      checkpoint (`autoshard.checkpoint.save`, every rank its own boxes) in `STATE_DIR` of the
+      checkpoint directory, where the Trainer would `torch.save` rank 0's optimizer state alone;
+      the scheduler as the Trainer saves it;
+    - resume (`_load_from_checkpoint`, `_load_optimizer_and_scheduler`): each rank reads back its
+      own boxes from `STATE_DIR` (weights-only, checked); a checkpoint without it (saved with
+      `save_only_model`) gives the module its full weights, each rank keeping its shards."""
     mod = sys.modules.get("transformers.trainer")
     if mod is None or getattr(mod.Trainer.save_model, "_autoshard", False):
         return
-    original = mod.Trainer.save_model
+    Trainer = mod.Trainer
+    names = ("save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler")
+    originals = {name: getattr(Trainer, name) for name in names}
 
     def save_model(self, output_dir=None, _internal_call=False):
         if self.model not in _MODULES:
-            return original(self, output_dir, _internal_call)
-        import os
-        import torch
+            return originals["save_model"](self, output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.model.save_pretrained(output_dir)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-    save_model._autoshard = True
-    save_model.__doc__ = original.__doc__
-    mod.Trainer.save_model = save_model
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if self.model not in _MODULES:
+            return originals["_save_optimizer_and_scheduler"](self, output_dir)
+        from .checkpoint import get_state_dict, save
+        msd, osd = get_state_dict(self.model, _unwrapped(self.optimizer))
+        save({"model": msd, "optimizer": osd}, os.path.join(output_dir, STATE_DIR))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, mod.SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        model = self.model if model is None else model
+        if model not in _MODULES:
+            return originals["_load_from_checkpoint"](self, resume_from_checkpoint, model)
+        _load_shards(model, None, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or self.model not in _MODULES:
+            return originals["_load_optimizer_and_scheduler"](self, checkpoint)
+        if _load_shards(self.model, _unwrapped(self.optimizer), checkpoint):
+            scheduler = torch.load(os.path.join(checkpoint, mod.SCHEDULER_NAME), weights_only=True)
+            self.lr_scheduler.load_state_dict(scheduler)
+
+    for name, fn in (("save_model", save_model), ("_save_optimizer_and_scheduler", _save_optimizer_and_scheduler),
+                     ("_load_from_checkpoint", _load_from_checkpoint),
+                     ("_load_optimizer_and_scheduler", _load_optimizer_and_scheduler)):
+        fn._autoshard = True
+        fn.__doc__ = originals[name].__doc__
+        setattr(Trainer, name, fn)
+
+
+def _unwrapped(optimizer):
+    """The torch optimizer inside accelerate's AcceleratedOptimizer (or `optimizer` itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _aliases(gm) -> set:
+    """Names of `gm`'s parameters that are another name of an earlier one (tied weights)."""
+    seen, out = set(), set()
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            out.add(name)
+        seen.add(id(p))
+    return out
+
+
+def _load_shards(gm, optimizer, checkpoint: str) -> bool:
+    """Give `gm` (and `optimizer`, where given) their state from the Trainer checkpoint
+    `checkpoint`: each rank's boxes from its `STATE_DIR`; without one, the module's full weights
+    from its safetensors (the optimizer's state is then left as it is: False)."""
+    from .checkpoint import get_state_dict, load, set_state_dict
+    path = os.path.join(checkpoint, STATE_DIR)
+    if os.path.isdir(path):
+        msd, osd = get_state_dict(gm, optimizer)
+        wanted = {"model": msd} if optimizer is None else {"optimizer": osd}
+        load(wanted, path)
+        set_state_dict(gm, optimizer, model_state_dict=msd, optim_state_dict=osd or None)
+        return True
+    if optimizer is None:
+        from ..runtime.state_dict import relocate_state_dict
+        from .loading import open_source
+        source = open_source(checkpoint)
+        full = {key: source.read(key, tuple(slice(None) for _ in shape)) for key, (shape, _) in source.entries.items()}
+        missing = set(gm.state_dict()) - set(full) - _aliases(gm)
+        if missing:
+            raise LoadError(f"{checkpoint} lacks {sorted(missing)[:5]} of {type(gm).__name__}'s weights: "
+                            "not a checkpoint of this model")
+        gm.load_state_dict(relocate_state_dict(gm, full), strict=False)
+    return False
 
 
 def attach(gm, pg, check_inputs, group=None) -> None:
