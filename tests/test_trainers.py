@@ -5,13 +5,15 @@ A tiny LLaMA (hidden 32, 2 layers, vocab 128: tests/scripts/hf_trainer.py) train
 clipping on (max norm 0.05: every step clips) by a plain `Trainer` with plain
 `TrainingArguments` inside the gloo ranks (RANK / WORLD_SIZE set as torchrun sets them): at world
 2 (tp 2, gradient accumulation 2) and world 4 (tp 2 x dp 2) the logged losses and gradient norms
-equal those of the one-process Trainer with the same global batch (within 1e-4), and
-`trainer.save_model` then `from_pretrained` in one process gives the trained weights. A
+equal those of the one-process Trainer with the same global batch (within 1e-4), so does
+`trainer.evaluate`, `trainer.save_model` then `from_pretrained` in one process gives the trained
+weights, and a fresh Trainer resumed from a step-2 checkpoint ends with the uninterrupted run's
+losses and weights (a weights-only checkpoint: its step-3 loss). A
 DistributedSampler over the whole world and a DDP wrap across the tensor-parallel ranks are each
 refused by name on the first step. The pieces: the input check (a batch split over the world,
 another data order, another shape), the gradient norm over every shard, the data-parallel average
 with `no_sync`. The Trainer runs (a minute or more each on 2 loaded cores; the default suite keeps
-the sampler's refusal, a Trainer at world 2), accelerate, Lightning and the same run under
+the sampler's refusal and the resume at world 2), accelerate, Lightning and the same run under
 `torchrun` as a user launches it are behind `-m slow`.
 """
 import json
@@ -62,7 +64,8 @@ def _train(tp, batch, accum, out, miswire="none", save=False, save_steps=0, resu
     args = transformers.TrainingArguments(
         output_dir=os.path.join(out, "run"), per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
         max_steps=STEPS, logging_steps=1, max_grad_norm=CLIP, learning_rate=1e-2, lr_scheduler_type="constant",
-        report_to=[], save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, use_cpu=True,
+        per_device_eval_batch_size=2, report_to=[], save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500, use_cpu=True,
         disable_tqdm=True, seed=0, dataloader_drop_last=True,
         weight_decay=0.0)
     trainer = transformers.Trainer(model=module, args=args, train_dataset=data)
@@ -84,6 +87,7 @@ def _train(tp, batch, accum, out, miswire="none", save=False, save_steps=0, resu
     result["losses"] = [h["loss"] for h in logs]
     result["grad_norms"] = [h.get("grad_norm") for h in logs]
     if save and "error" not in result:
+        result["eval_loss"] = trainer.evaluate(data[:8])["eval_loss"]      # split by data-parallel rank
         trainer.save_model(os.path.join(out, "saved"))
         full = autoshard.collect_state_dict(module, module.state_dict()) if tp > 1 else module.state_dict()
         result["state"] = {k: v.clone() for k, v in full.items()}
@@ -127,6 +131,7 @@ def test_trainer_equals_one_process(world, accum, dist2, dist4, tmp_path):
         assert "error" not in r, r["error"]
         assert _close(r["losses"], ref["losses"]), (r["losses"], ref["losses"])
         assert _close(r["grad_norms"], ref["grad_norms"]), (r["grad_norms"], ref["grad_norms"])
+        assert abs(r["eval_loss"] - ref["eval_loss"]) < 1e-4, (r["eval_loss"], ref["eval_loss"])
     # save_model wrote the full trained weights: one process loads them
     import transformers
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
@@ -166,9 +171,12 @@ def test_trainer_resumes_from_its_checkpoint_exactly(world, dist2, dist4, tmp_pa
     """The checkpoint holds every rank's optimizer state (AdamW's moments: without them steps 3
     and 4 differ) and the module's shards; the resumed run's losses and weights are the whole run's."""
     pool = dist2 if world == 2 else dist4
+    ref = _reference(2 * (world // 2), 1, tmp_path / "ref")
     out = pool.run(_resume_case, str(tmp_path), timeout=400)
     for whole, resumed, stored, weights in out:
         assert "error" not in whole and "error" not in resumed, (whole.get("error"), resumed.get("error"))
+        assert _close(whole["losses"], ref["losses"]), (whole["losses"], ref["losses"])   # and evaluate():
+        assert abs(whole["eval_loss"] - ref["eval_loss"]) < 1e-4, (whole["eval_loss"], ref["eval_loss"])
         assert "optimizer_autoshard" in stored and "scheduler.pt" in stored and "optimizer.pt" not in stored, stored
         assert _close(resumed["losses"], whole["losses"], 1e-6), (resumed["losses"], whole["losses"])
         for k, v in whole["state"].items():
