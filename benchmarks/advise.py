@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import autoshard  # noqa: E402
 from autoshard import Cluster, Layout  # noqa: E402
 from common import env_info  # noqa: E402
-from test_advise import KORTHIKANTI  # noqa: E402
+from test_advise import KORTHIKANTI, korthikanti_estimates  # noqa: E402
 
 GiB = 2 ** 30
 RESULTS = ROOT / "benchmarks" / "results"
@@ -49,19 +49,15 @@ TORCHTITAN = [("llama3-8b", 1, 8192, "selective", 2973, 0.582), ("llama3-70b", 1
 
 def korthikanti(rows, log) -> list:
     out = []
-    for name, tp, pp, gb, mb, v, full, sel, state, act_none, act_sel in rows:
+    for row in rows:
+        name, tp, pp, gb, mb, v, full, sel, state, act_none, act_sel = row
         c = Cluster(gpus=tp * pp, gpu="A100-80GB")
-
-        def run(rc, sp):
-            return autoshard.estimate(name, c, Layout(tp=tp, pp=pp, microbatch=mb, interleave=v, sequence_parallel=sp,
-                                                      recompute=rc), global_batch=gb, seq_len=2048)
         t0 = time.perf_counter()
-        f, s, n = run("full", False), run("selective", True), run("none", False)
+        f, s, n, held = korthikanti_estimates(row)
         t1 = time.perf_counter()
         best = autoshard.advise(name, c, global_batch=gb, seq_len=2048, top=1)[0]
         t2 = time.perf_counter()
-        held = (s.parts["parameters"] + s.parts["gradients"] + s.parts["optimizer"]) / GiB
-        row = {"model": name, "layout": f"tp {tp} pp {pp}" + (f" v {v}" if v > 1 else ""), "gpus": tp * pp,
+        rec = {"model": name, "layout": f"tp {tp} pp {pp}" + (f" v {v}" if v > 1 else ""), "gpus": tp * pp,
                "full_published": full, "full_predicted": f.step_time, "full_error": f.step_time / full - 1,
                "sel_published": sel, "sel_predicted": s.step_time, "sel_error": s.step_time / sel - 1,
                "state_published": state, "state_predicted": held, "state_error": held / state - 1,
@@ -72,8 +68,8 @@ def korthikanti(rows, log) -> list:
                "mfu_sel": s.mfu, "breakdown_sel": dict(s.breakdown), "estimate_seconds": t1 - t0,
                "advise": best.layout.short(), "advise_time": best.step_time, "advise_memory_gib": best.memory / GiB,
                "advise_vs_published": best.step_time / s.step_time, "advise_seconds": t2 - t1}
-        log(json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()}))
-        out.append(row)
+        log(json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in rec.items()}))
+        out.append(rec)
     return out
 
 

@@ -135,18 +135,27 @@ KORTHIKANTI = [
 
 
 @pytest.mark.slow
+def korthikanti_estimates(row):
+    """(full, selective, none, state GiB) of one KORTHIKANTI row: its layout estimated with full
+    recompute, with selective recompute and sequence parallelism, and with neither; the state is
+    the selective run's parameters, gradients and optimizer (also benchmarks/advise.py)."""
+    name, tp, pp, gb, mb, v = row[:6]
+    c = Cluster(gpus=tp * pp, gpu="A100-80GB")
+
+    def run(rc, sp):
+        return autoshard.estimate(name, c, Layout(tp=tp, pp=pp, microbatch=mb, interleave=v, sequence_parallel=sp,
+                                                  recompute=rc), global_batch=gb, seq_len=2048)
+    f, s, n = run("full", False), run("selective", True), run("none", False)
+    return f, s, n, (s.parts["parameters"] + s.parts["gradients"] + s.parts["optimizer"]) / GiB
+
+
 def test_korthikanti_table():
     """Iteration time: mean error <= 5%, every row within 10%; memory within 10% of every bar."""
     errors = []
-    for name, tp, pp, gb, mb, v, full, sel, state, act_none, act_sel in KORTHIKANTI:
-        c = Cluster(gpus=tp * pp, gpu="A100-80GB")
-
-        def run(rc, sp):
-            return autoshard.estimate(name, c, Layout(tp=tp, pp=pp, microbatch=mb, interleave=v, sequence_parallel=sp,
-                                                      recompute=rc), global_batch=gb, seq_len=2048)
-        f, s, n = run("full", False), run("selective", True), run("none", False)
+    for row in KORTHIKANTI:
+        name, full, sel, state, act_none, act_sel = row[0], *row[6:]
+        f, s, n, held = korthikanti_estimates(row)
         errors += [f.step_time / full - 1, s.step_time / sel - 1]
-        held = (s.parts["parameters"] + s.parts["gradients"] + s.parts["optimizer"]) / GiB
         assert held == pytest.approx(state, rel=0.10), (name, held)
         assert n.parts["activations"] / GiB == pytest.approx(act_none, rel=0.10), name
         assert s.parts["activations"] / GiB == pytest.approx(act_sel, rel=0.10), name
