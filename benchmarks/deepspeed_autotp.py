@@ -32,6 +32,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -285,11 +286,40 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- at DeepSpeed's memory (plans only)
+LAYER = re.compile(r"\.\d+\.")         # a module inside a numbered layer (model.layers.3.mlp.up_proj)
+
+
+def same_memory(names: list) -> str:
+    """Per model, plans only (no DeepSpeed run, no process group): autoshard's default plan; the plan
+    with every Linear and Embedding outside the numbered layers kept whole (DeepSpeed AutoTP's
+    layout for these models: embeddings and heads replicated, the layers split); and autoshard's
+    search with that plan's predicted peak per rank as `memory_budget` (the fastest plan within
+    DeepSpeed's memory). Bytes: ring bytes a rank sends in a training step."""
+    import torch
+    import autoshard
+    from zoo import ZOO, build
+    lines = ["| model | default: bytes (peak KiB) | outside the layers whole: bytes (peak KiB) | "
+             "budget = that peak: bytes (peak KiB) | budget / default bytes |", "|---|---|---|---|---|"]
+    for name in names:
+        model, kw = build(ZOO[name])
+        pins = {n: None for n, m in model.named_modules()
+                if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and not LAYER.search(f".{n}.")}
+        plans = [autoshard.plan(model, 2, kw), autoshard.plan(model, 2, kw, pin=pins)]
+        plans.append(autoshard.plan(model, 2, kw, memory_budget=plans[1].memory.peak))
+        cells = [f"{int(p.comm_bytes):,} ({p.memory.peak / 1024:.0f})" for p in plans]
+        lines.append(f"| {name} | {' | '.join(cells)} | {plans[2].comm_bytes / plans[0].comm_bytes:.2f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=None, help="comma-separated zoo names (default: the whole zoo)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--per-launch", type=int, default=8)
+    ap.add_argument("--same-memory", action="store_true",
+                    help="plans only: autoshard at the predicted peak of DeepSpeed's layout (no DeepSpeed needed)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -298,6 +328,9 @@ def main() -> None:
         return
     from zoo import ZOO
     names = a.models.split(",") if a.models else list(ZOO)
+    if a.same_memory:
+        print(same_memory(names))
+        return
     rows = run(names, a.steps, a.per_launch)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(rows, indent=1))
