@@ -55,37 +55,15 @@ def _train(tp, batch, accum, out, miswire="none", save=False, save_steps=0, resu
     transformers.logging.set_verbosity_error()
     model = hf_trainer.build(seed)
     data = hf_trainer.dataset()
-    if tp > 1:
-        example = {"input_ids": data[0]["input_ids"][None].repeat(batch, 1),
-                   "labels": data[0]["labels"][None].repeat(batch, 1)}
-        module = autoshard.parallelize(model, tp, example, tracer="export")
-    else:
-        module = model
-    args = transformers.TrainingArguments(
-        output_dir=os.path.join(out, "run"), per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
-        max_steps=STEPS, logging_steps=1, max_grad_norm=CLIP, learning_rate=1e-2, lr_scheduler_type="constant",
-        per_device_eval_batch_size=2, report_to=[], save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500, use_cpu=True,
-        disable_tqdm=True, seed=0, dataloader_drop_last=True,
-        weight_decay=0.0)
-    trainer = transformers.Trainer(model=module, args=args, train_dataset=data)
-    if miswire == "sampler":
-        from torch.utils.data import DataLoader, DistributedSampler
-        loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, shuffle=False),
-                            collate_fn=transformers.default_data_collator)
-        trainer.get_train_dataloader = lambda: loader
-    if miswire == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-        wrapped = DistributedDataParallel(module)
-        trainer._wrap_model = lambda model, training=True, dataloader=None: wrapped
+    module = hf_trainer.parallel(model, data, tp, batch)
+    trainer = hf_trainer.make_trainer(module, data, os.path.join(out, "run"), batch, accum, STEPS, CLIP, save_steps)
+    hf_trainer.miswire(trainer, module, data, batch, miswire)
     result = {}
     try:
         trainer.train(resume_from_checkpoint=resume)
     except autoshard.AutoshardError as e:
         result["error"] = f"{type(e).__name__}: {e}"
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    result["losses"] = [h["loss"] for h in logs]
-    result["grad_norms"] = [h.get("grad_norm") for h in logs]
+    result.update(hf_trainer.logged(trainer))
     if save and "error" not in result:
         result["eval_loss"] = trainer.evaluate(data[:8])["eval_loss"]      # split by data-parallel rank
         trainer.save_model(os.path.join(out, "saved"))

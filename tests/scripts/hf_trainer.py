@@ -39,6 +39,49 @@ def dataset():
     return [{"input_ids": x, "labels": x.clone()} for x in ids]
 
 
+def parallel(model, data, tp, batch):
+    """autoshard's module of `model` at degree `tp` (the model itself at 1), captured at a batch."""
+    if tp == 1:
+        return model
+    example = {"input_ids": data[0]["input_ids"][None].repeat(batch, 1),
+               "labels": data[0]["labels"][None].repeat(batch, 1)}
+    return autoshard.parallelize(model, tp, example, tracer="export")
+
+
+def logged(trainer) -> dict:
+    """The losses and gradient norms the Trainer logged, step by step."""
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"losses": [h["loss"] for h in logs], "grad_norms": [h.get("grad_norm") for h in logs]}
+
+
+def make_trainer(module, data, out, batch, accum, steps, clip, save_steps=0):
+    """A plain Trainer with plain TrainingArguments (constant lr 1e-2, clipping at `clip`, a loss
+    logged every step, a checkpoint every `save_steps` steps where given)."""
+    import transformers
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=accum, max_steps=steps,
+        logging_steps=1, max_grad_norm=clip, learning_rate=1e-2, lr_scheduler_type="constant", warmup_steps=0,
+        per_device_eval_batch_size=2, report_to=[], save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500, use_cpu=True, disable_tqdm=True, seed=0, dataloader_drop_last=True,
+        weight_decay=0.0)
+    return transformers.Trainer(model=module, args=args, train_dataset=data)
+
+
+def miswire(trainer, module, data, batch, how):
+    """Wire `trainer` wrong as users do: "sampler", the data split over the whole world (the usual
+    data-parallel recipe); "ddp", the module wrapped in DDP across the tensor-parallel ranks."""
+    import transformers
+    if how == "sampler":
+        from torch.utils.data import DataLoader, DistributedSampler
+        loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, shuffle=False),
+                            collate_fn=transformers.default_data_collator)
+        trainer.get_train_dataloader = lambda: loader
+    if how == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        wrapped = DistributedDataParallel(module)
+        trainer._wrap_model = lambda model, training=True, dataloader=None: wrapped
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
@@ -58,34 +101,15 @@ def main():
     data = dataset()
     if a.tp > 1:
         ad.init_process_group(a.tp, backend="gloo")
-        example = {"input_ids": data[0]["input_ids"][None].repeat(a.batch, 1),
-                   "labels": data[0]["labels"][None].repeat(a.batch, 1)}
-        module = autoshard.parallelize(model, a.tp, example, tracer="export")
-    else:
-        module = model
+    module = parallel(model, data, a.tp, a.batch)
     result = {"rank": rank}
-    args = transformers.TrainingArguments(
-        output_dir=os.path.join(a.out, "run"), per_device_train_batch_size=a.batch, gradient_accumulation_steps=a.accum,
-        max_steps=a.steps, logging_steps=1, max_grad_norm=a.clip, learning_rate=1e-2, lr_scheduler_type="constant",
-        warmup_steps=0, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-        dataloader_drop_last=True, weight_decay=0.0)
-    trainer = transformers.Trainer(model=module, args=args, train_dataset=data)
-    if a.miswire == "sampler":          # the usual data-parallel recipe: split over the whole world
-        from torch.utils.data import DataLoader, DistributedSampler
-        loader = DataLoader(data, batch_size=a.batch, sampler=DistributedSampler(data, shuffle=False),
-                            collate_fn=transformers.default_data_collator)
-        trainer.get_train_dataloader = lambda: loader
-    if a.miswire == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-        wrapped = DistributedDataParallel(module)
-        trainer._wrap_model = lambda model, training=True, dataloader=None: wrapped
+    trainer = make_trainer(module, data, os.path.join(a.out, "run"), a.batch, a.accum, a.steps, a.clip)
+    miswire(trainer, module, data, a.batch, a.miswire)
     try:
         trainer.train()
     except autoshard.AutoshardError as e:
         result["error"] = f"{type(e).__name__}: {e}"
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    result["losses"] = [h["loss"] for h in logs]
-    result["grad_norms"] = [h.get("grad_norm") for h in logs]
+    result.update(logged(trainer))
     if a.save and "error" not in result:
         path = os.path.join(a.out, "saved")
         module.save_pretrained(path) if a.tp > 1 else trainer.save_model(path)
