@@ -134,7 +134,6 @@ KORTHIKANTI = [
 ]
 
 
-@pytest.mark.slow
 def korthikanti_estimates(row):
     """(full, selective, none, state GiB) of one KORTHIKANTI row: its layout estimated with full
     recompute, with selective recompute and sequence parallelism, and with neither; the state is
@@ -149,6 +148,7 @@ def korthikanti_estimates(row):
     return f, s, n, (s.parts["parameters"] + s.parts["gradients"] + s.parts["optimizer"]) / GiB
 
 
+@pytest.mark.slow
 def test_korthikanti_table():
     """Iteration time: mean error <= 5%, every row within 10%; memory within 10% of every bar."""
     errors = []
