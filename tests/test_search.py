@@ -182,3 +182,47 @@ def test_the_norms_windows_never_end_costlier_than_the_search_without(monkeypatc
     monkeypatch.setattr(S, "greedy", functools.partial(S.greedy, joint=False))
     without = plan(model, 2, inputs, outputs="sharded", memory_weight=1e-9)
     assert got.objective <= without.objective
+
+
+def _search_work(blocks: int, monkeypatch) -> Counter:
+    """Strategies chosen from scratch (`State._best` past its memo) and propagations the single
+    flips make, planning a GPT of `blocks` alike blocks at 4 ranks, traced layer by layer."""
+    from autoshard.planner import assignment
+    from models import GPT
+    counts, inside = Counter(), []
+    best, propagated, single = assignment.State._best_uncached, assignment.State._propagated, S.improve_single
+
+    def counted_best(self, *a, **k):
+        counts["best"] += 1
+        return best(self, *a, **k)
+
+    def counted_propagated(self, changes):
+        counts["single flips" if inside else "other"] += 1
+        return propagated(self, changes)
+
+    def counted_single(state):
+        inside.append(1)
+        try:
+            return single(state)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(assignment.State, "_best_uncached", counted_best)
+    monkeypatch.setattr(assignment.State, "_propagated", counted_propagated)
+    monkeypatch.setattr(S, "improve_single", counted_single)
+    with torch.device("meta"):
+        model = GPT(vocab=512, h=256, heads=8, blocks=blocks, seq=64, tied=False)
+    ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    gm = capture(model, (ids, ids), tracer="symbolic_trace", once=False).gm
+    plan_graph(gm, 4, CostModel())
+    monkeypatch.undo()
+    return counts
+
+
+def test_alike_layers_are_searched_once(monkeypatch):
+    """Alike blocks share the search's work: an op of a block chooses its strategy from its inputs'
+    placements once for every block (`planner.classes`), and a single flip that did not pay is
+    not tried again on a block labelled alike (`search._flip_region`), so neither grows with depth
+    (it grew with it: 4x the blocks, about 4x the work)."""
+    few, many = _search_work(4, monkeypatch), _search_work(16, monkeypatch)
+    assert many["best"] <= few["best"] * 1.25, (few, many)
+    assert many["single flips"] <= few["single flips"] * 1.25 + 10, (few, many)

@@ -73,8 +73,8 @@ class State:
         """The locally cheapest strategy of node i given its inputs' placements (memoised)."""
         prob = self.prob
         before = tuple(self._whole_before(i, j, place) for j in prob.ins[i])
-        key = (i, *[place[j] for j in prob.ins[i]], *[place[a] for j in prob.ins[i] for a in prob.returned_above[j]],
-               before)
+        key = (prob.classes.node(i), *[place[j] for j in prob.ins[i]],
+               *[place[a] for j in prob.ins[i] for a in prob.returned_above[j]], before)
         hit = prob.best_memo.get(key)
         if hit is None:
             hit = prob.best_memo[key] = self._best_uncached(i, place, before)

@@ -227,7 +227,8 @@ def sequence_twin(state, tokens):
     Problem with token splits), or None where nothing moves. Then each layer that gathers the
     token-split stream whole is tried whole (its weight replicated, run on each rank's tokens), the
     move made again: kept where the activations move no more bytes and the predicted peak is lower
-    (or as high, with fewer bytes of activations).
+    (or as high, with fewer bytes of activations); a layer of a numbered stack with its namesakes in
+    every other (`_families`: one try, not one per layer, and alike layers stay alike).
     Megatron's sequence-parallel BERT runs its masked-LM transform so, where the plan without
     sequence parallelism splits it (less compute there) and gathers its output whole. Like the
     norms', the weight's gradient is then all-reduced (a sum over each rank's tokens)."""
@@ -239,12 +240,15 @@ def sequence_twin(state, tokens):
         return mem.peak, mem.activations
 
     sent, peak = activation_bytes(twin), held(twin)
-    for g in _gathering_groups(twin):
-        for c, ch in enumerate(state.prob.groups[g].choices):
-            if c == state.choice[g] or not all(type(pl) is Replicate for pl in ch):
+    gathering = _gathering_groups(twin)
+    family = {g: fam for fam in _families(state.prob) for g in fam}
+    for fam in dict.fromkeys(tuple(g for g in family[h] if g in gathering) for h in gathering):
+        for c in range(len(state.prob.groups[fam[0]].choices)):
+            if all(state.choice[g] == c for g in fam) or not all(
+                    type(pl) is Replicate for g in fam for pl in state.prob.groups[g].choices[c]):
                 continue
             trial = state.copy()
-            trial.set_choices({g: c})
+            trial.set_choices({g: c for g in fam})
             other = with_sequence_parallel(trial, tokens)
             if other is None:
                 continue

@@ -19,6 +19,7 @@ their inputs through the forward and recompute their saved tensors at the start 
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -95,12 +96,19 @@ class Memory(Mapping):
 
 def _fraction(val, placement, p: int) -> float:
     """The share of `val` one rank holds as `placement` (the largest rank's)."""
-    if not isinstance(val, torch.Tensor) or placement is None or isinstance(placement, (tuple, list)) \
-            or not val.numel():
-        return 1.0
+    if not isinstance(placement, Shard) or not isinstance(val, torch.Tensor):
+        return 1.0                     # (whole, Partial, or not a tensor: all of it)
     try:
-        return local_numel(val.shape, placement, p) / val.numel()
-    except (ValueError, TypeError, AttributeError):
+        return _shape_fraction(tuple(val.shape), placement, p)
+    except TypeError:                  # (a size that does not hash)
+        return _shape_fraction.__wrapped__(val.shape, placement, p)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _shape_fraction(shape, placement, p: int) -> float:
+    try:
+        return local_numel(shape, placement, p) / math.prod(shape)
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError):
         return 1.0
 
 

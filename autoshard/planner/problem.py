@@ -23,7 +23,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..capture.dynamic import DYNAMIC
 from ..capture.ops import is_loss
 from ..capture.shapes import fetch_attr
 from ..runtime.placements import (REPLICATE, Partial, Replicate, Shard, cover_cut, dtensor_boundaries, held_by_groups,
@@ -31,10 +30,11 @@ from ..runtime.placements import (REPLICATE, Partial, Replicate, Shard, cover_cu
 from ..runtime.transitions import fused_backward, grad_fix, grad_of, partial_grad_edge, redistribute
 from . import rules
 from .aliases import ViewClasses
+from .classes import Classes, structure
 from .cost import CostModel, flops
 from .decisions import decision_groups, fix_layouts
 from .inference import cache_chain, free_cut, held_nodes, held_share, projected
-from .rules.registry import NodeInfo, OpStrategy, group_sizes, reader_counts, regroup_readers
+from .rules.registry import NodeInfo, OpStrategy, group_sizes, reader_counts
 
 INF = math.inf
 # the weight of the largest rank's excess state over the ranks' mean in the memory term: small, so
@@ -102,7 +102,7 @@ class Problem:
             else:
                 self.kind.append("op")
                 module = modules.get(n.target) if n.op == "call_module" else None
-                key = _structure(n, module)
+                key = structure(n, module)
                 hit = memo.get(key) if key is not None else None
                 if hit is None:
                     hit = rules.strategies(NodeInfo(n, world_size, module, tuple(chunk_candidates),
@@ -139,11 +139,12 @@ class Problem:
         self.needs_grad = [g and j not in self.cache_chain for j, g in enumerate(self.needs_grad)]
         self.node_cost = [[self._node_cost(i, s) for s in ss] for i, ss in enumerate(self.strats)]
         self._edge_cache: dict = {}
-        self.best_memo: dict = {}
-        self.tensor_memo: dict = {}
-        self._param_memo: dict = {}
+        self.best_memo: dict = {}        # (node class, its inputs' placements, ...) -> strategy (`State._best`)
+        self.classes = Classes(self)     # alike nodes and tensors share memo entries
+        self.tensor_memo, self._param_memo, self.comms_memo = {}, {}, {}
         self.trial_memo: dict = {}       # (labelling, changes) -> a trial without its memory term (`State.path`)
         self.paths: dict = {}            # (labelling, changes) -> the labelling committing them makes
+        self.search_memo: dict = {}      # what the search derives of the graph alone: windows' regions (`search`)
         self.state_price = None          # seconds per byte of state; None: the cost model's (`price_state`)
         self.groups = decision_groups(self, pins or {})
         if layouts is not None:
@@ -257,15 +258,16 @@ class Problem:
         tensor with views counts for the whole class on its root (its views count 0)."""
         if not self.nbytes[j] or self.root[j] != j:
             return 0.0
-        members = self.members.get(j)
-        if members is None:
-            key = (j, place[j], *[sidx[c] for c in self.users[j]])
-        else:
-            key = (j, *[place[m] for m in members], *[sidx[c] for m in members for c in self.users[m]])
-        hit = self.tensor_memo.get(key)
-        if hit is None:
+        key = (self.classes.tensor(j), *self._read(j, place, sidx))     # (alike tensors share the entry)
+        if (hit := self.tensor_memo.get(key)) is None:
             hit = self.tensor_memo[key] = self._tensor_cost(j, place, sidx)
         return hit
+
+    def _read(self, r: int, place, sidx) -> tuple:
+        """What the communication of root r's class reads of a labelling: its members' placements and
+        their readers' strategies."""
+        members = self.members.get(r, (r,))
+        return (*[place[m] for m in members], *[sidx[c] for m in members for c in self.users[m]])
 
     def _tensor_cost(self, j: int, place, sidx) -> float:
         if j not in self.members:
@@ -330,12 +332,14 @@ class Problem:
         return out
 
     def comms_of(self, j: int, place, sidx):
-        """(required, gradient, forward, backward, consumers, via) of tensor j under a labelling
-        (via: the node index whose made-whole tensor j reuses, or None)."""
+        """(required, gradient, forward, backward, consumers, via) of tensor j under a labelling (via: the
+        node index whose made-whole tensor j reuses, or None); memoised by what it reads, as `tensor_cost`."""
         r = self.root[j]
-        if r not in self.members:
-            return self.own_comms(j, place[j], sidx) or []
-        return [c[1:] for c in (self.class_comms(r, place, sidx) or ()) if c[0] == j]
+        key = (j, *self._read(r, place, sidx))
+        if (hit := self.comms_memo.get(key)) is None:
+            hit = self.comms_memo[key] = tuple(self.own_comms(j, place[j], sidx) or ()) if r not in self.members else \
+                tuple(c[1:] for c in (self.class_comms(r, place, sidx) or ()) if c[0] == j)
+        return hit
 
     @staticmethod
     def sliced_from_whole(src, req, fwd, whole) -> bool:
@@ -418,33 +422,3 @@ class Problem:
         only the parameters' memory term changes; States made before keep their totals."""
         self.state_price = price
         self._param_memo.clear()
-
-
-def _structure(n: fx.Node, module) -> tuple | None:
-    """What a rule can see of a node, with inputs replaced by (position, shape, dtype): equal
-    keys give equal strategies (they refer to inputs by position). None when not hashable."""
-    inputs = n.all_input_nodes
-
-    def norm(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            return ("in", inputs.index(a), tuple(v.shape) if _tensor(v) else type(v).__name__,
-                    str(v.dtype) if _tensor(v) else None, a.meta.get(DYNAMIC))
-        if isinstance(a, (tuple, list)):
-            return tuple(norm(x) for x in a)
-        if isinstance(a, dict):
-            return tuple(sorted((k, norm(x)) for k, x in a.items()))
-        return a if isinstance(a, (int, float, str, bool, type(None), torch.dtype, slice)) else repr(a)
-
-    v = n.meta.get("val")
-    out = tuple(v.shape) if _tensor(v) else (tuple(tuple(x.shape) if _tensor(x) else None for x in v)
-                                             if isinstance(v, (tuple, list)) else None)
-    target = type(module) if module is not None else n.target
-    extra = module.extra_repr() if module is not None else None
-    try:
-        key = (n.op, target, extra, norm(n.args), norm(n.kwargs), out, n.meta.get(DYNAMIC),
-               regroup_readers(n))     # (`NodeInfo.group_shards` reads them)
-        hash(key)
-    except TypeError:
-        return None
-    return key

@@ -30,6 +30,7 @@ WINDOW_GROUPS = 4        # groups a window enumerates at most (q, k, v and the o
 WINDOW_COMBOS = 3 ** 4   # combinations a window enumerates at most
 UNIT_COMBOS = 3 ** 7     # combinations of one group's siblings past which only its own module's enter
 SIGNATURE_DEPTH = 6      # ops past a window's anchors that its cached answer depends on
+READERS = 8              # readers of a tensor past which a flip's region leaves them out (`_flip_region`)
 
 
 
@@ -166,7 +167,8 @@ def _sweep(prob: Problem, state: State, wins, max_sweeps: int) -> bool:
     the total drops, until a sweep commits nothing; returns whether anything was. Answers are
     cached by (window structure, boundary placements): identical blocks are solved once."""
     anchor_set = {a for grp in prob.groups for a in grp.anchors}
-    regions, shapes = {}, {}
+    regions = prob.search_memo.setdefault("windows", {})
+    shapes = prob.search_memo.setdefault("shapes", {})
     changed = False
     for _ in range(max_sweeps):
         cache: dict = {}
@@ -297,12 +299,14 @@ def uniform_layers(state: State) -> bool:
         layers.sort(key=lambda n: int(n.rpartition(".")[2]))
         if len(layers) < 3 or any(set(layer_groups[x]) != set(layer_groups[layers[0]]) for x in layers):
             continue
-        members = {x: [] for x in layers[:3]}
-        for i, n in enumerate(prob.nodes):
-            if prob.kind[i] == "op":
-                at = owner(n, layers[:3])
-                if at is not None:
-                    members[at].append(i)
+        members = prob.search_memo.get(("layers", *layers[:3]))
+        if members is None:
+            members = prob.search_memo["layers", *layers[:3]] = {x: [] for x in layers[:3]}
+            for i, n in enumerate(prob.nodes):
+                if prob.kind[i] == "op":
+                    at = owner(n, layers[:3])
+                    if at is not None:
+                        members[at].append(i)
         sig = {x: _layer_signature(state, m) for x, m in members.items()}
         first, second, third = layers[:3]
         if sig[second] != sig[third] or sig[first] == sig[second] or len(members[first]) != len(members[second]):
@@ -332,19 +336,47 @@ def uniform_layers(state: State) -> bool:
     return changed
 
 
+def _flip_region(prob: Problem, g: int, anchor_set, shapes: dict):
+    """(structure id, nodes) of group g's flips: the ops within SIGNATURE_DEPTH of its anchors,
+    the tensors they read and those tensors' other readers (q's siblings k and v; not those of a
+    tensor every layer reads, rotary's cos and sin), in an order that alike layers share. Equal
+    ids and equal labels of those nodes: equal flips."""
+    hit = prob.search_memo.get(("flip", g))
+    if hit is None:
+        region = set(_reach(prob, prob.groups[g].anchors, anchor_set, SIGNATURE_DEPTH))
+        shape, boundary = _window_shape(prob, (g,), region)
+        readers = [tuple(u for u in prob.users[j] if u not in region) if len(prob.users[j]) <= READERS else ()
+                   for j in boundary]
+        extra = tuple(tuple(str(prob.nodes[u].target) for u in us) for us in readers)
+        nodes = (*sorted(region), *boundary, *(u for us in readers for u in us))
+        hit = prob.search_memo["flip", g] = (shapes.setdefault((shape, extra), len(shapes)), nodes)
+    return hit
+
+
 def improve_single(state: State) -> None:
-    """Flip one group at a time while the total drops (a final polish after the windows)."""
+    """Flip one group at a time while the total drops (a final polish after the windows). Within a
+    pass, a flip that did not pay is not tried again on a group whose region (`_flip_region`) is
+    labelled as the rejected one's was: each alike layer of a stack is tried once a pass, not
+    once per layer (a trial is still made before any flip is kept)."""
     prob = state.prob
+    anchor_set = {a for grp in prob.groups for a in grp.anchors}
+    shapes = prob.search_memo.setdefault("shapes", {})
     for _ in range(3):
-        improved = False
+        improved, rejected = False, set()      # (for one pass, as `_sweep`'s answers: see there)
         for g in range(len(prob.groups)):
+            sid, nodes = _flip_region(prob, g, anchor_set, shapes)
             for c in range(len(prob.groups[g].choices)):
                 if c == state.choice[g]:
+                    continue
+                key = (sid, c, *((state.sidx[i], state.place[i]) for i in nodes))
+                if key in rejected:
                     continue
                 d, ov = state.trial({g: c})
                 if d < -1e-12 * max(1.0, abs(state.total)):
                     state.commit(d, ov)
                     improved = True
+                else:
+                    rejected.add(key)
         if not improved:
             return
 
