@@ -168,7 +168,7 @@ def _sweep(prob: Problem, state: State, wins, max_sweeps: int) -> bool:
     cached by (window structure, boundary placements): identical blocks are solved once."""
     anchor_set = {a for grp in prob.groups for a in grp.anchors}
     regions = prob.search_memo.setdefault("windows", {})
-    shapes = prob.search_memo.setdefault("shapes", {})
+    shapes = prob.search_memo.setdefault("window shapes", {})
     changed = False
     for _ in range(max_sweeps):
         cache: dict = {}
@@ -360,7 +360,7 @@ def improve_single(state: State) -> None:
     once per layer (a trial is still made before any flip is kept)."""
     prob = state.prob
     anchor_set = {a for grp in prob.groups for a in grp.anchors}
-    shapes = prob.search_memo.setdefault("shapes", {})
+    shapes = prob.search_memo.setdefault("flip shapes", {})
     for _ in range(3):
         improved, rejected = False, set()      # (for one pass, as `_sweep`'s answers: see there)
         for g in range(len(prob.groups)):
