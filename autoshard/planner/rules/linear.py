@@ -88,14 +88,14 @@ def whole_heads(info: NodeInfo, x, w, b, w_out_dim: int) -> list:
     with the memory of the second: never cheaper, not offered.)"""
     params = [w] + ([b] if b is not None else [])
     last = len(info.out_shape) - 1
-    out = padded(_bytes(info), info.out_shape, Shard(last), info.world_size)    # (cut in elements: 6, 6, 4)
     split = {x: REPLICATE, w: ShardGathered(w_out_dim), **({b: ShardGathered(0)} if b is not None else {})}
-    found = [
-        info.req(split, "column_gather_pg", REPLICATE_PG, grads={x: PARTIAL}, compute=1 / info.world_size, dim=-1,
-                 uneven=True, comm=[("all_gather", out), ("reduce_scatter", out)]),
-        info.req({x: REPLICATE, **{q: REPLICATE_PG for q in params}}, "replicate_pg", REPLICATE_PG,
-                 grads={x: PARTIAL, **{q: PARTIAL for q in params}}),
-    ]
+    found, out = [], _bytes(info)
+    if int(info.out_shape[last]) >= info.world_size:      # (4 classes on 8 ranks: a rank would hold none)
+        out = padded(out, info.out_shape, Shard(last), info.world_size)    # (cut in elements: 6, 6, 4)
+        found.append(info.req(split, "column_gather_pg", REPLICATE_PG, grads={x: PARTIAL}, compute=1 / info.world_size,
+                              dim=-1, uneven=True, comm=[("all_gather", out), ("reduce_scatter", out)]))
+    found.append(info.req({x: REPLICATE, **{q: REPLICATE_PG for q in params}}, "replicate_pg", REPLICATE_PG,
+                          grads={x: PARTIAL, **{q: PARTIAL for q in params}}))
     m = info.group_size(info.shape(w)[w_out_dim])
     if m is not None:
         within = {w: ShardGathered(w_out_dim, within=m), **({b: ShardGathered(0, within=m)} if b is not None else {})}
