@@ -42,7 +42,8 @@ from autoshard.planner.cost import CostModel  # noqa: E402
 DEGREES = (2, 4, 8)
 
 
-def _greedy(prob):
+def greedy(prob):
+    """The greedy search as `autoshard.plan` runs it at one price (`budget.least_comm`'s `run`)."""
     state = S.greedy(prob)
     state.reduce_early()
     return state
@@ -60,7 +61,7 @@ def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = No
                          part_candidates=part_candidates(gm), outputs=outputs)
         built = time.perf_counter() - t0
         t0 = time.perf_counter()
-        g = least_comm(prob, _greedy)
+        g = least_comm(prob, greedy)
         g.reduce_early()
         tg = time.perf_counter() - t0
         g_step, g_held = step_seconds(prob, g), state_bytes(prob, g)

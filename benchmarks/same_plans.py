@@ -20,18 +20,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 import torch  # noqa: E402
 
-from optimality import cases  # noqa: E402
+from optimality import cases, greedy  # noqa: E402
 from autoshard.capture import capture  # noqa: E402
 from autoshard.planner import search as S  # noqa: E402
 from autoshard.planner.budget import least_comm, step_seconds  # noqa: E402
 from autoshard.planner.build import build_plan, chunk_candidates, part_candidates, unit_candidates  # noqa: E402
 from autoshard.planner.cost import CostModel  # noqa: E402
-
-
-def _greedy(prob):
-    state = S.greedy(prob)
-    state.reduce_early()
-    return state
 
 
 def record(out: str, only=(), degrees=(2, 4, 8)) -> None:
@@ -48,7 +42,7 @@ def record(out: str, only=(), degrees=(2, 4, 8)) -> None:
                         prob = S.Problem(gm, p, CostModel(), chunk_candidates(gm), unit_candidates(gm),
                                          part_candidates=part_candidates(gm))
                         t0 = time.perf_counter()
-                        state = least_comm(prob, _greedy)
+                        state = least_comm(prob, greedy)
                         state.reduce_early()
                         seconds = time.perf_counter() - t0
                         plan = build_plan(prob, state, tracer=cap.tracer, search="greedy", seconds=seconds,

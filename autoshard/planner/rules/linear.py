@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ...runtime.counters import in_groups
-from ...runtime.placements import ReplicatePartialGrad, cover_ranges, padded
+from ...runtime.placements import ReplicatePartialGrad, cover_ranges, padded, splits
 from .registry import PARTIAL, REPLICATE, REPLICATE_PG, NodeInfo, Shard, ShardGathered, may_differ, register_rule
 
 aten = torch.ops.aten
@@ -90,7 +90,7 @@ def whole_heads(info: NodeInfo, x, w, b, w_out_dim: int) -> list:
     last = len(info.out_shape) - 1
     split = {x: REPLICATE, w: ShardGathered(w_out_dim), **({b: ShardGathered(0)} if b is not None else {})}
     found, out = [], _bytes(info)
-    if int(info.out_shape[last]) >= info.world_size:      # (4 classes on 8 ranks: a rank would hold none)
+    if splits(info.out_shape, Shard(last), info.world_size):   # (4 classes on 8 ranks: a rank would hold none)
         out = padded(out, info.out_shape, Shard(last), info.world_size)    # (cut in elements: 6, 6, 4)
         found.append(info.req(split, "column_gather_pg", REPLICATE_PG, grads={x: PARTIAL}, compute=1 / info.world_size,
                               dim=-1, uneven=True, comm=[("all_gather", out), ("reduce_scatter", out)]))
