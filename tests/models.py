@@ -104,3 +104,56 @@ class MLPStack(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.ln(x)
+
+
+class ScaledMLP(nn.Module):
+    """`x + gamma * fc2(gelu(fc1(norm(x))))`: a residual MLP whose output a learned per-channel
+    scale multiplies (layer scale: ConvNeXt, CaiT, DINOv2)."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.fc1 = nn.Linear(h, 4 * h)
+        self.fc2 = nn.Linear(4 * h, h)
+        self.gamma = nn.Parameter(torch.full((h,), 0.1))
+
+    def forward(self, x):
+        return x + self.gamma * self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Stages(nn.Module):
+    """Stages of different widths (32, then 64), each a width-changing linear and a layer-scaled
+    block, and a classifier: ConvNeXt's shape without the convolutions."""
+
+    def __init__(self, widths=(32, 64), features=16, classes=10):
+        super().__init__()
+        self.inp = nn.Linear(features, widths[0])
+        self.stages = nn.ModuleList(
+            nn.Sequential(*([nn.Linear(widths[k - 1], d)] if k else []), ScaledMLP(d)) for k, d in enumerate(widths))
+        self.head = nn.Linear(widths[-1], classes)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for s in self.stages:
+            x = s(x)
+        return self.head(x)
+
+
+class SummedEmbeddings(nn.Module):
+    """Token and position embeddings summed (the token's cast to float32 first, as GPT-2's is), two
+    layer-scaled blocks and a head tied to the token embedding."""
+
+    def __init__(self, vocab=96, h=32, positions=64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, h)
+        self.pos = nn.Embedding(positions, h)
+        self.blocks = nn.ModuleList(ScaledMLP(h) for _ in range(2))
+        self.norm = nn.LayerNorm(h)
+        self.head = nn.Linear(h, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        x = self.tok(ids).to(torch.float32) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))

@@ -160,3 +160,73 @@ def test_greedy_within_one_percent_of_optimum_on_zoo(p):
         del model
         assert time.perf_counter() - t0 < 600
     assert not worse, worse
+
+
+def _bound(prob) -> float:
+    from autoshard.planner.cost import STATE_TOLERANCE
+    from autoshard.planner.held import least_state, param_bytes
+    from autoshard.runtime.placements import REPLICATE
+    return least_state(prob) + STATE_TOLERANCE * sum(param_bytes(prob, k, REPLICATE) for k in prob.param_obj)
+
+
+def test_the_optimum_holds_to_the_state_bound(p=8):
+    """The program's plan holds no more state per rank than the bound it was solved under, on a model
+    of 100 KB (in GB, the solver's tolerance let it exceed the bound by 323 bytes and beat the
+    greedy by 9%, which kept to it)."""
+    from autoshard.planner.held import state_bytes
+    from models import Stages
+    model = Stages()
+    prob = _problem(capture(model, (torch.randn(8, 64, 16),)).gm, p, CostModel())
+    ilp = O.fastest_within(prob)
+    assert state_bytes(prob, ilp) <= _bound(prob)
+    greedy = least_comm(prob, S.greedy)
+    assert state_bytes(prob, greedy) <= _bound(prob)
+
+
+def _ratio(model, example, p) -> float:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from optimality import compare
+    return compare(model, p, example)["ratio"]
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_summed_embeddings_planned_as_the_optimum(p):
+    """Token and position embeddings whose outputs one add reads (the token's through a cast), the head
+    tied to the token's: split both on features or both on rows, one flip of the two (each alone
+    does not pay); and a layer scale kept whole where the row layer's output is then reduced once.
+    The greedy's step was 1.19-1.23x the optimum's."""
+    from models import SummedEmbeddings
+    assert _ratio(SummedEmbeddings(), {"ids": torch.randint(0, 96, (4, 64))}, p) <= 1.01
+
+
+@pytest.mark.parametrize("p", [4, 8])
+def test_stages_of_layer_scale_planned_as_the_optimum(p):
+    """Stages of different widths, each a layer-scaled block: their families flipped apart (they are not
+    alike), a flip that pays but exceeds the state bound paired with one that frees the bytes, and
+    a scale with the head it feeds. The greedy's step was 1.19x (4 ranks) and 1.10x (8) the
+    optimum's. (At 2 ranks it is 1.028x: the optimum moves three groups at once.)"""
+    from models import Stages
+    assert _ratio(Stages(), {"x": torch.randn(8, 64, 16)}, p) <= 1.01
+
+
+def test_summed_embeddings_run_exactly(dist2):
+    """The plan of the summed embeddings trains exactly on 2 gloo ranks (loss and every gradient)."""
+    dist2.run(_summed_rank)
+
+
+def _summed_rank(rank, world):
+    import copy
+    import torch.nn.functional as F
+    from models import SummedEmbeddings
+    from refs import grads_match
+    torch.manual_seed(0)
+    model = SummedEmbeddings()
+    ids, targets = torch.randint(0, 96, (2, 64)), torch.randint(0, 96, (2, 64))
+    ref = copy.deepcopy(model)
+    gm = autoshard.parallelize(model, world, (ids,))
+    loss = F.cross_entropy(gm(ids).flatten(0, 1), targets.flatten())
+    want = F.cross_entropy(ref(ids).flatten(0, 1), targets.flatten())
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    grads_match(gm, ref, "token and position embeddings summed")

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from factories import RandomDAG, random_dag  # noqa: E402
 
-from autoshard.planner import search as S  # noqa: E402
+from autoshard.planner import relax, search as S  # noqa: E402
 from autoshard.planner.build import chunk_candidates, plan_graph  # noqa: E402
 from autoshard.capture.trace import capture  # noqa: E402
 from autoshard.planner.cost import CostModel  # noqa: E402
@@ -166,6 +166,7 @@ def test_a_shared_norm_is_decided_with_the_layers_reading_it(memory_weight, monk
     else:       # the fixed price splits the final norm: its statistics all-reduced on top (4 of T floats)
         assert megatron <= got.comm_bytes <= megatron * 1.01
     monkeypatch.setattr(S, "greedy", functools.partial(S.greedy, joint=False))
+    monkeypatch.setattr(relax, "_pairs", lambda *a: iter(()))   # (nor the relaxing pairs: they find it too)
     without = plan(model, p, kw, outputs="sharded", memory_weight=memory_weight)
     assert without.comm_bytes > megatron * 1.1 and without.step_time > got.step_time
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
-from ..capture.repeats import layer_key
 from ..errors import MemoryBudgetError
 from ..runtime.counters import ring_bytes
-from ..runtime.placements import REPLICATE, Replicate, Shard, local_numel
+from ..runtime.placements import REPLICATE, Replicate, Shard
 from .cost import STATE_TOLERANCE, TIE_PRICE, flops
 from .memory import memory_of
-from .problem import IMBALANCE
+from .held import least_state, param_bytes, state_bytes, step_seconds
+from .relax import families, relax
 from .search import uniform_layers
 from .sequence import (EPS, activation_bytes, held_chains, regather_seconds, relabel, token_dim,
                        with_sequence_parallel)
@@ -54,50 +54,16 @@ def _fmt(n: float) -> str:
     return f"{n / 2 ** 20:.1f} MiB" if n < 2 ** 30 else f"{n / 2 ** 30:.2f} GiB"
 
 
-def step_seconds(prob, state) -> float:
-    """Predicted seconds of a step under `state`: its objective without the memory term."""
-    return state.total - sum(prob.param_cost(k, state.placement_of_param(k)) for k in prob.param_obj)
-
-
-def _param_bytes(prob, key, placement) -> float:
-    """Bytes of a parameter a rank holds as the cost model counts them: the ranks' mean plus IMBALANCE
-    of the largest rank's excess over it (a split in whole heads that do not divide, 2, 1 and 1 of 4
-    heads on 3 ranks, weighs what the ranks hold together, as in `Problem.param_cost`)."""
-    obj = prob.param_obj[key]
-    mean = obj.numel() / (prob.p if isinstance(placement, Shard) else 1)
-    largest = local_numel(obj.shape, placement, prob.p)
-    return (mean + IMBALANCE * (largest - mean)) * obj.element_size()
-
-
-def _group_bytes(prob, params, placements) -> float:
-    """Bytes a rank holds of `params` at `placements` (one decision group's choice, `_param_bytes`)."""
-    return sum(_param_bytes(prob, k, pl) for k, pl in zip(params, placements))
-
-
-def state_bytes(prob, state) -> float:
-    """Bytes of parameters a rank holds under `state` (`_param_bytes`; its training state / state_factor)."""
-    return sum(_param_bytes(prob, k, state.placement_of_param(k)) for k in prob.param_obj)
-
-
-def least_state(prob) -> int:
-    """The smallest `state_bytes` any choice of the groups reaches (each group at its smallest)."""
-    grouped = {k for grp in prob.groups for k in grp.params}
-    total = sum(_param_bytes(prob, k, REPLICATE) for k in prob.param_obj if k not in grouped)
-    for grp in prob.groups:
-        total += min(_group_bytes(prob, grp.params, ch) for ch in grp.choices)
-    return total
-
-
 def least_comm(prob, run):
     """The plan without a budget or a price: the fastest (`step_seconds`) whose state per rank is at most
     the least reachable plus STATE_TOLERANCE of the whole model's, then the smallest. `run(prob)`
     searches at the problem's price of state: run at PRICES in turn up to the first plan within the
     bound, and at ANCHOR_PRICE too (the greedy search at the lowest prices can end slower, with no less
-    state, than at a GB ~ 1 s), the fastest within the bound then relaxed group by group (`_relax`: a
+    state, than at a GB ~ 1 s), the fastest within the bound then relaxed group by group (`relax.relax`: a
     layer made whole where that is faster and the bound still holds). So the plan is never slower
     than the anchor price's where that one is within the bound. Where no price reaches the bound,
     the plan of least state. Alike layers are then made one graph again (`search.uniform_layers`)."""
-    whole = sum(_param_bytes(prob, k, REPLICATE) for k in prob.param_obj)
+    whole = sum(param_bytes(prob, k, REPLICATE) for k in prob.param_obj)
     bound = least_state(prob) + STATE_TOLERANCE * whole
     found = []                             # (within the bound, step seconds, state held, price, state)
 
@@ -119,71 +85,19 @@ def least_comm(prob, run):
         found.sort(key=lambda f: f[:3])
     _, _, held, price, state = found[0]
     prob.price_state(price)               # the plan's objective is the one it was found at
-    _relax(prob, state, max(bound, held), held)
+    relax(prob, state, max(bound, held), held)
     uniform_layers(state)                 # a flip of the embedding alone may have set layer 0 apart again
     return state
 
 
-def _families(prob) -> list:
-    """The decision groups as families flipped together: a group with its namesakes of every other
-    numbered layer (`capture.repeats.layer_key`; alike layers stay alike: one block graph, one compile), a
-    group outside numbered layers alone."""
-    by_key: dict = {}
-    for g, grp in enumerate(prob.groups):
-        key = layer_key(grp.names[0])
-        by_key.setdefault(g if key is None else key[0], []).append(g)
-    out = []
-    for fam in by_key.values():
-        if len({len(prob.groups[g].choices) for g in fam}) == 1:
-            out.append(fam)
-        else:
-            out.extend([g] for g in fam)
-    return out
-
-
-def _relax(prob, state, bound, held) -> None:
-    """Flip one family of groups at a time (`_families`) where the step gets faster (or as fast with
-    less state) and the state stays within `bound`: the prices move whole kinds of layers at once,
-    the bound is per byte."""
-    families = _families(prob)
-    for _ in range(3):
-        improved = False
-        for fam in families:
-            now = [state.choice[g] for g in fam]
-            old_b = sum(_group_bytes(prob, prob.groups[g].params, [state.placement_of_param(k)
-                                                                   for k in prob.groups[g].params]) for g in fam)
-            old_c = sum(prob.param_cost(k, state.placement_of_param(k)) for g in fam for k in prob.groups[g].params)
-            best = None
-            for c in range(len(prob.groups[fam[0]].choices)):
-                if all(n == c for n in now):
-                    continue
-                new_b = sum(_group_bytes(prob, prob.groups[g].params, prob.groups[g].choices[c]) for g in fam)
-                if held + new_b - old_b > bound:
-                    continue
-                d, ov = state.trial({g: c for g in fam})
-                new_c = sum(prob.param_cost(k, pl) for g in fam
-                            for k, pl in zip(prob.groups[g].params, prob.groups[g].choices[c]))
-                step = d - (new_c - old_c)
-                tol = 1e-12 * max(1.0, abs(state.total))
-                if step < -tol or (step <= tol and new_b < old_b):
-                    if best is None or (step, new_b) < best[:2]:
-                        best = step, new_b, d, ov
-            if best is not None:
-                state.commit(best[2], best[3])
-                held += best[1] - old_b
-                improved = True
-        if not improved:
-            return
-
-
 def _faster_within(prob, state, seconds: float, budget: float):
-    """`state` with families of groups (`_families`) flipped one at a time where the step gets faster
+    """`state` with families of groups (`relax.families`) flipped one at a time where the step gets faster
     and the predicted peak still fits `budget`: the prices searched move whole kinds of layers at
     once, so a plan that keeps one pair whole (BERT's tied embedding and masked-LM decoder: fewer
     bytes, more memory) is found by none of them although it fits and is faster."""
     for _ in range(3):
         best = None
-        for fam in _families(prob):
+        for fam in families(prob):
             now = [state.choice[g] for g in fam]
             for c in range(len(prob.groups[fam[0]].choices)):
                 if all(n == c for n in now):
@@ -228,7 +142,7 @@ def sequence_twin(state, tokens):
     token-split stream whole is tried whole (its weight replicated, run on each rank's tokens), the
     move made again: kept where the activations move no more bytes and the predicted peak is lower
     (or as high, with fewer bytes of activations); a layer of a numbered stack with its namesakes in
-    every other (`_families`: one try, not one per layer, and alike layers stay alike).
+    every other (`relax.families`: one try, not one per layer, and alike layers stay alike).
     Megatron's sequence-parallel BERT runs its masked-LM transform so, where the plan without
     sequence parallelism splits it (less compute there) and gathers its output whole. Like the
     norms', the weight's gradient is then all-reduced (a sum over each rank's tokens)."""
@@ -241,7 +155,7 @@ def sequence_twin(state, tokens):
 
     sent, peak = activation_bytes(twin), held(twin)
     gathering = _gathering_groups(twin)
-    family = {g: fam for fam in _families(state.prob) for g in fam}
+    family = {g: fam for fam in families(state.prob) for g in fam}
     for fam in dict.fromkeys(tuple(g for g in family[h] if g in gathering) for h in gathering):
         for c in range(len(state.prob.groups[fam[0]].choices)):
             if all(state.choice[g] == c for g in fam) or not all(
@@ -374,4 +288,3 @@ def fit_budget(make_problem, run, cost, blocks=(), sequence_parallel=False):
         f"lower-precision dtype")
 
 
-group_bytes = _group_bytes      # (public: search "optimal" bounds the state by it)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ..runtime.placements import REPLICATE
 from .assignment import State
-from .budget import group_bytes, least_state, step_seconds
+from .held import group_bytes, least_state, state_bytes, step_seconds
 from .cost import STATE_TOLERANCE, TIE_PRICE
 from .problem import INF, Problem
 
@@ -339,11 +339,13 @@ def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LI
             raise ValueError(f"search='optimal': no placement of %{prob.nodes[r].name} serves its readers")
         _add_factor(prog, var, makers, classes, reads, table, scale)
     if bound is not None:
-        gb = 1e-9                               # bytes -> GB
+        # in thousandths of the bound: the solver's feasibility tolerance (1e-6 of a row) is then a
+        # billionth of it, where in GB it let a 118 KB model's plan exceed its bound by 323 bytes
+        unit = max(bound, 1.0) / 1e3
         fixed = sum(group_bytes(prob, [k], [REPLICATE]) for k in prob.param_obj if k not in dec.of_param)
-        prog.row({var[("g", g), c]: gb * group_bytes(prob, grp.params, ch)
+        prog.row({var[("g", g), c]: group_bytes(prob, grp.params, ch) / unit
                   for g, grp in enumerate(prob.groups) for c, ch in enumerate(grp.choices)},
-                 -math.inf, gb * (bound - fixed) * (1 + 1e-9))
+                 -math.inf, (bound - fixed) / unit * (1 + 1e-9))
     data, ri, ci = [], [], []
     for n, row in enumerate(prog.rows):
         for x, a in row.items():
@@ -369,6 +371,9 @@ def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LI
         raise AssertionError(f"search='optimal': the program's objective {objective!r} is not the plan's "
                              f"{state.total!r} as State.evaluate counts it; tensors counted otherwise: "
                              f"{_mismatch(prob, state, factors)}")
+    if bound is not None and state_bytes(prob, state) > bound * (1 + 1e-6):
+        raise AssertionError(f"search='optimal': the solver's plan holds {state_bytes(prob, state):.0f} bytes a rank, "
+                             f"over the bound of {bound:.0f}")
     return state
 
 

@@ -74,7 +74,10 @@ def windows(prob: Problem) -> tuple[list, dict]:
     together, those of its own module), the groups it feeds before the next
     anchors (the out-projection after q/k/v, fc2 after fc1) and their siblings, nearest first; a
     group that is not primary (a norm's weight) alone. `joint[g]`, for such a group: itself with the
-    nearest primary groups it feeds and their siblings, where that unit fits a window."""
+    nearest primary groups it feeds and their siblings, where that unit fits a window. Derived once
+    a problem."""
+    if "windows of" in prob.search_memo:
+        return prob.search_memo["windows of"]
     anchor_group = {}
     for g, grp in enumerate(prob.groups):
         for a in acting(prob, grp):
@@ -121,6 +124,7 @@ def windows(prob: Problem) -> tuple[list, dict]:
         out.append(tuple(sorted(chosen)) if own else (g,))
         if not own and len(chosen) > 1:
             joint[g] = tuple(sorted(chosen))
+    prob.search_memo["windows of"] = out, joint
     return out, joint
 
 

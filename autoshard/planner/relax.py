@@ -1,0 +1,163 @@
+"""Relaxing the plan without a budget: the search ran at one price of state for the whole model;
+here whole families of groups (a group with its namesakes in every alike layer) are flipped, one
+family at a time and then two or more together, wherever the step gets faster (or as fast with
+less state) and the state per rank stays within the bound (`budget.least_comm`). Steps are compared
+as the plan will run: with its reductions settled (`State.reduce_early`)."""
+from __future__ import annotations
+
+import itertools
+import math
+
+from ..capture.repeats import layer_key
+from .held import group_bytes
+from .search import windows
+
+PAIRED = 8             # flips over the bound that `_pairs` tries with each flip freeing bytes
+PAIR_COMBOS = 3 ** 4   # choices of families enumerated together at most
+PASSED = 3             # ops of one input (a dtype cast, a dropout) a family's output is followed through
+
+
+def families(prob) -> list:
+    """The decision groups as families flipped together: a group with its namesakes of the same shapes
+    in every other numbered layer (`capture.repeats.layer_key`; alike layers stay alike: one block
+    graph, one compile), a group outside numbered layers alone. (ConvNeXt's stages, 32 and 64 wide,
+    are not alike: a flip may pay in one.)"""
+    by_key: dict = {}
+    for g, grp in enumerate(prob.groups):
+        key = layer_key(grp.names[0])
+        shapes = tuple(tuple(prob.param_obj[k].shape) for k in grp.params)
+        by_key.setdefault(g if key is None else (key[0], shapes), []).append(g)
+    out = []
+    for fam in by_key.values():
+        if len({len(prob.groups[g].choices) for g in fam}) == 1:
+            out.append(fam)
+        else:
+            out.extend([g] for g in fam)
+    return out
+
+
+def _settled(prob, state, move=None, trial=None) -> float:
+    """Step seconds of `state` once its reductions are settled (`State.reduce_early`, as every plan is
+    built); with `move` ({group: choice}) and its `trial` (delta, overlay), of `state` so changed."""
+    changed = state.copy()
+    held = 0.0
+    if move:
+        changed.commit(*trial)
+        held = sum(prob.param_cost(k, pl) - prob.param_cost(k, state.placement_of_param(k))
+                   for g, c in move.items() for k, pl in zip(prob.groups[g].params, prob.groups[g].choices[c]))
+    changed.reduce_early()
+    return changed.total - held
+
+
+def relax(prob, state, bound, held) -> None:
+    """Flip one family of groups at a time (`families`) where the step gets faster (or as fast with
+    less state) and the state stays within `bound`: the prices move whole kinds of layers at once,
+    the bound is per byte. Where no single flip pays, two at once (`_pairs`). Steps are compared as
+    the plan will run, reductions settled (`_settled`): a flip can pay only then (ConvNeXt's layer
+    scale kept whole: the row layer's output it scales is then all-reduced at once, where a split
+    scale passed it on Partial and reduced it later too)."""
+    fams = families(prob)
+    for _ in range(4):
+        now_s = _settled(prob, state)         # (less the memory term as it is: the moves' own are left out)
+        tol = 1e-12 * max(1.0, abs(state.total))
+        improved, over, freeing = False, [], []
+        for fam in fams:
+            now = [state.choice[g] for g in fam]
+            old_b = _family_bytes(prob, state, fam)
+            best = None
+            for c in range(len(prob.groups[fam[0]].choices)):
+                if all(n == c for n in now):
+                    continue
+                added = _family_bytes(prob, state, fam, c) - old_b
+                if added < 0:
+                    freeing.append((fam, c, added))
+                move = {g: c for g in fam}
+                d, ov = state.trial(move)
+                step = _settled(prob, state, move, (d, ov)) - now_s
+                if held + added > bound:
+                    if step < -tol:
+                        over.append((step, fam, c, added))
+                elif step < -tol or (step <= tol and added < 0):
+                    if best is None or (step, added) < best[:2]:
+                        best = step, added, d, ov
+            if best is not None:
+                state.commit(best[2], best[3])
+                held += best[1]
+                now_s = _settled(prob, state)
+                improved = True
+        if not improved:
+            best = None
+            for move, added in _pairs(prob, state, fams, over, freeing, held, bound):
+                d, ov = state.trial(move)
+                step = _settled(prob, state, move, (d, ov)) - now_s
+                if step < -tol and (best is None or step < best[0]):
+                    best = step, added, d, ov
+            if best is None:
+                return
+            state.commit(best[2], best[3])
+            held += best[1]
+
+
+def _family_bytes(prob, state, fam, c=None) -> float:
+    """Bytes a rank holds of a family's groups: as they are, or at choice `c`."""
+    memo = prob.search_memo.setdefault("group bytes", {})
+    total = 0.0
+    for g in fam:
+        key = g, state.choice[g] if c is None else c
+        if key not in memo:
+            memo[key] = group_bytes(prob, prob.groups[g].params, prob.groups[g].choices[key[1]])
+        total += memo[key]
+    return total
+
+
+def _pairs(prob, state, every, over, freeing, held, bound):
+    """(move, bytes added) of two or more family flips at once, for `relax` where no single flip
+    pays: a flip that pays but exceeds the bound with one that frees the bytes (a stage's layer
+    scale kept whole, its downsampling split on outputs, bias and all); every choice of families
+    whose outputs one op reads (GPT-2's token and position embeddings, summed: split on features
+    both, or on rows both); and of the families of each joint window (`search.windows`: a layer
+    scale or a norm with the layers reading its output)."""
+    for step, fx, cx, ax in sorted(over, key=lambda o: o[0])[:PAIRED]:
+        for fy, cy, ay in freeing:
+            if fy is not fx and held + ax + ay <= bound:
+                yield {**{g: cx for g in fx if state.choice[g] != cx},
+                       **{g: cy for g in fy if state.choice[g] != cy}}, ax + ay
+    family_of = {g: f for f, fam in enumerate(every) for g in fam}
+    for together in _together(prob, every, family_of):
+        chosen = [every[f] for f in together]
+        sizes = [len(prob.groups[fam[0]].choices) for fam in chosen]
+        if math.prod(sizes) > PAIR_COMBOS:
+            continue
+        now = sum(_family_bytes(prob, state, fam) for fam in chosen)
+        for combo in itertools.product(*(range(n) for n in sizes)):
+            move = {g: c for fam, c in zip(chosen, combo) for g in fam if state.choice[g] != c}
+            if len({family_of[g] for g in move}) < 2:
+                continue                      # (a single flip: `relax` tried it)
+            added = sum(_family_bytes(prob, state, fam, c) for fam, c in zip(chosen, combo)) - now
+            if held + added <= bound:
+                yield move, added
+
+
+def _together(prob, every, family_of) -> list:
+    """Tuples of family indices flipped together by `_pairs`: those whose outputs (through ops of one
+    input: a dtype cast, a dropout) one op reads, and those of each joint window."""
+    anchors = {a for fam in every for g in fam for a in prob.groups[g].anchors}
+    out_of = {}
+    for f, fam in enumerate(every):
+        todo = [(a, 0) for g in fam for a in prob.groups[g].anchors]
+        while todo:
+            i, depth = todo.pop()
+            out_of[i] = f
+            todo += [(u, depth + 1) for u in prob.users[i] if depth < PASSED and u not in out_of
+                     and u not in anchors and prob.kind[u] == "op" and len(prob.ins[u]) == 1]
+    found = set()
+    for i, f in out_of.items():
+        for u in prob.users[i]:
+            for j in prob.ins[u]:
+                if out_of.get(j, f) != f:
+                    found.add(tuple(sorted((f, out_of[j]))))
+    for win in windows(prob)[1].values():
+        fams = tuple(sorted({family_of[g] for g in win}))
+        if len(fams) > 1:
+            found.add(fams)
+    return sorted(found)
