@@ -261,7 +261,7 @@ class State:
         if self.path is not None:
             self.path = (self.prob, _path_after(self.prob, self.path[1], tuple(changes.items())))
 
-    def reduce_early(self) -> None:
+    def reduce_early(self, nodes=None) -> None:
         """Settle the ties the per-node choice breaks late: an op that keeps Partial inputs Partial
         (a dropout of a row layer's output, a residual add of a whole or Partial tensor to it)
         while every reader of its result reads it in one other placement X (whole, or split)
@@ -271,9 +271,10 @@ class State:
         row layer's output is reduce-scattered to it, rather than the stream gathered whole to be
         added while Partial). Never where it would reduce two summands apart (the two branches
         of a parallel block: that costs more). A result some reader sums while Partial stays
-        Partial."""
+        Partial. With `nodes`, those alone are settled (a move's region: `planner.relax`)."""
         prob, place, sidx = self.prob, self.place, self.sidx
-        for i in reversed(range(len(prob.nodes))):      # readers first: a chain settles in one pass
+        order = reversed(range(len(prob.nodes))) if nodes is None else sorted(nodes, reverse=True)
+        for i in order:      # readers first: a chain settles in one pass
             if prob.kind[i] != "op" or not isinstance(place[i], Partial) or not prob.strats[i] or not prob.users[i]:
                 continue
             ins = [r for r in prob.strats[i][sidx[i]].inputs if r is not None]
@@ -302,7 +303,9 @@ class State:
             self.total += after - before
             for j, c in new.items():
                 self.tcost[j] = c
-        if self.path is not None:        # (a function of the labelling, as a commit is)
+        if nodes is not None:            # (no longer a function of the labelling alone)
+            self.path = None
+        elif self.path is not None:      # (a function of the labelling, as a commit is)
             self.path = (prob, _path_after(prob, self.path[1], "reduce_early"))
 
     def _read_as(self, i: int):

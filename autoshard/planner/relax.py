@@ -9,6 +9,7 @@ import itertools
 import math
 
 from ..capture.repeats import layer_key
+from ..runtime.placements import Partial
 from .held import group_bytes
 from .search import windows
 
@@ -36,17 +37,29 @@ def families(prob) -> list:
     return out
 
 
-def _settled(prob, state, move=None, trial=None) -> float:
-    """Step seconds of `state` once its reductions are settled (`State.reduce_early`, as every plan is
-    built); with `move` ({group: choice}) and its `trial` (delta, overlay), of `state` so changed."""
+def _settled(prob, state, move, trial) -> float:
+    """How much faster the step of `state` gets with `move` ({group: choice}) made (its `trial`:
+    delta and overlay), both with their reductions settled (`State.reduce_early`, as every plan is
+    built) over the nodes the move changes and the Partial chains above them: elsewhere the two
+    settle alike."""
+    delta, overlay = trial
+    if overlay is None:
+        return 0.0
     changed = state.copy()
-    held = 0.0
-    if move:
-        changed.commit(*trial)
-        held = sum(prob.param_cost(k, pl) - prob.param_cost(k, state.placement_of_param(k))
-                   for g, c in move.items() for k, pl in zip(prob.groups[g].params, prob.groups[g].choices[c]))
-    changed.reduce_early()
-    return changed.total - held
+    changed.commit(delta, overlay)
+    region, todo = set(), [*overlay[2], *overlay[3], *overlay[4]]
+    while todo:
+        i = todo.pop()
+        if i not in region:
+            region.add(i)
+            todo += [j for j in prob.ins[i] if prob.kind[j] == "op"
+                     and (isinstance(state.place[j], Partial) or isinstance(changed.place[j], Partial))]
+    before = state.copy()
+    before.reduce_early(region)
+    changed.reduce_early(region)
+    held = sum(prob.param_cost(k, pl) - prob.param_cost(k, state.placement_of_param(k))
+               for g, c in move.items() for k, pl in zip(prob.groups[g].params, prob.groups[g].choices[c]))
+    return changed.total - before.total - held
 
 
 def relax(prob, state, bound, held) -> None:
@@ -57,11 +70,11 @@ def relax(prob, state, bound, held) -> None:
     scale kept whole: the row layer's output it scales is then all-reduced at once, where a split
     scale passed it on Partial and reduced it later too)."""
     fams = families(prob)
+    rejected: dict = {}          # (family, choice) -> nodes its last trial read or wrote, while unchanged since
     for _ in range(4):
-        now_s = _settled(prob, state)         # (less the memory term as it is: the moves' own are left out)
         tol = 1e-12 * max(1.0, abs(state.total))
         improved, over, freeing = False, [], []
-        for fam in fams:
+        for f, fam in enumerate(fams):
             now = [state.choice[g] for g in fam]
             old_b = _family_bytes(prob, state, fam)
             best = None
@@ -71,31 +84,55 @@ def relax(prob, state, bound, held) -> None:
                 added = _family_bytes(prob, state, fam, c) - old_b
                 if added < 0:
                     freeing.append((fam, c, added))
+                if held + added > bound:
+                    over.append((fam, c, added))      # (tried in `_pairs` where another flip frees enough)
+                    continue
+                if (f, c) in rejected:
+                    continue
                 move = {g: c for g in fam}
                 d, ov = state.trial(move)
-                step = _settled(prob, state, move, (d, ov)) - now_s
-                if held + added > bound:
-                    if step < -tol:
-                        over.append((step, fam, c, added))
-                elif step < -tol or (step <= tol and added < 0):
+                step = _settled(prob, state, move, (d, ov))
+                if step < -tol or (step <= tol and added < 0):
                     if best is None or (step, added) < best[:2]:
                         best = step, added, d, ov
+                else:
+                    rejected[f, c] = _touched(prob, ov, move)
             if best is not None:
-                state.commit(best[2], best[3])
+                _commit(prob, state, best, rejected)
                 held += best[1]
-                now_s = _settled(prob, state)
                 improved = True
         if not improved:
             best = None
             for move, added in _pairs(prob, state, fams, over, freeing, held, bound):
                 d, ov = state.trial(move)
-                step = _settled(prob, state, move, (d, ov)) - now_s
+                step = _settled(prob, state, move, (d, ov))
                 if step < -tol and (best is None or step < best[0]):
                     best = step, added, d, ov
             if best is None:
                 return
-            state.commit(best[2], best[3])
+            _commit(prob, state, best, rejected)
             held += best[1]
+
+
+def _touched(prob, overlay, move) -> frozenset:
+    """The nodes a trial changed, the tensors they read and their readers, and the flipped groups'
+    anchors: while none of them changes, the trial would come out the same."""
+    out = {a for g in move for a in prob.groups[g].anchors}
+    if overlay is not None:
+        for i in {*overlay[2], *overlay[3], *overlay[4]}:
+            out.add(i)
+            out.update(prob.ins[i])
+            out.update(prob.users[i])
+    return frozenset(out)
+
+
+def _commit(prob, state, best, rejected) -> None:
+    """Commit `best` (step, bytes added, delta, overlay), forgetting the rejections it may undo."""
+    _, _, delta, overlay = best
+    state.commit(delta, overlay)
+    changed = {*overlay[2], *overlay[3], *overlay[4]} if overlay is not None else set()
+    for key in [k for k, nodes in rejected.items() if not nodes.isdisjoint(changed)]:
+        del rejected[key]
 
 
 def _family_bytes(prob, state, fam, c=None) -> float:
@@ -117,7 +154,16 @@ def _pairs(prob, state, every, over, freeing, held, bound):
     whose outputs one op reads (GPT-2's token and position embeddings, summed: split on features
     both, or on rows both); and of the families of each joint window (`search.windows`: a layer
     scale or a norm with the layers reading its output)."""
-    for step, fx, cx, ax in sorted(over, key=lambda o: o[0])[:PAIRED]:
+    tol = 1e-12 * max(1.0, abs(state.total))
+    least = min((ay for _, _, ay in freeing), default=0.0)
+    paying = []
+    for fx, cx, ax in over:
+        if held + ax + least <= bound:       # (one flip could free enough: does this one pay alone?)
+            move = {g: cx for g in fx if state.choice[g] != cx}
+            step = _settled(prob, state, move, state.trial(move))
+            if step < -tol:
+                paying.append((step, fx, cx, ax))
+    for step, fx, cx, ax in sorted(paying, key=lambda o: o[0])[:PAIRED]:
         for fy, cy, ay in freeing:
             if fy is not fx and held + ax + ay <= bound:
                 yield {**{g: cx for g in fx if state.choice[g] != cx},
@@ -140,7 +186,8 @@ def _pairs(prob, state, every, over, freeing, held, bound):
 
 def _together(prob, every, family_of) -> list:
     """Tuples of family indices flipped together by `_pairs`: those whose outputs (through ops of one
-    input: a dtype cast, a dropout) one op reads, and those of each joint window."""
+    input: a dtype cast, a dropout) one op reads, and those of each joint window with a group no
+    alike layer repeats (a stage's scale and the head it feeds)."""
     anchors = {a for fam in every for g in fam for a in prob.groups[g].anchors}
     out_of = {}
     for f, fam in enumerate(every):
@@ -158,6 +205,6 @@ def _together(prob, every, family_of) -> list:
                     found.add(tuple(sorted((f, out_of[j]))))
     for win in windows(prob)[1].values():
         fams = tuple(sorted({family_of[g] for g in win}))
-        if len(fams) > 1:
-            found.add(fams)
+        if len(fams) > 1 and any(len(every[f]) == 1 for f in fams):
+            found.add(fams)      # (alike layers' own joint windows the search enumerated layer by layer)
     return sorted(found)
