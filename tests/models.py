@@ -141,16 +141,17 @@ class Stages(nn.Module):
 
 class SummedEmbeddings(nn.Module):
     """Token and position embeddings summed (the token's cast to float32 first, as GPT-2's is), two
-    layer-scaled blocks and a head tied to the token embedding."""
+    layer-scaled blocks and a head (`tied`: the token embedding's weight)."""
 
-    def __init__(self, vocab=96, h=32, positions=64):
+    def __init__(self, vocab=96, h=32, positions=64, tied=False):
         super().__init__()
         self.tok = nn.Embedding(vocab, h)
         self.pos = nn.Embedding(positions, h)
         self.blocks = nn.ModuleList(ScaledMLP(h) for _ in range(2))
         self.norm = nn.LayerNorm(h)
         self.head = nn.Linear(h, vocab, bias=False)
-        self.head.weight = self.tok.weight
+        if tied:
+            self.head.weight = self.tok.weight
 
     def forward(self, ids):
         x = self.tok(ids).to(torch.float32) + self.pos(torch.arange(ids.shape[1], device=ids.device))

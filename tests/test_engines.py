@@ -130,7 +130,7 @@ def _check_dtensor(results, name, p):
     assert r["counted"] == r["predicted"], r          # the engine sends what the export predicts
     if name == "mlp":             # autoshard splits the residual stream; the engine holds it whole
         assert r["styles"] == {"emb": "embedding_colwise", "fc1": "colwise_gather_output",
-                               "fc2": "colwise_gather_output", "head": "rowwise_rep"}, r["styles"]
+                               "fc2": "rowwise_rep", "head": "rowwise_rep"}, r["styles"]
         return
     # the engine runs autoshard's whole plan: the same bytes, counted on the engine's own collectives
     assert r["counted"] == r["predicted"] == r["autoshard"], r

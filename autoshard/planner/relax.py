@@ -9,9 +9,10 @@ import itertools
 import math
 
 from ..capture.repeats import layer_key
-from ..runtime.placements import Partial
+from ..runtime.placements import Partial, Shard
 from .held import group_bytes
-from .search import windows
+from .problem import INF
+from .search import first_layers_alike, windows
 
 PAIRED = 8             # flips over the bound that `_pairs` tries with each flip freeing bytes
 PAIR_COMBOS = 3 ** 4   # choices of families enumerated together at most
@@ -37,16 +38,19 @@ def families(prob) -> list:
     return out
 
 
-def _settled(prob, state, move, trial) -> float:
+def _settled(prob, state, move, trial, alike=frozenset()) -> float:
     """How much faster the step of `state` gets with `move` ({group: choice}) made (its `trial`:
     delta and overlay), both with their reductions settled (`State.reduce_early`, as every plan is
     built) over the nodes the move changes and the Partial chains above them: elsewhere the two
-    settle alike."""
+    settle alike. INF where the move sets apart the first layer of a run in `alike`
+    (`search.first_layers_alike`: alike layers stay one block graph, one compile)."""
     delta, overlay = trial
     if overlay is None:
         return 0.0
     changed = state.copy()
     changed.commit(delta, overlay)
+    if alike and not alike <= first_layers_alike(changed):
+        return INF
     region, todo = set(), [*overlay[2], *overlay[3], *overlay[4]]
     while todo:
         i = todo.pop()
@@ -71,8 +75,11 @@ def relax(prob, state, bound, held) -> None:
     scale passed it on Partial and reduced it later too)."""
     fams = families(prob)
     rejected: dict = {}          # (family, choice) -> nodes its last trial read or wrote, while unchanged since
+    kept = _vocabulary_heads(prob, state)
+    fams = [fam for fam in fams if not kept.intersection(fam)]
     for _ in range(4):
         tol = 1e-12 * max(1.0, abs(state.total))
+        alike = first_layers_alike(state)
         improved, over, freeing = False, [], []
         for f, fam in enumerate(fams):
             now = [state.choice[g] for g in fam]
@@ -91,7 +98,7 @@ def relax(prob, state, bound, held) -> None:
                     continue
                 move = {g: c for g in fam}
                 d, ov = state.trial(move)
-                step = _settled(prob, state, move, (d, ov))
+                step = _settled(prob, state, move, (d, ov), alike)
                 if step < -tol or (step <= tol and added < 0):
                     if best is None or (step, added) < best[:2]:
                         best = step, added, d, ov
@@ -103,15 +110,36 @@ def relax(prob, state, bound, held) -> None:
                 improved = True
         if not improved:
             best = None
-            for move, added in _pairs(prob, state, fams, over, freeing, held, bound):
+            for move, added in _pairs(prob, state, fams, over, freeing, held, bound, alike):
                 d, ov = state.trial(move)
-                step = _settled(prob, state, move, (d, ov))
+                step = _settled(prob, state, move, (d, ov), alike)
                 if step < -tol and (best is None or step < best[0]):
                     best = step, added, d, ov
             if best is None:
                 return
             _commit(prob, state, best, rejected)
             held += best[1]
+
+
+def _vocabulary_heads(prob, state) -> set:
+    """Groups tied between an embedding and a head, split on the vocabulary: `relax` keeps them so.
+    The plan serves decoding too, where such a head's logits are gathered once a token (Megatron's
+    bytes) and one split on features all-reduces them, a step's worth more (GPT-2 at 2 ranks: 2,176
+    bytes a token against 1,792): a training step's few percent at toy sizes do not pay for it."""
+    out = set()
+    for g, grp in enumerate(prob.groups):
+        kinds = {_is_embedding(prob, a) for a in grp.anchors}
+        first = grp.choices[state.choice[g]][0]
+        if kinds == {True, False} and isinstance(first, Shard) and first.dim == 0:
+            out.add(g)
+    return out
+
+
+def _is_embedding(prob, i) -> bool:
+    n = prob.nodes[i]
+    if n.op == "call_module":
+        return type(prob.gm.get_submodule(n.target)).__name__ == "Embedding"
+    return "embedding" in getattr(n.target, "__name__", str(n.target))
 
 
 def _touched(prob, overlay, move) -> frozenset:
@@ -147,7 +175,7 @@ def _family_bytes(prob, state, fam, c=None) -> float:
     return total
 
 
-def _pairs(prob, state, every, over, freeing, held, bound):
+def _pairs(prob, state, every, over, freeing, held, bound, alike):
     """(move, bytes added) of two or more family flips at once, for `relax` where no single flip
     pays: a flip that pays but exceeds the bound with one that frees the bytes (a stage's layer
     scale kept whole, its downsampling split on outputs, bias and all); every choice of families
@@ -160,7 +188,7 @@ def _pairs(prob, state, every, over, freeing, held, bound):
     for fx, cx, ax in over:
         if held + ax + least <= bound:       # (one flip could free enough: does this one pay alone?)
             move = {g: cx for g in fx if state.choice[g] != cx}
-            step = _settled(prob, state, move, state.trial(move))
+            step = _settled(prob, state, move, state.trial(move), alike)
             if step < -tol:
                 paying.append((step, fx, cx, ax))
     for step, fx, cx, ax in sorted(paying, key=lambda o: o[0])[:PAIRED]:
@@ -186,25 +214,40 @@ def _pairs(prob, state, every, over, freeing, held, bound):
 
 def _together(prob, every, family_of) -> list:
     """Tuples of family indices flipped together by `_pairs`: those whose outputs (through ops of one
-    input: a dtype cast, a dropout) one op reads, and those of each joint window with a group no
-    alike layer repeats (a stage's scale and the head it feeds)."""
-    anchors = {a for fam in every for g in fam for a in prob.groups[g].anchors}
-    out_of = {}
+    input: a dtype cast, a scale) one op sums, each such op's and each connected set of them (BERT's
+    word, position and token-type embeddings; Pegasus's shared embedding with the encoder's and the
+    decoder's positions), and those of each joint window with a group no alike layer repeats (a
+    stage's scale and the head it feeds)."""
+    owner, passed = {}, {}           # node -> the families whose outputs it is or sums; ops passed through
     for f, fam in enumerate(every):
-        todo = [(a, 0) for g in fam for a in prob.groups[g].anchors]
-        while todo:
-            i, depth = todo.pop()
-            out_of[i] = f
-            todo += [(u, depth + 1) for u in prob.users[i] if depth < PASSED and u not in out_of
-                     and u not in anchors and prob.kind[u] == "op" and len(prob.ins[u]) == 1]
-    found = set()
-    for i, f in out_of.items():
-        for u in prob.users[i]:
-            for j in prob.ins[u]:
-                if out_of.get(j, f) != f:
-                    found.add(tuple(sorted((f, out_of[j]))))
+        for g in fam:
+            for a in prob.groups[g].anchors:
+                owner[a], passed[a] = frozenset((f,)), 0
+    found, parent = set(), {}
+
+    def root(f):
+        while parent.get(f, f) != f:
+            f = parent[f]
+        return f
+    for u in range(len(prob.nodes)):            # (in the graph's order: inputs first)
+        if u in owner or prob.kind[u] != "op":
+            continue
+        srcs = [j for j in prob.ins[u] if prob.kind[j] == "op"]
+        if not srcs or any(j not in owner for j in srcs) or (len(srcs) == 1 and passed[srcs[0]] >= PASSED):
+            continue
+        owner[u] = frozenset().union(*(owner[j] for j in srcs))
+        passed[u] = passed[srcs[0]] + 1 if len(srcs) == 1 else 0
+        if len(owner[u]) > 1:
+            found.add(tuple(sorted(owner[u])))
+            first, *rest = sorted(owner[u])
+            for f in rest:
+                parent[root(f)] = root(first)
+    sets: dict = {}
+    for f in {f for fams in found for f in fams}:
+        sets.setdefault(root(f), set()).add(f)
+    found |= {tuple(sorted(fams)) for fams in sets.values()}
     for win in windows(prob)[1].values():
-        fams = tuple(sorted({family_of[g] for g in win}))
-        if len(fams) > 1 and any(len(every[f]) == 1 for f in fams):
+        fams = tuple(sorted({family_of.get(g) for g in win}, key=lambda f: -1 if f is None else f))
+        if None not in fams and len(fams) > 1 and any(len(every[f]) == 1 for f in fams):
             found.add(fams)      # (alike layers' own joint windows the search enumerated layer by layer)
     return sorted(found)

@@ -285,16 +285,11 @@ def _layer_signature(state: State, members: list[int]) -> tuple:
                  for i in members)
 
 
-def uniform_layers(state: State) -> bool:
-    """Give the first of a run of alike layers what every later one runs, where that costs at most
-    one all-reduce of the largest tensor entering it: the first layer reads the embedding's side
-    and can settle on other placements (LLaMA's layer 0 reads the embedding's output split on
-    features and gathers it twice, where the others read the stream Partial and all-reduce it).
-    Alike layers are then one graph, one class and one compile (autoshard.rewrite.blocks), as in
-    Megatron, whose vocabulary-parallel embedding hands layer 0 what every layer hands the next.
-    Tried: layer 0 taking layer 1's choices, with each choice of the group just before it (the
-    embedding). Returns whether anything changed."""
-    prob = state.prob
+def _runs(prob: Problem) -> list:
+    """(layers, {layer: {name: group}}, {layer: op nodes} of the first three) of each run of at least
+    three alike numbered layers (the same groups by name), derived once a problem."""
+    if "runs" in prob.search_memo:
+        return prob.search_memo["runs"]
     layer_groups: dict[str, dict] = {}
     runs: dict[str, list[str]] = {}
     for g, grp in enumerate(prob.groups):
@@ -305,19 +300,44 @@ def uniform_layers(state: State) -> bool:
             if layer not in layer_groups:
                 runs.setdefault(prefix, []).append(layer)
             layer_groups.setdefault(layer, {})[rest] = g
-    changed = False
+    out = []
     for layers in runs.values():
         layers.sort(key=lambda n: int(n.rpartition(".")[2]))
         if len(layers) < 3 or any(set(layer_groups[x]) != set(layer_groups[layers[0]]) for x in layers):
             continue
-        members = prob.search_memo.get(("layers", *layers[:3]))
-        if members is None:
-            members = prob.search_memo["layers", *layers[:3]] = {x: [] for x in layers[:3]}
-            for i, n in enumerate(prob.nodes):
-                if prob.kind[i] == "op":
-                    at = owner(n, layers[:3])
-                    if at is not None:
-                        members[at].append(i)
+        members = {x: [] for x in layers[:3]}
+        for i, n in enumerate(prob.nodes):
+            if prob.kind[i] == "op":
+                at = owner(n, layers[:3])
+                if at is not None:
+                    members[at].append(i)
+        out.append((layers, layer_groups, members))
+    prob.search_memo["runs"] = out
+    return out
+
+
+def first_layers_alike(state: State) -> frozenset:
+    """The runs of alike layers (by their first layer's name) whose first layer runs as the second
+    does under `state` (`uniform_layers`): a later move keeps them so."""
+    out = set()
+    for layers, _, members in _runs(state.prob):
+        if _layer_signature(state, members[layers[0]]) == _layer_signature(state, members[layers[1]]):
+            out.add(layers[0])
+    return frozenset(out)
+
+
+def uniform_layers(state: State) -> bool:
+    """Give the first of a run of alike layers what every later one runs, where that costs at most
+    one all-reduce of the largest tensor entering it: the first layer reads the embedding's side
+    and can settle on other placements (LLaMA's layer 0 reads the embedding's output split on
+    features and gathers it twice, where the others read the stream Partial and all-reduce it).
+    Alike layers are then one graph, one class and one compile (autoshard.rewrite.blocks), as in
+    Megatron, whose vocabulary-parallel embedding hands layer 0 what every layer hands the next.
+    Tried: layer 0 taking layer 1's choices, with each choice of the group just before it (the
+    embedding). Returns whether anything changed."""
+    prob = state.prob
+    changed = False
+    for layers, layer_groups, members in _runs(prob):
         sig = {x: _layer_signature(state, m) for x, m in members.items()}
         first, second, third = layers[:3]
         if sig[second] != sig[third] or sig[first] == sig[second] or len(members[first]) != len(members[second]):
