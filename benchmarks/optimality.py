@@ -49,16 +49,34 @@ def greedy(prob):
     return state
 
 
-def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = None, outputs: str = "full") -> dict:
+def _vocabulary_pins(prob) -> dict:
+    """{embedding module: 0} of each weight tied between an embedding and a head: both searches then
+    keep it split on the vocabulary, as the relaxing step of the default plan does (`--vocabulary`)."""
+    pins = {}
+    for grp in prob.groups:
+        kinds = {"embedding" in str(prob.nodes[a].target) for a in grp.anchors}
+        if kinds == {True, False}:
+            pins[grp.names[0].rsplit(".", 1)[0]] = 0
+    return pins
+
+
+def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = None, outputs: str = "full",
+            vocabulary: bool = False) -> dict:
     """Greedy and optimum of one model at `p` ranks (see the module docstring); with `optimum` (an
-    earlier record of the same case), the greedy only, against that record's optimum."""
+    earlier record of the same case), the greedy only, against that record's optimum; with
+    `vocabulary`, heads tied to an embedding pinned to the vocabulary split in both."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t0 = time.perf_counter()
         cap = capture(model, example, tracer="auto", tokens=tokens, once=True)
         gm = cap.gm
-        prob = S.Problem(gm, p, CostModel(), chunk_candidates(gm), unit_candidates(gm),
-                         part_candidates=part_candidates(gm), outputs=outputs)
+
+        def problem(pins=None):
+            return S.Problem(gm, p, CostModel(), chunk_candidates(gm), unit_candidates(gm), pins=pins,
+                             part_candidates=part_candidates(gm), outputs=outputs)
+        prob = problem()
+        if vocabulary:
+            prob = problem(_vocabulary_pins(prob))
         built = time.perf_counter() - t0
         t0 = time.perf_counter()
         g = least_comm(prob, greedy)
@@ -119,7 +137,7 @@ def cases(only=()):
             yield "config", name, make
 
 
-def run(only, degrees, out, done=frozenset(), log=print, optima=None, outputs="full"):
+def run(only, degrees, out, done=frozenset(), log=print, optima=None, outputs="full", vocabulary=False):
     """Every case at the first degree, then at the next (a partial run covers every model); records
     (kind, name, p) in `done` are skipped."""
     for p in degrees:
@@ -130,7 +148,8 @@ def run(only, degrees, out, done=frozenset(), log=print, optima=None, outputs="f
                 model, example = make()
                 rec = dict(kind=kind, name=name, **compare(model, p, example,
                                                            optimum=None if optima is None else optima[kind, name, p],
-                                                           outputs=outputs), outputs=outputs)
+                                                           outputs=outputs, vocabulary=vocabulary),
+                           outputs=outputs, vocabulary=vocabulary)
             except Exception as exc:               # noqa: BLE001 - recorded, never fatal
                 rec = dict(kind=kind, name=name, p=p, error=f"{type(exc).__name__}: {exc}"[:300])
             out.write(json.dumps(rec) + "\n")
@@ -166,6 +185,8 @@ def main(argv=None):
     ap.add_argument("--degrees", nargs="*", type=int, default=list(DEGREES))
     ap.add_argument("--out", default="optimality.jsonl")
     ap.add_argument("--outputs", default="full", choices=("full", "sharded"))
+    ap.add_argument("--vocabulary", action="store_true",
+                    help="heads tied to an embedding kept split on the vocabulary in both searches")
     ap.add_argument("--table", default=None, help="print the table of a records file and stop")
     ap.add_argument("--greedy-against", default=None,
                     help="a records file: run the greedy only, against the optima recorded there")
@@ -181,7 +202,7 @@ def main(argv=None):
     if args.greedy_against:
         optima = {(r["kind"], r["name"], r["p"]): r for r in map(json.loads, open(args.greedy_against)) if "error" not in r}
     with open(args.out, "a") as out:
-        run(set(args.only), args.degrees, out, done, optima=optima, outputs=args.outputs)
+        run(set(args.only), args.degrees, out, done, optima=optima, outputs=args.outputs, vocabulary=args.vocabulary)
 
 
 if __name__ == "__main__":
