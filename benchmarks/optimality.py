@@ -38,6 +38,7 @@ from autoshard.planner import optimal, search as S  # noqa: E402
 from autoshard.planner.budget import least_comm, state_bytes, step_seconds  # noqa: E402
 from autoshard.planner.build import build_plan, chunk_candidates, part_candidates, unit_candidates  # noqa: E402
 from autoshard.planner.cost import CostModel  # noqa: E402
+from autoshard.planner.relax import tied_heads  # noqa: E402
 
 DEGREES = (2, 4, 8)
 
@@ -52,12 +53,7 @@ def greedy(prob):
 def _vocabulary_pins(prob) -> dict:
     """{embedding module: 0} of each weight tied between an embedding and a head: both searches then
     keep it split on the vocabulary, as the relaxing step of the default plan does (`--vocabulary`)."""
-    pins = {}
-    for grp in prob.groups:
-        kinds = {"embedding" in str(prob.nodes[a].target) for a in grp.anchors}
-        if kinds == {True, False}:
-            pins[grp.names[0].rsplit(".", 1)[0]] = 0
-    return pins
+    return {prob.groups[g].names[0].rsplit(".", 1)[0]: 0 for g in tied_heads(prob)}
 
 
 def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = None, outputs: str = "full",

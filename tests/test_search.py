@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from factories import RandomDAG, random_dag  # noqa: E402
 
-from autoshard.planner import relax, search as S  # noqa: E402
+from autoshard.planner import assignment, relax, search as S  # noqa: E402
 from autoshard.planner.build import chunk_candidates, plan_graph  # noqa: E402
 from autoshard.capture.trace import capture  # noqa: E402
 from autoshard.planner.cost import CostModel  # noqa: E402
@@ -166,7 +166,8 @@ def test_a_shared_norm_is_decided_with_the_layers_reading_it(memory_weight, monk
     else:       # the fixed price splits the final norm: its statistics all-reduced on top (4 of T floats)
         assert megatron <= got.comm_bytes <= megatron * 1.01
     monkeypatch.setattr(S, "greedy", functools.partial(S.greedy, joint=False))
-    monkeypatch.setattr(relax, "_pairs", lambda *a: iter(()))   # (nor the relaxing pairs: they find it too)
+    monkeypatch.setattr(relax, "_pairs", lambda *a: iter(()))   # (nor the relaxing pairs: they find it too,
+    monkeypatch.setattr(assignment.State, "_sharers", lambda *a: 1)  # nor the readers charged their shares)
     without = plan(model, p, kw, outputs="sharded", memory_weight=memory_weight)
     assert without.comm_bytes > megatron * 1.1 and without.step_time > got.step_time
 
@@ -188,7 +189,6 @@ def test_the_norms_windows_never_end_costlier_than_the_search_without(monkeypatc
 def _search_work(blocks: int, monkeypatch) -> Counter:
     """Strategies chosen from scratch (`State._best` past its memo) and propagations the single
     flips make, planning a GPT of `blocks` alike blocks at 4 ranks, traced layer by layer."""
-    from autoshard.planner import assignment
     from models import GPT
     counts, inside = Counter(), []
     best, propagated, single = assignment.State._best_uncached, assignment.State._propagated, S.improve_single
@@ -197,9 +197,9 @@ def _search_work(blocks: int, monkeypatch) -> Counter:
         counts["best"] += 1
         return best(self, *a, **k)
 
-    def counted_propagated(self, changes):
+    def counted_propagated(self, changes, forced=None):
         counts["single flips" if inside else "other"] += 1
-        return propagated(self, changes)
+        return propagated(self, changes, forced)
 
     def counted_single(state):
         inside.append(1)

@@ -55,24 +55,30 @@ class State:
     def placement_of_param(self, key):
         return self.param_place.get(key, REPLICATE)
 
-    def _whole_before(self, i, j, place) -> bool:
-        """Whether a consumer of tensor j decided before node i already makes j whole with a
-        collective (a norm's statistics all-reduce its Partial input: the norm's product may
-        read it whole too, for nothing more)."""
-        if not isinstance(place[j], (Shard, Partial)):
-            return False
+    def _read_before(self, i, j, place) -> tuple:
+        """How the consumers of tensor j decided before node i read it: (whether one makes a split j
+        whole with a collective, the (required, gradient) pairs they read it as). A norm's statistics
+        all-reduce its Partial input: the norm's product may read it whole too, for nothing more. An
+        edge of a pair already read adds nothing (`Problem.tensor_comms`: one redistribution per
+        required placement, one backward fix per pair): Falcon's parallel attention and MLP read one
+        norm's output whole, their Partial gradients summed before one all-reduce."""
         prob, sidx = self.prob, self.sidx
+        if not prob.needs_grad[j] and not isinstance(place[j], (Shard, Partial)):
+            return False, frozenset()        # (whole without a gradient: no reader's edge costs anything)
+        whole, pairs = False, set()
         for u in prob.users[j]:
             if u < i and prob.strats[u] and prob.kind[u] == "op":
                 s = prob.strats[u][sidx[u]]
-                if any(k == j and isinstance(s.inputs[slot], Replicate) for slot, k in enumerate(prob.ins[u])):
-                    return True
-        return False
+                for slot, k in enumerate(prob.ins[u]):
+                    if k == j and s.inputs[slot] is not None:
+                        whole = whole or isinstance(s.inputs[slot], Replicate)
+                        pairs.add((s.inputs[slot], s.grad(slot)))
+        return whole and isinstance(place[j], (Shard, Partial)), frozenset(pairs)
 
     def _best(self, i, place) -> int:
         """The locally cheapest strategy of node i given its inputs' placements (memoised)."""
         prob = self.prob
-        before = tuple(self._whole_before(i, j, place) for j in prob.ins[i])
+        before = tuple(self._read_before(i, j, place) for j in prob.ins[i])
         key = (prob.classes.node(i), *[place[j] for j in prob.ins[i]],
                *[place[a] for j in prob.ins[i] for a in prob.returned_above[j]], before)
         hit = prob.best_memo.get(key)
@@ -102,7 +108,12 @@ class State:
                 if j in prob.held_inputs and req != prob.held_inputs[j] and isinstance(prob.val[i], torch.Tensor):
                     c = INF              # a held input (a decode step's cache) read as the prefill returned it
                     break
-                c += prob.edge_cost(j, place[j], req, s.grad(slot), before[slot] or prob.whole_anyway(j, place))
+                if (req, s.grad(slot)) in before[slot][1]:
+                    continue
+                e = prob.edge_cost(j, place[j], req, s.grad(slot), before[slot][0] or prob.whole_anyway(j, place))
+                if req == REPLICATE and place[j] == REPLICATE and 0.0 < e < INF:
+                    e /= self._sharers(j, s.grad(slot))
+                c += e
                 if c >= best_c:
                     break
             if c < best_c:
@@ -110,6 +121,20 @@ class State:
         if best_c == INF and rp:
             return self._best_uncached(i, place, before, guard=False)
         return best
+
+    def _sharers(self, j, grad) -> int:
+        """The ops that can read whole tensor j sending back `grad`: a whole tensor's readers that send
+        back Partial gradients share one all-reduce (Megatron's copy), so each is charged its share
+        until one has paid it (`_read_before`): a first reader charged the whole of it would rather
+        gather its weight (Falcon's parallel attention and MLP, both reading one norm's output)."""
+        memo = self.prob.search_memo.setdefault("sharers", {})
+        if (j, grad) not in memo:
+            prob = self.prob
+            memo[j, grad] = max(1, sum(
+                any(s.inputs[slot] == REPLICATE and s.grad(slot) == grad
+                    for s in prob.strats[u] for slot, k in enumerate(prob.ins[u]) if k == j)
+                for u in prob.users[j] if prob.kind[u] == "op"))
+        return memo[j, grad]
 
     def _out(self, i, si, place):
         prob = self.prob
@@ -176,17 +201,19 @@ class State:
             delta = INF
         return delta, overlay
 
-    def _propagated(self, changes: dict[int, int]):
-        """(communication and compute delta, overlay) of `changes`: `trial` without the memory term."""
+    def _propagated(self, changes: dict[int, int], forced=None):
+        """(communication and compute delta, overlay) of `changes`: `trial` without the memory term.
+        `forced`: {op: strategy} taken as given, not chosen locally (`gather_early`)."""
         prob = self.prob
+        forced = forced or {}
         new_pp = {}
-        heap = []
+        heap = list(forced)
         for g, ch in changes.items():
             grp = prob.groups[g]
             for key, pl in zip(grp.params, grp.choices[ch]):
                 if pl != self.placement_of_param(key):
                     new_pp[key] = pl
-        if not new_pp:
+        if not new_pp and not forced:
             return 0.0, None
         place, sidx, kind, users = self.place, self.sidx, prob.kind, prob.users
         old_place, old_sidx = {}, {}          # undo log: node -> value before the trial
@@ -204,13 +231,13 @@ class State:
                 if i in seen:
                     continue
                 seen.add(i)
-                si = self._best(i, place) if kind[i] == "op" else 0
+                si = forced[i] if i in forced else self._best(i, place) if kind[i] == "op" else 0
                 out = self._out(i, si, place)
                 if si != sidx[i]:
                     old_sidx[i] = sidx[i]
                     sidx[i] = si
-                    for j in prob.ins[i]:               # later readers of its split inputs: _whole_before
-                        if isinstance(place[j], (Shard, Partial)):
+                    for j in prob.ins[i]:               # later readers of its inputs: _read_before
+                        if prob.needs_grad[j] or isinstance(place[j], (Shard, Partial)):
                             for u in users[j]:
                                 if u > i:
                                     heapq.heappush(heap, u)
@@ -307,6 +334,43 @@ class State:
             self.path = None
         elif self.path is not None:      # (a function of the labelling, as a commit is)
             self.path = (prob, _path_after(prob, self.path[1], "reduce_early"))
+
+    def gather_early(self, anchors) -> set:
+        """Settle what the per-node choice passes on split for free: a reader of a split tensor (an
+        anchor's output) that later ops would carry split (a dtype cast, a norm's statistics then
+        all-reduced, the stream gathered after all) reads it whole at once wherever the step then
+        costs less (LLaMA's embedding split on features, gathered before its first norm: half the
+        bytes of the vocabulary-parallel all-reduce). The nodes changed are returned."""
+        prob, changed = self.prob, set()
+        for a in sorted(anchors):
+            if not isinstance(self.place[a], Shard) or _whole_in_group(self.place[a]):
+                continue
+            for u in sorted(prob.users[a]):
+                if prob.kind[u] != "op" or len(prob.strats[u]) < 2:
+                    continue
+                slots = [k for k, j in enumerate(prob.ins[u]) if j == a]
+                if all(prob.strats[u][self.sidx[u]].inputs[k] == REPLICATE for k in slots):
+                    continue
+                tol = 1e-12 * max(1.0, abs(self.total))
+                best = None
+                for si, s in enumerate(prob.strats[u]):
+                    if si != self.sidx[u] and all(s.inputs[k] == REPLICATE for k in slots) and self._servable(u, s):
+                        d, ov = self._propagated({}, {u: si})
+                        if d < -tol and (best is None or d < best[0]):
+                            best = d, ov
+                if best is not None:
+                    self.commit(*best)
+                    changed.update(best[1][2], best[1][3])
+                    self.path = None         # (no longer a function of the group choices alone)
+        return changed
+
+    def _servable(self, i, s) -> bool:
+        """Whether strategy `s` of node i can read its inputs as they are placed (a split parameter is
+        read as stored, a held input as it is held: `_best` never takes such a strategy)."""
+        prob = self.prob
+        return all(req is None or (j not in prob.held_inputs or req == prob.held_inputs[j]) and
+                   prob.edge_cost(j, self.place[j], req, s.grad(slot)) < INF
+                   for slot, (j, req) in enumerate(zip(prob.ins[i], s.inputs)))
 
     def _read_as(self, i: int):
         """The one placement every reader's strategy reads tensor i in, or None if they differ."""

@@ -10,7 +10,14 @@ from .problem import IMBALANCE
 
 def step_seconds(prob, state) -> float:
     """Predicted seconds of a step under `state`: its objective without the memory term."""
-    return state.total - sum(prob.param_cost(k, state.placement_of_param(k)) for k in prob.param_obj)
+    keys = list(prob.param_obj)
+    return state.total - memory_term(prob, keys, [state.placement_of_param(k) for k in keys])
+
+
+def memory_term(prob, params, placements) -> float:
+    """The objective's memory term of `params` held at `placements` (`Problem.param_cost`, at the
+    problem's price of state now)."""
+    return sum(prob.param_cost(k, pl) for k, pl in zip(params, placements))
 
 
 def param_bytes(prob, key, placement) -> float:

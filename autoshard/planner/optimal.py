@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ..runtime.placements import REPLICATE
 from .assignment import State
-from .held import group_bytes, least_state, state_bytes, step_seconds
+from .held import group_bytes, least_state, memory_term, state_bytes, step_seconds
 from .cost import STATE_TOLERANCE, TIE_PRICE
 from .problem import INF, Problem
 
@@ -311,7 +311,7 @@ def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LI
     var: dict = {}
     for g, grp in enumerate(prob.groups):
         for c, ch in enumerate(grp.choices):
-            var[("g", g), c] = prog.var(scale * sum(prob.param_cost(k, pl) for k, pl in zip(grp.params, ch)))
+            var[("g", g), c] = prog.var(scale * memory_term(prob, grp.params, ch))
     for i in range(len(prob.nodes)):
         if prob.kind[i] == "op" and prob.strats[i]:
             for s in range(len(prob.strats[i])):

@@ -10,7 +10,7 @@ import math
 
 from ..capture.repeats import layer_key
 from ..runtime.placements import Partial, Shard
-from .held import group_bytes
+from .held import group_bytes, memory_term
 from .problem import INF
 from .search import first_layers_alike, windows
 
@@ -51,22 +51,31 @@ def _settled(prob, state, move, trial, alike=frozenset()) -> float:
     changed.commit(delta, overlay)
     if alike and not alike <= first_layers_alike(changed):
         return INF
-    region, todo = set(), [*overlay[2], *overlay[3], *overlay[4]]
+    anchors = {a for g in move for a in prob.groups[g].anchors}
+    before = state.copy()
+    gathered = before.gather_early(anchors) | changed.gather_early(anchors)
+    region, todo = set(), [*overlay[2], *overlay[3], *overlay[4], *gathered]
     while todo:
         i = todo.pop()
         if i not in region:
             region.add(i)
             todo += [j for j in prob.ins[i] if prob.kind[j] == "op"
                      and (isinstance(state.place[j], Partial) or isinstance(changed.place[j], Partial))]
-    before = state.copy()
     before.reduce_early(region)
     changed.reduce_early(region)
-    held = sum(prob.param_cost(k, pl) - prob.param_cost(k, state.placement_of_param(k))
-               for g, c in move.items() for k, pl in zip(prob.groups[g].params, prob.groups[g].choices[c]))
+    held = sum(memory_term(prob, prob.groups[g].params, prob.groups[g].choices[c]) -
+               memory_term(prob, prob.groups[g].params, prob.groups[g].choices[state.choice[g]]) for g, c in move.items())
     return changed.total - before.total - held
 
 
 def relax(prob, state, bound, held) -> None:
+    """`_relax`, then every split output gathered at once where that costs less (`State.gather_early`),
+    as the relaxing step compared its moves."""
+    _relax(prob, state, bound, held)
+    state.gather_early({a for grp in prob.groups for a in grp.anchors})
+
+
+def _relax(prob, state, bound, held) -> None:
     """Flip one family of groups at a time (`families`) where the step gets faster (or as fast with
     less state) and the state stays within `bound`: the prices move whole kinds of layers at once,
     the bound is per byte. Where no single flip pays, two at once (`_pairs`). Steps are compared as
@@ -96,7 +105,7 @@ def relax(prob, state, bound, held) -> None:
                     continue
                 if (f, c) in rejected:
                     continue
-                move = {g: c for g in fam}
+                move = {g: c for g in fam if state.choice[g] != c}
                 d, ov = state.trial(move)
                 step = _settled(prob, state, move, (d, ov), alike)
                 if step < -tol or (step <= tol and added < 0):
@@ -121,16 +130,20 @@ def relax(prob, state, bound, held) -> None:
             held += best[1]
 
 
+def tied_heads(prob) -> list:
+    """The decision groups whose weight an embedding and a head (any other op) both read."""
+    return [g for g, grp in enumerate(prob.groups) if {_is_embedding(prob, a) for a in grp.anchors} == {True, False}]
+
+
 def _vocabulary_heads(prob, state) -> set:
-    """Groups tied between an embedding and a head, split on the vocabulary: `relax` keeps them so.
-    The plan serves decoding too, where such a head's logits are gathered once a token (Megatron's
-    bytes) and one split on features all-reduces them, a step's worth more (GPT-2 at 2 ranks: 2,176
-    bytes a token against 1,792): a training step's few percent at toy sizes do not pay for it."""
+    """Groups tied between an embedding and a head (`tied_heads`), split on the vocabulary: `relax`
+    keeps them so. The plan serves decoding too, where such a head's logits are gathered once a
+    token (Megatron's bytes) and one split on features all-reduces them, a step's worth more (GPT-2
+    at 2 ranks: 2,176 bytes a token against 1,792): a training step's few percent do not pay for it."""
     out = set()
-    for g, grp in enumerate(prob.groups):
-        kinds = {_is_embedding(prob, a) for a in grp.anchors}
-        first = grp.choices[state.choice[g]][0]
-        if kinds == {True, False} and isinstance(first, Shard) and first.dim == 0:
+    for g in tied_heads(prob):
+        first = prob.groups[g].choices[state.choice[g]][0]
+        if isinstance(first, Shard) and first.dim == 0:
             out.add(g)
     return out
 
