@@ -295,7 +295,8 @@ def same_memory(names: list) -> str:
     with every Linear and Embedding outside the numbered layers kept whole (DeepSpeed AutoTP's
     layout for these models: embeddings and heads replicated, the layers split); and autoshard's
     search with that plan's predicted peak per rank as `memory_budget` (the fastest plan within
-    DeepSpeed's memory). Bytes: ring bytes a rank sends in a training step."""
+    DeepSpeed's memory). Convolutions are pinned whole too (AutoTP splits none: ConvNeXt's stem,
+    depthwise and downsampling convolutions). Bytes: ring bytes a rank sends in a training step."""
     import torch
     import autoshard
     from zoo import ZOO, build
@@ -303,8 +304,9 @@ def same_memory(names: list) -> str:
              "budget = that peak: bytes (peak KiB) | budget / default bytes |", "|---|---|---|---|---|"]
     for name in names:
         model, kw = build(ZOO[name])
-        pins = {n: None for n, m in model.named_modules()
-                if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and not LAYER.search(f".{n}.")}
+        pins = {n: None for n, m in model.named_modules()        # (AutoTP splits the layers' linears only)
+                if isinstance(m, (torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)) or
+                isinstance(m, torch.nn.Linear) and not LAYER.search(f".{n}.")}
         plans = [autoshard.plan(model, 2, kw), autoshard.plan(model, 2, kw, pin=pins)]
         plans.append(autoshard.plan(model, 2, kw, memory_budget=plans[1].memory.peak))
         cells = [f"{int(p.comm_bytes):,} ({p.memory.peak / 1024:.0f})" for p in plans]

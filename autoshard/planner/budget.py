@@ -95,15 +95,17 @@ def _faster_within(prob, state, seconds: float, budget: float):
     and the predicted peak still fits `budget`: the prices searched move whole kinds of layers at
     once, so a plan that keeps one pair whole (BERT's tied embedding and masked-LM decoder: fewer
     bytes, more memory) is found by none of them although it fits and is faster."""
-    for _ in range(3):
+    fams = families(prob)
+    for _ in range(len(fams)):       # (each round commits the best flip; a family flips back seldom)
         best = None
-        for fam in families(prob):
+        for fam in fams:
             now = [state.choice[g] for g in fam]
             for c in range(len(prob.groups[fam[0]].choices)):
                 if all(n == c for n in now):
                     continue
                 trial = state.copy()
                 trial.set_choices({g: c for g in fam})
+                trial.reduce_early()          # (compared as it will run: `relax._settled`)
                 t = step_seconds(prob, trial)
                 if t < seconds * (1 - 1e-9) and (best is None or t < best[0]) and memory_of(prob, trial).peak <= budget:
                     best = t, trial
