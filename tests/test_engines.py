@@ -247,5 +247,4 @@ def test_cli_prints_the_exported_plans(tmp_path, capsys):
     assert cli.main(["plan", "--from-pretrained", str(tmp_path / "llama"), "-n", "2", "--tokens", "16",
                      "--export", "hf", "--base-model-prefix", "model"]) == 0
     tp_plan = json.loads(capsys.readouterr().out)
-    # (the embedding split on features, its output gathered: half the vocabulary split's all-reduce)
-    assert tp_plan["layers.*.self_attn.o_proj"] == "rowwise" and tp_plan["embed_tokens"] == "embedding_colwise"
+    assert tp_plan["layers.*.self_attn.o_proj"] == "rowwise" and tp_plan["embed_tokens"] == "embedding_rowwise"
