@@ -160,6 +160,40 @@ class SummedEmbeddings(nn.Module):
         return self.head(self.norm(x))
 
 
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, in float32 (LLaMA's norm)."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+
+    def forward(self, x):
+        x = x.to(torch.float32)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class NormedEmbedding(nn.Module):
+    """An embedding cast to float32 and read first by a norm's statistics, then pre-norm residual
+    SwiGLU blocks and an untied head: LLaMA's shape without attention. Split on features and
+    gathered before the norm, the embedding's output costs half the vocabulary split's all-reduce."""
+
+    def __init__(self, vocab=128, h=32, blocks=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(norm=RMSNorm(h), gate=nn.Linear(h, 3 * h, bias=False),
+                                                       up=nn.Linear(h, 3 * h, bias=False),
+                                                       down=nn.Linear(3 * h, h, bias=False))) for _ in range(blocks))
+        self.norm = RMSNorm(h)
+        self.head = nn.Linear(h, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids).to(torch.float32)
+        for b in self.blocks:
+            y = b["norm"](x)
+            x = x + b["down"](F.silu(b["gate"](y)) * b["up"](y))
+        return self.head(self.norm(x))
+
+
 class TransposedParallel(nn.Module):
     """Blocks whose attention-like and MLP branches both read one norm's output (parallel residual,
     Falcon's and GPT-J's) through weights applied as `x @ w.T` (Falcon's ALiBi path: the weight

@@ -212,17 +212,21 @@ def _loss_parallel_case(rank, p):
         out.loss.backward()
     refs.close_to_scale(out.loss.full_tensor() if isinstance(out.loss, DTensor) else out.loss, want, "loss_parallel")
     refs.close_grads(_full_grads(par), refs.grads(ref), "loss_parallel")
+    tokens, hidden = kw["input_ids"].numel(), model.config.hidden_size
     return dict(styles=dict(exported.styles), kinds=counted.by_kind, logits=type(out.logits).__name__,
-                notes=exported.notes)
+                notes=exported.notes, embedding_gather=tokens * hidden * 4 * (p - 1) / p)
 
 
 def test_dtensor_export_with_loss_parallel(dist2):
     """A plan that leaves the logits split (outputs="sharded") exports its head with a sharded
     DTensor output; the model's own loss under loss_parallel() equals the single-process loss,
-    and no rank gathers the logits."""
+    and no rank gathers the logits (the one all-gather is a feature-split embedding's output)."""
     r = dist2.run(_loss_parallel_case, timeout=300)[0]
     assert r["styles"]["lm_head"] == "colwise_loss_parallel" and r["logits"] == "DTensor"
-    assert "all_gather" not in r["kinds"] and "loss_parallel()" in r["notes"][0]
+    gathers = {} if r["styles"]["model.embed_tokens"] == "embedding_rowwise" else \
+        {"all_gather": (1, r["embedding_gather"])}
+    assert {k: v for k, v in r["kinds"].items() if k == "all_gather"} == gathers, (r["styles"], r["kinds"])
+    assert "loss_parallel()" in r["notes"][0]
 
 
 def test_cli_prints_the_exported_plans(tmp_path, capsys):
@@ -243,4 +247,5 @@ def test_cli_prints_the_exported_plans(tmp_path, capsys):
     assert cli.main(["plan", "--from-pretrained", str(tmp_path / "llama"), "-n", "2", "--tokens", "16",
                      "--export", "hf", "--base-model-prefix", "model"]) == 0
     tp_plan = json.loads(capsys.readouterr().out)
-    assert tp_plan["layers.*.self_attn.o_proj"] == "rowwise" and tp_plan["embed_tokens"] == "embedding_rowwise"
+    # (the embedding split on features, its output gathered: half the vocabulary split's all-reduce)
+    assert tp_plan["layers.*.self_attn.o_proj"] == "rowwise" and tp_plan["embed_tokens"] == "embedding_colwise"

@@ -550,8 +550,8 @@ def _check_static(results, name):
                 torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
         assert r[6][0] == r[6][1] and r[7] == 0, f"{name}: {r[6][0]} compiled graphs ({r[6][1]} expected), {r[7]} graph breaks"
         assert r[8] == pytest.approx(r[9], rel=1e-9), (name, r[8], r[9])
-        if r[10] is not None:
-            assert r[8] == r[10], (name, "decode bytes against Megatron's", r[8], r[10])
+        if r[10] is not None:    # Megatron's or fewer (an embedding split on features: half an all-reduce)
+            assert r[8] <= r[10], (name, "decode bytes against Megatron's", r[8], r[10])
 
 
 DYNAMO = dict(backend="eager", fullgraph=True)      # dynamo's graph capture only: seconds, not minutes

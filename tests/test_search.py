@@ -197,9 +197,9 @@ def _search_work(blocks: int, monkeypatch) -> Counter:
         counts["best"] += 1
         return best(self, *a, **k)
 
-    def counted_propagated(self, changes):
+    def counted_propagated(self, changes, forced=None):
         counts["single flips" if inside else "other"] += 1
-        return propagated(self, changes)
+        return propagated(self, changes, forced)
 
     def counted_single(state):
         inside.append(1)

@@ -194,6 +194,63 @@ def test_a_view_of_a_gathered_tensor_is_not_gathered_again(dist2):
         assert r["calls"] == 1 and r["measured"] == pytest.approx(r["plan"], rel=1e-9), r
 
 
+class ViewedGather(torch.nn.Module):
+    """A column layer's output gathered for two column layers (their Partial input gradients
+    reduce-scattered in the gather's backward), and a view of it read split by a row layer and
+    whole by a layer kept whole, whose input gradient is whole (DeepSeek-V3's router and shared
+    expert reading the normed stream)."""
+
+    def __init__(self, h=64, f=128):
+        super().__init__()
+        self.inp = torch.nn.Linear(h, h, bias=False)
+        self.gate = torch.nn.Linear(h, f)
+        self.up = torch.nn.Linear(h, f)
+        self.down = torch.nn.Linear(f, h)
+        self.proj = torch.nn.Linear(h, h)
+        self.router = torch.nn.Linear(h, 8, bias=False)
+
+    def forward(self, x):
+        y = self.inp(x)                                  # split on its last dim
+        v = y.reshape(-1, y.shape[-1])                   # a view of it, read split and whole
+        scores = F.linear(v.float(), self.router.weight.float()).softmax(-1)
+        return (self.down(F.silu(self.gate(y)) * self.up(y)).square().mean() + self.proj(v).square().mean()
+                + scores.square().sum())
+
+
+VIEWED_PINS = {"inp": -1, "gate": -1, "up": -1, "down": 0, "proj": 0, "router": None}
+
+
+def test_a_whole_gradient_never_joins_a_gathers_reduce_scatter():
+    """y gathered for the column layers, its gather's backward a reduce-scatter of their Partial
+    gradients; the view read split by the row layer, and, cast, whole by the router kept whole.
+    The router's gradient is whole on every rank: joined to that reduce-scatter it would be summed
+    once per rank (DeepSeek-V3's eval step at 2 ranks: every gradient upstream of its first router
+    off by up to 2% of their scale). It is gathered on its own instead, and charged so."""
+    from autoshard.capture import capture
+    from autoshard.planner import search as S
+    from autoshard.planner.build import chunk_candidates
+    from autoshard.planner.cost import CostModel
+    from autoshard.runtime.placements import Replicate, Shard
+    gm = capture(ViewedGather(), (torch.randn(2, 8, 64),), tracer="symbolic_trace").gm
+    prob = S.Problem(gm, 2, CostModel(), chunk_candidates(gm), pins=VIEWED_PINS)
+    state = S.greedy(prob)
+    place, sidx, at = list(state.place), list(state.sidx), {n.name: i for i, n in enumerate(prob.nodes)}
+
+    def choose(name, wanted):
+        i = at[name]
+        sidx[i] = next(k for k, s in enumerate(prob.strats[i]) if wanted(s))
+        place[i] = prob.strats[i][sidx[i]].output
+
+    choose("reshape", lambda s: s.inputs[0] == Shard(2))                 # the view split on features
+    choose("float_1", lambda s: isinstance(s.inputs[0], Shard))
+    choose("linear_1", lambda s: all(x is None or isinstance(x, Replicate) for x in s.inputs))
+    y, cast = at["linear"], at["float_1"]
+    assert prob.root[cast] == y and place[y] == Shard(2)
+    assert [c[3] for c in prob.comms_of(y, place, sidx) if isinstance(c[0], Replicate)] == [("reduce_scatter",)]
+    (req, grad, fwd, _, _, via), = prob.comms_of(cast, place, sidx)
+    assert (req, grad, fwd, via) == (Replicate(), Replicate(), ("all_gather",), None)
+
+
 def _is_split_dtensor(t, p, dim):
     from torch.distributed.tensor import DTensor, Shard
     return isinstance(t, DTensor) and tuple(t.placements) == (Shard(dim),) and t.device_mesh.size() == p

@@ -201,17 +201,19 @@ class State:
             delta = INF
         return delta, overlay
 
-    def _propagated(self, changes: dict[int, int]):
-        """(communication and compute delta, overlay) of `changes`: `trial` without the memory term."""
+    def _propagated(self, changes: dict[int, int], forced=None):
+        """(communication and compute delta, overlay) of `changes`: `trial` without the memory term.
+        `forced`: {op: strategy} taken as given, not chosen locally (`gather_early`)."""
         prob = self.prob
+        forced = forced or {}
         new_pp = {}
-        heap = []
+        heap = list(forced)
         for g, ch in changes.items():
             grp = prob.groups[g]
             for key, pl in zip(grp.params, grp.choices[ch]):
                 if pl != self.placement_of_param(key):
                     new_pp[key] = pl
-        if not new_pp:
+        if not new_pp and not forced:
             return 0.0, None
         place, sidx, kind, users = self.place, self.sidx, prob.kind, prob.users
         old_place, old_sidx = {}, {}          # undo log: node -> value before the trial
@@ -229,7 +231,7 @@ class State:
                 if i in seen:
                     continue
                 seen.add(i)
-                si = self._best(i, place) if kind[i] == "op" else 0
+                si = forced[i] if i in forced else self._best(i, place) if kind[i] == "op" else 0
                 out = self._out(i, si, place)
                 if si != sidx[i]:
                     old_sidx[i] = sidx[i]
@@ -332,6 +334,43 @@ class State:
             self.path = None
         elif self.path is not None:      # (a function of the labelling, as a commit is)
             self.path = (prob, _path_after(prob, self.path[1], "reduce_early"))
+
+    def gather_early(self, anchors) -> set:
+        """Settle what the per-node choice passes on split for free: a reader of a split tensor (an
+        anchor's output) that later ops would carry split (a dtype cast, a norm's statistics then
+        all-reduced, the stream gathered after all) reads it whole at once wherever the step then
+        costs less (LLaMA's embedding split on features, gathered before its first norm: half the
+        bytes of the vocabulary-parallel all-reduce). The nodes changed are returned."""
+        prob, changed = self.prob, set()
+        for a in sorted(anchors):
+            if not isinstance(self.place[a], Shard) or _whole_in_group(self.place[a]):
+                continue
+            for u in sorted(prob.users[a]):
+                if prob.kind[u] != "op" or len(prob.strats[u]) < 2:
+                    continue
+                slots = [k for k, j in enumerate(prob.ins[u]) if j == a]
+                if all(prob.strats[u][self.sidx[u]].inputs[k] == REPLICATE for k in slots):
+                    continue
+                tol = 1e-12 * max(1.0, abs(self.total))
+                best = None
+                for si, s in enumerate(prob.strats[u]):
+                    if si != self.sidx[u] and all(s.inputs[k] == REPLICATE for k in slots) and self._servable(u, s):
+                        d, ov = self._propagated({}, {u: si})
+                        if d < -tol and (best is None or d < best[0]):
+                            best = d, ov
+                if best is not None:
+                    self.commit(*best)
+                    changed.update(best[1][2], best[1][3])
+                    self.path = None         # (no longer a function of the group choices alone)
+        return changed
+
+    def _servable(self, i, s) -> bool:
+        """Whether strategy `s` of node i can read its inputs as they are placed (a split parameter is
+        read as stored, a held input as it is held: `_best` never takes such a strategy)."""
+        prob = self.prob
+        return all(req is None or (j not in prob.held_inputs or req == prob.held_inputs[j]) and
+                   prob.edge_cost(j, self.place[j], req, s.grad(slot)) < INF
+                   for slot, (j, req) in enumerate(zip(prob.ins[i], s.inputs)))
 
     def _read_as(self, i: int):
         """The one placement every reader's strategy reads tensor i in, or None if they differ."""

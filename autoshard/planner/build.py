@@ -148,8 +148,10 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
         elif layouts is None and cost.memory_weight is None:
             state = least_comm(prob, lambda pr: _run(pr, search))
             state.reduce_early()
-        else:
+        else:             # (a price, or the layouts of a plan made: settled as `least_comm` settles)
             state = _run(prob, search)
+            state.gather_early({a for grp in prob.groups for a in grp.anchors})
+            state.reduce_early()
         if inference and unserved(prob, state) is not None:
             # a K or V cut by heads for nothing (planner.inference) that a later op cannot read so
             # (a node-by-node choice cannot see it): searched again without such cuts

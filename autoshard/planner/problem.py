@@ -299,7 +299,7 @@ class Problem:
         """tensor_comms of every member of root r's class as (member, required, gradient,
         forward, backward, consumers, via): a member made whole while a view parent above it is
         takes that one's (`via`, the topmost such member), with no forward collective of its
-        own. None if a consumer cannot be served (a whole gradient into a reduce-scatter)."""
+        own. None if a consumer cannot be served."""
         out, whole_from, fused = [], {}, set()
         for m in self.members[r]:
             comms = self.tensor_comms(m, place[m], sidx)
@@ -309,21 +309,23 @@ class Problem:
             above = whole_from.get(parent) if parent is not None else None
             collective, mine = bool((gathers := redistribute(place[m], REPLICATE)) and gathers[0]), None
             made_whole = any(isinstance(c[0], Replicate) for c in comms)
+            # a gather whose backward reduce-scatters takes Partial gradients only: a whole one would be
+            # counted once per rank, so a member read whole with one gathers on its own
+            joins = above is not None and not (above in fused and self.needs_grad[m] and any(
+                isinstance(c[0], Replicate) and not isinstance(c[1], Partial) for c in comms))
             for req, g, fwd, bwd, consumers in comms:
                 via = None
                 whole = above if above is not None else (m if collective and made_whole else None)
                 if self.sliced_from_whole(place[m], req, fwd, whole):
                     via, fwd = whole, ()
                 elif collective and isinstance(req, Replicate):
-                    if above is not None:
+                    if joins:
                         if above in fused and bwd:   # its backward reduce-scatters: a Partial gradient joins
-                            if not isinstance(g, Partial):
-                                return None          # (a whole one would be counted once per rank)
                             bwd = ()
                         elif bwd == ("reduce_scatter",) and fused_backward(fwd, g, req):
                             bwd = ("all_reduce",)        # another's gather serves it: reduce, then slice
                         via, fwd = above, ()
-                    else:
+                    elif above is None:
                         mine = m
                 out.append((m, req, g, fwd, bwd, consumers, via))
             whole_from[m] = above if above is not None else mine

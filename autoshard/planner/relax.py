@@ -51,14 +51,16 @@ def _settled(prob, state, move, trial, alike=frozenset()) -> float:
     changed.commit(delta, overlay)
     if alike and not alike <= first_layers_alike(changed):
         return INF
-    region, todo = set(), [*overlay[2], *overlay[3], *overlay[4]]
+    anchors = {a for g in move for a in prob.groups[g].anchors}
+    before = state.copy()
+    gathered = before.gather_early(anchors) | changed.gather_early(anchors)
+    region, todo = set(), [*overlay[2], *overlay[3], *overlay[4], *gathered]
     while todo:
         i = todo.pop()
         if i not in region:
             region.add(i)
             todo += [j for j in prob.ins[i] if prob.kind[j] == "op"
                      and (isinstance(state.place[j], Partial) or isinstance(changed.place[j], Partial))]
-    before = state.copy()
     before.reduce_early(region)
     changed.reduce_early(region)
     held = sum(memory_term(prob, prob.groups[g].params, prob.groups[g].choices[c]) -
@@ -67,6 +69,13 @@ def _settled(prob, state, move, trial, alike=frozenset()) -> float:
 
 
 def relax(prob, state, bound, held) -> None:
+    """`_relax`, then every split output gathered at once where that costs less (`State.gather_early`),
+    as the relaxing step compared its moves."""
+    _relax(prob, state, bound, held)
+    state.gather_early({a for grp in prob.groups for a in grp.anchors})
+
+
+def _relax(prob, state, bound, held) -> None:
     """Flip one family of groups at a time (`families`) where the step gets faster (or as fast with
     less state) and the state stays within `bound`: the prices move whole kinds of layers at once,
     the bound is per byte. Where no single flip pays, two at once (`_pairs`). Steps are compared as
