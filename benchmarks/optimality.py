@@ -38,7 +38,7 @@ from autoshard.planner import optimal, search as S  # noqa: E402
 from autoshard.planner.budget import least_comm, state_bytes, step_seconds  # noqa: E402
 from autoshard.planner.build import build_plan, chunk_candidates, part_candidates, unit_candidates  # noqa: E402
 from autoshard.planner.cost import CostModel  # noqa: E402
-from autoshard.planner.relax import tied_heads  # noqa: E402
+from autoshard.planner.relax import families, tied_heads  # noqa: E402
 
 DEGREES = (2, 4, 8)
 
@@ -57,10 +57,12 @@ def _vocabulary_pins(prob) -> dict:
 
 
 def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = None, outputs: str = "full",
-            vocabulary: bool = False) -> dict:
+            vocabulary: bool = False, alike: bool = False) -> dict:
     """Greedy and optimum of one model at `p` ranks (see the module docstring); with `optimum` (an
     earlier record of the same case), the greedy only, against that record's optimum; with
-    `vocabulary`, heads tied to an embedding pinned to the vocabulary split in both."""
+    `vocabulary`, heads tied to an embedding pinned to the vocabulary split in both; with `alike`,
+    the optimum among plans whose alike layers are alike (`relax.families` held together: the
+    greedy's space, one block graph for a run of layers)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t0 = time.perf_counter()
@@ -89,7 +91,7 @@ def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = No
                         greedy_bytes=g_bytes, greedy_state=g_held, greedy_s=tg, problem_s=built,
                         differs=optimum.get("differs", []) if o_choice is None else _differs(prob, g.choice, o_choice))
         t0 = time.perf_counter()
-        o = optimal.fastest_within(prob)
+        o = optimal.fastest_within(prob, together=families(prob) if alike else ())
         o.reduce_early()
         to = time.perf_counter() - t0
         o_step, o_held = step_seconds(prob, o), state_bytes(prob, o)
@@ -133,7 +135,8 @@ def cases(only=()):
             yield "config", name, make
 
 
-def run(only, degrees, out, done=frozenset(), log=print, optima=None, outputs="full", vocabulary=False):
+def run(only, degrees, out, done=frozenset(), log=print, optima=None, outputs="full", vocabulary=False,
+        alike=False):
     """Every case at the first degree, then at the next (a partial run covers every model); records
     (kind, name, p) in `done` are skipped."""
     for p in degrees:
@@ -144,8 +147,8 @@ def run(only, degrees, out, done=frozenset(), log=print, optima=None, outputs="f
                 model, example = make()
                 rec = dict(kind=kind, name=name, **compare(model, p, example,
                                                            optimum=None if optima is None else optima[kind, name, p],
-                                                           outputs=outputs, vocabulary=vocabulary),
-                           outputs=outputs, vocabulary=vocabulary)
+                                                           outputs=outputs, vocabulary=vocabulary, alike=alike),
+                           outputs=outputs, vocabulary=vocabulary, alike=alike)
             except Exception as exc:               # noqa: BLE001 - recorded, never fatal
                 rec = dict(kind=kind, name=name, p=p, error=f"{type(exc).__name__}: {exc}"[:300])
             out.write(json.dumps(rec) + "\n")
@@ -183,6 +186,8 @@ def main(argv=None):
     ap.add_argument("--outputs", default="full", choices=("full", "sharded"))
     ap.add_argument("--vocabulary", action="store_true",
                     help="heads tied to an embedding kept split on the vocabulary in both searches")
+    ap.add_argument("--alike", action="store_true",
+                    help="the optimum with alike layers alike, as the greedy keeps them (one block graph a run)")
     ap.add_argument("--table", default=None, help="print the table of a records file and stop")
     ap.add_argument("--greedy-against", default=None,
                     help="a records file: run the greedy only, against the optima recorded there")
@@ -198,7 +203,8 @@ def main(argv=None):
     if args.greedy_against:
         optima = {(r["kind"], r["name"], r["p"]): r for r in map(json.loads, open(args.greedy_against)) if "error" not in r}
     with open(args.out, "a") as out:
-        run(set(args.only), args.degrees, out, done, optima=optima, outputs=args.outputs, vocabulary=args.vocabulary)
+        run(set(args.only), args.degrees, out, done, optima=optima, outputs=args.outputs, vocabulary=args.vocabulary,
+            alike=args.alike)
 
 
 if __name__ == "__main__":

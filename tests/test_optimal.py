@@ -161,6 +161,20 @@ def test_greedy_within_one_percent_of_optimum_on_zoo(p):
     assert not worse, worse
 
 
+def test_groups_held_together_take_one_choice():
+    """`together` (alike layers alike, the greedy's space: benchmarks/optimality.py --alike) holds the
+    groups to one choice: the MLP's optimum splits fc1 on outputs and fc2 on inputs; held together,
+    both take one choice, at a step no faster than the free optimum's."""
+    model = MLP()
+    prob = _problem(capture(model, (torch.randn(4, 64, 64),)).gm, 2, CostModel())
+    names = [grp.names[0] for grp in prob.groups]
+    fc1, fc2 = names.index("fc1.weight"), names.index("fc2.weight")
+    free = O.fastest_within(prob)
+    assert free.choice[fc1] != free.choice[fc2]
+    held = O.fastest_within(prob, together=[[fc1, fc2]])
+    assert held.choice[fc1] == held.choice[fc2] and held.total >= free.total * (1 - REL)
+
+
 def _bound(prob) -> float:
     from autoshard.planner.cost import STATE_TOLERANCE
     from autoshard.planner.held import least_state, param_bytes

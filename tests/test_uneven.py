@@ -297,8 +297,9 @@ def _save_pretrained_case(rank, p, root):
     model, kw = hf_models.qwen2(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
                                 intermediate_size=6, vocab_size=257, seq=32)
     mlp = "model.layers.0.mlp."                       # 6 features at 4 ranks: a balanced 2, 2, 1, 1
-    gm = autoshard.parallelize(model, p, kw, tracer="export", outputs="sharded",
-                               pin={mlp + "gate_proj": -1, mlp + "up_proj": -1, mlp + "down_proj": 0})
+    gm = autoshard.parallelize(model, p, kw, tracer="export", outputs="sharded",    # (the vocabulary split: 257 rows)
+                               pin={mlp + "gate_proj": -1, mlp + "up_proj": -1, mlp + "down_proj": 0,
+                                    "model.embed_tokens": 0, "lm_head": -1})
     gm(**kw).loss.backward()
     gm.save_pretrained(root)
     layouts = {k: v for k, v in gm._autoshard_layouts.items() if isinstance(v, autoshard.Shard)}

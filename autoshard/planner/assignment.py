@@ -342,6 +342,9 @@ class State:
         costs less (LLaMA's embedding split on features, gathered before its first norm: half the
         bytes of the vocabulary-parallel all-reduce). The nodes changed are returned."""
         prob, changed = self.prob, set()
+        if not prob.gathers:
+            return changed
+        tried = prob.search_memo.setdefault("gather early", {})   # (u, si) -> labels around a trial that did not pay
         for a in sorted(anchors):
             if not isinstance(self.place[a], Shard) or _whole_in_group(self.place[a]):
                 continue
@@ -355,14 +358,42 @@ class State:
                 best = None
                 for si, s in enumerate(prob.strats[u]):
                     if si != self.sidx[u] and all(s.inputs[k] == REPLICATE for k in slots) and self._servable(u, s):
+                        seen = tried.get((u, si))
+                        if seen is not None and self._labels(*seen[:2]) == seen[2:]:
+                            continue             # tried with the same labels around it: it did not pay
                         d, ov = self._propagated({}, {u: si})
                         if d < -tol and (best is None or d < best[0]):
                             best = d, ov
+                        elif d >= -tol:
+                            ops, params = self._read_by(ov, u)
+                            tried[u, si] = (ops, params, *self._labels(ops, params))
                 if best is not None:
                     self.commit(*best)
                     changed.update(best[1][2], best[1][3])
                     self.path = None         # (no longer a function of the group choices alone)
         return changed
+
+    def _read_by(self, overlay, u) -> tuple:
+        """(ops, parameters) whose labels a trial forcing node u read: those it changed or costed (with their
+        view classes), their readers, their inputs and the inputs' other readers where those count
+        (`_read_before`: not for a whole tensor without a gradient, the rotary tables every layer reads)."""
+        prob, place = self.prob, self.place
+        base = {u, *overlay[2], *overlay[3], *overlay[4]}
+        for r in overlay[4]:
+            base.update(prob.members.get(r, ()))
+        out = set(base)
+        for i in base:
+            out.update(prob.users[i])
+            for j in prob.ins[i]:
+                out.add(j)
+                if prob.needs_grad[j] or isinstance(place[j], (Shard, Partial)):
+                    out.update(prob.users[j])
+        params = tuple(i for i in out if prob.kind[i] == "param")
+        return tuple(i for i in out if prob.kind[i] != "param"), params
+
+    def _labels(self, ops, params) -> tuple:
+        """(the strategies of `ops`, the placements of `params`): what `_read_by`'s nodes are labelled."""
+        return tuple(map(self.sidx.__getitem__, ops)), tuple(map(self.place.__getitem__, params))
 
     def _servable(self, i, s) -> bool:
         """Whether strategy `s` of node i can read its inputs as they are placed (a split parameter is
@@ -391,6 +422,15 @@ class State:
         new.place, new.tcost = list(self.place), list(self.tcost)
         new.path = self.path
         return new
+
+    def adopt(self, other: "State") -> set:
+        """Take `other`'s labelling (a copy of this state, changed and settled: `relax`); returns the
+        nodes whose label changed."""
+        changed = {i for i, (a, b) in enumerate(zip(self.sidx, other.sidx)) if a != b or self.place[i] != other.place[i]}
+        self.total, self.param_place, self.path = other.total, dict(other.param_place), other.path
+        self.choice, self.sidx = list(other.choice), list(other.sidx)
+        self.place, self.tcost = list(other.place), list(other.tcost)
+        return changed
 
     def set_choices(self, choices: dict[int, int]) -> float:
         delta, ov = self.trial({g: c for g, c in choices.items() if c != self.choice[g]})

@@ -131,27 +131,29 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
     t0 = time.perf_counter()
     budgeted = cost.memory_budget is not None and layouts is None
 
-    def make(c, tokens=False, free_cuts=True):
+    def make(c, tokens=False, free_cuts=True, gathers=True):
         return _search.Problem(gm, world_size, c, chunk_candidates(gm), unit_candidates(gm), pins=pin or {},
                                outputs=outputs, part_candidates=part_candidates(gm), tokens=tokens, inference=inference,
-                               free_cuts=free_cuts,
+                               free_cuts=free_cuts, gathers=gathers,
                                **({} if budgeted else {"layouts": layouts, "held": held, "held_inputs": held_inputs}))
+
+    def searched(prob):
+        if layouts is None and cost.memory_weight is None and search == "optimal":
+            from . import optimal       # least_comm's bound on the state as a constraint of the program
+            state = optimal.fastest_within(prob)
+        elif layouts is None and cost.memory_weight is None:
+            state = least_comm(prob, lambda pr: _run(pr, search))
+        else:             # (a price, or the layouts of a plan made: settled as `least_comm` settles)
+            state = _run(prob, search)
+            state.gather_early({a for grp in prob.groups for a in grp.anchors})
+        state.reduce_early()
+        return state
     prob = make(cost)
     if not prob.param_obj:
         raise ShardingError(f"{type(gm).__name__} has no parameters: nothing to shard")
     checkpointed = ()
     if not budgeted:
-        if layouts is None and cost.memory_weight is None and search == "optimal":
-            from . import optimal       # least_comm's bound on the state as a constraint of the program
-            state = optimal.fastest_within(prob)
-            state.reduce_early()
-        elif layouts is None and cost.memory_weight is None:
-            state = least_comm(prob, lambda pr: _run(pr, search))
-            state.reduce_early()
-        else:             # (a price, or the layouts of a plan made: settled as `least_comm` settles)
-            state = _run(prob, search)
-            state.gather_early({a for grp in prob.groups for a in grp.anchors})
-            state.reduce_early()
+        state = searched(prob)
         if inference and unserved(prob, state) is not None:
             # a K or V cut by heads for nothing (planner.inference) that a later op cannot read so
             # (a node-by-node choice cannot see it): searched again without such cuts
@@ -159,6 +161,10 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
             state = _run(prob, search)
         if sequence_parallel is True:
             moved = sequence_twin(state, make(cost, tokens=True))
+            if moved is None:
+                # an embedding split on features and gathered at once (`State.gather_early`) leaves
+                # the stream no token split at the same bytes (Cohere, OLMo): searched again without
+                moved = sequence_twin(searched(make(cost, gathers=False)), make(cost, tokens=True, gathers=False))
             if moved is None:
                 notes = (*notes, "sequence_parallel: no activation between row and column layers can be split on "
                                  "tokens at the same bytes; planned without")

@@ -297,10 +297,11 @@ def _servable(prob: Problem, m: int, place, sidx) -> bool:
     return True
 
 
-def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LIMIT) -> State:
+def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LIMIT, together=()) -> State:
     """The State of least objective (`State.evaluate` at the problem's price of state); with `bound`,
-    among those whose training state per rank (`budget.state_bytes`) is at most `bound` bytes.
-    The solver's report is `state.solved` (`Solved`)."""
+    among those whose training state per rank (`budget.state_bytes`) is at most `bound` bytes;
+    `together`: lists of groups held to one choice (alike layers alike, as the greedy keeps them:
+    `relax.families`). The solver's report is `state.solved` (`Solved`)."""
     from scipy.optimize import Bounds, LinearConstraint, milp     # the extra: only this search needs scipy
     from scipy.sparse import coo_array
 
@@ -324,6 +325,12 @@ def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LI
     deciders = sorted({d for d, _ in var})
     for d in deciders:
         prog.row({var[d, v]: 1.0 for v in range(dec.domain(d))}, 1.0, 1.0)
+    for fam in together:
+        for g in fam[1:]:
+            if len(prob.groups[g].choices) != len(prob.groups[fam[0]].choices):
+                raise ValueError(f"search='optimal': groups {fam[0]} and {g} held together have different choices")
+            for c in range(len(prob.groups[g].choices)):
+                prog.row({var[("g", g), c]: 1.0, var[("g", fam[0]), c]: -1.0}, 0.0, 0.0)
     constant = sum(prob.param_cost(k, REPLICATE) for k in prob.param_obj if k not in dec.of_param)
     constant += sum(prob.node_cost[i][0] for i in range(len(prob.nodes)) if prob.strats[i] and prob.kind[i] != "op")
     base = State(prob)
@@ -419,13 +426,13 @@ def _state_of(prob: Problem, dec: _Deciders, var: dict, x) -> State:
     return state
 
 
-def fastest_within(prob: Problem, time_limit: float = TIME_LIMIT) -> State:
+def fastest_within(prob: Problem, time_limit: float = TIME_LIMIT, together=()) -> State:
     """The default objective (`budget.least_comm`'s) solved outright: the fastest plan whose training
     state per rank is at most the least reachable plus STATE_TOLERANCE of the whole model's, state
-    priced at TIE_PRICE to break ties. The problem is left at that price."""
+    priced at TIE_PRICE to break ties (`together` as in `solve`). The problem is left at that price."""
     whole = sum(group_bytes(prob, [k], [REPLICATE]) for k in prob.param_obj)
     prob.price_state(TIE_PRICE)
-    return solve(prob, least_state(prob) + STATE_TOLERANCE * whole, time_limit)
+    return solve(prob, least_state(prob) + STATE_TOLERANCE * whole, time_limit, together)
 
 
 def seconds_of(prob: Problem, state: State) -> float:

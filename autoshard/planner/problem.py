@@ -56,8 +56,9 @@ class Problem:
     def __init__(self, gm: fx.GraphModule, world_size: int, cost: CostModel, chunk_candidates=(), unit_candidates=(),
                  pins: dict | None = None, layouts: dict | None = None, outputs: str = "full", part_candidates=(),
                  held: frozenset = frozenset(), tokens: bool = False, inference: bool = False,
-                 held_inputs: dict | None = None, free_cuts: bool = True):
+                 held_inputs: dict | None = None, free_cuts: bool = True, gathers: bool = True):
         self.gm, self.p, self.cost, self.outputs = gm, world_size, cost, outputs
+        self.gathers = gathers        # split outputs gathered at once where that pays (`State.gather_early`)
         self.tokens = tokens          # sequence parallelism: ops may split the token dim (planner.sequence)
         self.inference = inference    # no backward (a generation step): whole K and V cut by heads (`free_cut`)
         self.free_cuts = inference and free_cuts

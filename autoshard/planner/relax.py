@@ -38,19 +38,22 @@ def families(prob) -> list:
     return out
 
 
-def _settled(prob, state, move, trial, alike=frozenset()) -> float:
-    """How much faster the step of `state` gets with `move` ({group: choice}) made (its `trial`:
-    delta and overlay), both with their reductions settled (`State.reduce_early`, as every plan is
-    built) over the nodes the move changes and the Partial chains above them: elsewhere the two
-    settle alike. INF where the move sets apart the first layer of a run in `alike`
+def _settled(prob, state, move, trial, alike=frozenset()) -> tuple:
+    """(how much faster the step of `state` gets with `move` ({group: choice}) made (its `trial`:
+    delta and overlay), the state so changed and settled): both with their split outputs gathered
+    where that pays (`State.gather_early`) and their reductions settled (`State.reduce_early`, as
+    every plan is built) over the nodes the move changes and the Partial chains above them:
+    elsewhere the two settle alike. The settled state is what `relax` commits (committed unsettled,
+    a later move compared settled states from another labelling, and Persimmon's MLP flipped to the
+    optimum's layout and back). INF where the move sets apart the first layer of a run in `alike`
     (`search.first_layers_alike`: alike layers stay one block graph, one compile)."""
     delta, overlay = trial
     if overlay is None:
-        return 0.0
+        return 0.0, None
     changed = state.copy()
     changed.commit(delta, overlay)
     if alike and not alike <= first_layers_alike(changed):
-        return INF
+        return INF, None
     anchors = {a for g in move for a in prob.groups[g].anchors}
     before = state.copy()
     gathered = before.gather_early(anchors) | changed.gather_early(anchors)
@@ -65,7 +68,7 @@ def _settled(prob, state, move, trial, alike=frozenset()) -> float:
     changed.reduce_early(region)
     held = sum(memory_term(prob, prob.groups[g].params, prob.groups[g].choices[c]) -
                memory_term(prob, prob.groups[g].params, prob.groups[g].choices[state.choice[g]]) for g, c in move.items())
-    return changed.total - before.total - held
+    return changed.total - before.total - held, changed
 
 
 def relax(prob, state, bound, held) -> None:
@@ -107,10 +110,10 @@ def _relax(prob, state, bound, held) -> None:
                     continue
                 move = {g: c for g in fam if state.choice[g] != c}
                 d, ov = state.trial(move)
-                step = _settled(prob, state, move, (d, ov), alike)
-                if step < -tol or (step <= tol and added < 0):
+                step, settled = _settled(prob, state, move, (d, ov), alike)
+                if settled is not None and (step < -tol or (step <= tol and added < 0)):
                     if best is None or (step, added) < best[:2]:
-                        best = step, added, d, ov
+                        best = step, added, settled
                 else:
                     rejected[f, c] = _touched(prob, ov, move)
             if best is not None:
@@ -120,10 +123,9 @@ def _relax(prob, state, bound, held) -> None:
         if not improved:
             best = None
             for move, added in _pairs(prob, state, fams, over, freeing, held, bound, alike):
-                d, ov = state.trial(move)
-                step = _settled(prob, state, move, (d, ov), alike)
-                if step < -tol and (best is None or step < best[0]):
-                    best = step, added, d, ov
+                step, settled = _settled(prob, state, move, state.trial(move), alike)
+                if settled is not None and step < -tol and (best is None or step < best[0]):
+                    best = step, added, settled
             if best is None:
                 return
             _commit(prob, state, best, rejected)
@@ -168,10 +170,8 @@ def _touched(prob, overlay, move) -> frozenset:
 
 
 def _commit(prob, state, best, rejected) -> None:
-    """Commit `best` (step, bytes added, delta, overlay), forgetting the rejections it may undo."""
-    _, _, delta, overlay = best
-    state.commit(delta, overlay)
-    changed = {*overlay[2], *overlay[3], *overlay[4]} if overlay is not None else set()
+    """Commit `best` (step, bytes added, the state settled), forgetting the rejections it may undo."""
+    changed = state.adopt(best[2])
     for key in [k for k, nodes in rejected.items() if not nodes.isdisjoint(changed)]:
         del rejected[key]
 
@@ -201,7 +201,7 @@ def _pairs(prob, state, every, over, freeing, held, bound, alike):
     for fx, cx, ax in over:
         if held + ax + least <= bound:       # (one flip could free enough: does this one pay alone?)
             move = {g: cx for g in fx if state.choice[g] != cx}
-            step = _settled(prob, state, move, state.trial(move), alike)
+            step, _ = _settled(prob, state, move, state.trial(move), alike)
             if step < -tol:
                 paying.append((step, fx, cx, ax))
     for step, fx, cx, ax in sorted(paying, key=lambda o: o[0])[:PAIRED]:
@@ -229,7 +229,8 @@ def _together(prob, every, family_of) -> list:
     """Tuples of family indices flipped together by `_pairs`: those whose outputs (through ops of one
     input: a dtype cast, a scale) one op sums, each such op's and each connected set of them (BERT's
     word, position and token-type embeddings; Pegasus's shared embedding with the encoder's and the
-    decoder's positions), and those of each joint window with a group no alike layer repeats (a
+    decoder's positions), those a layer reads so with its own (an MLP's up and down projections,
+    Persimmon's through its squared ReLU), and those of each joint window with a group no alike layer repeats (a
     stage's scale and the head it feeds)."""
     owner, passed = {}, {}           # node -> the families whose outputs it is or sums; ops passed through
     for f, fam in enumerate(every):
@@ -243,7 +244,12 @@ def _together(prob, every, family_of) -> list:
             f = parent[f]
         return f
     for u in range(len(prob.nodes)):            # (in the graph's order: inputs first)
-        if u in owner or prob.kind[u] != "op":
+        if u in owner:                           # an anchor (the others are reached once, here)
+            fed = [owner[j] for j in prob.ins[u] if j in owner and owner[j] != owner[u]]
+            if fed:
+                found.add(tuple(sorted(owner[u].union(*fed))))
+            continue
+        if prob.kind[u] != "op":
             continue
         srcs = [j for j in prob.ins[u] if prob.kind[j] == "op"]
         if not srcs or any(j not in owner for j in srcs) or (len(srcs) == 1 and passed[srcs[0]] >= PASSED):
