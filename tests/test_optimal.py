@@ -275,6 +275,19 @@ def _patterns_rank(rank, world):
         grads_match(gm, ref, type(model).__name__)
 
 
+def test_relaxing_tries_a_layer_with_the_layer_feeding_it():
+    """`relax._together` holds a layer with the layers its input comes from through ops of one
+    input (an MLP's fc1 and fc2, through its activation): Persimmon's up and down projections had to
+    flip together to reach the optimum (with the settled commit: 1.074x its step before; the zoo
+    marker's case)."""
+    from autoshard.planner import relax
+    prob = _problem(capture(MLP(), (torch.randn(4, 64, 64),)).gm, 2, CostModel())
+    fams = relax.families(prob)
+    family_of = {g: f for f, fam in enumerate(fams) for g in fam}
+    names = {prob.groups[fams[f][0]].names[0]: f for f in range(len(fams))}
+    assert (names["fc1.weight"], names["fc2.weight"]) in relax._together(prob, fams, family_of)
+
+
 def test_summed_embeddings_run_exactly(dist2):
     """Summed token and position embeddings, layer scales and a tied head train exactly on 2 gloo
     ranks (loss and every gradient)."""
