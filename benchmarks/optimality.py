@@ -38,7 +38,7 @@ from autoshard.planner import optimal, search as S  # noqa: E402
 from autoshard.planner.budget import least_comm, state_bytes, step_seconds  # noqa: E402
 from autoshard.planner.build import build_plan, chunk_candidates, part_candidates, unit_candidates  # noqa: E402
 from autoshard.planner.cost import CostModel  # noqa: E402
-from autoshard.planner.relax import families, tied_heads  # noqa: E402
+from autoshard.planner.relax import families, lookups, tied_heads  # noqa: E402
 
 DEGREES = (2, 4, 8)
 
@@ -51,9 +51,10 @@ def greedy(prob):
 
 
 def _vocabulary_pins(prob) -> dict:
-    """{embedding module: 0} of each weight tied between an embedding and a head: both searches then
-    keep it split on the vocabulary, as the relaxing step of the default plan does (`--vocabulary`)."""
-    return {prob.groups[g].names[0].rsplit(".", 1)[0]: 0 for g in tied_heads(prob)}
+    """{embedding module: 0} of each weight tied between an embedding and a head (the modules running
+    its lookups: T5's and BART's encoder and decoder embeddings of one shared weight): both searches
+    then keep it split on the vocabulary, as the relaxing step of the default plan does (`--vocabulary`)."""
+    return {m: 0 for g in tied_heads(prob) for m in lookups(prob, g)}
 
 
 def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = None, outputs: str = "full",

@@ -10,6 +10,7 @@ import math
 
 from ..capture.repeats import layer_key
 from ..runtime.placements import Partial, Shard
+from .decisions import module_of
 from .held import group_bytes, memory_term
 from .problem import INF
 from .search import first_layers_alike, windows
@@ -148,6 +149,12 @@ def _vocabulary_heads(prob, state) -> set:
         if isinstance(first, Shard) and first.dim == 0:
             out.add(g)
     return out
+
+
+def lookups(prob, g) -> list:
+    """The modules that run group g's embedding lookups (a weight tied to a head: what a pin of the
+    vocabulary split names, `benchmarks/optimality.py --vocabulary`)."""
+    return sorted({module_of(prob, a) for a in prob.groups[g].anchors if _is_embedding(prob, a)})
 
 
 def _is_embedding(prob, i) -> bool:
