@@ -345,6 +345,7 @@ class State:
         if not prob.gathers:
             return changed
         tried = prob.search_memo.setdefault("gather early", {})   # (u, si) -> labels around a trial that did not pay
+        labels = lambda ops, params: (tuple(map(self.sidx.__getitem__, ops)), tuple(map(self.place.__getitem__, params)))  # noqa: E731
         for a in sorted(anchors):
             if not isinstance(self.place[a], Shard) or _whole_in_group(self.place[a]):
                 continue
@@ -359,14 +360,14 @@ class State:
                 for si, s in enumerate(prob.strats[u]):
                     if si != self.sidx[u] and all(s.inputs[k] == REPLICATE for k in slots) and self._servable(u, s):
                         seen = tried.get((u, si))
-                        if seen is not None and self._labels(*seen[:2]) == seen[2:]:
+                        if seen is not None and labels(*seen[:2]) == seen[2:]:
                             continue             # tried with the same labels around it: it did not pay
                         d, ov = self._propagated({}, {u: si})
                         if d < -tol and (best is None or d < best[0]):
                             best = d, ov
                         elif d >= -tol:
                             ops, params = self._read_by(ov, u)
-                            tried[u, si] = (ops, params, *self._labels(ops, params))
+                            tried[u, si] = (ops, params, *labels(ops, params))
                 if best is not None:
                     self.commit(*best)
                     changed.update(best[1][2], best[1][3])
@@ -374,9 +375,8 @@ class State:
         return changed
 
     def _read_by(self, overlay, u) -> tuple:
-        """(ops, parameters) whose labels a trial forcing node u read: those it changed or costed (with their
-        view classes), their readers, their inputs and the inputs' other readers where those count
-        (`_read_before`: not for a whole tensor without a gradient, the rotary tables every layer reads)."""
+        """(ops, parameters) whose labels a trial forcing node u read: those it changed or costed (with their view
+        classes), their readers, inputs and the inputs' other readers where they count (`_read_before`)."""
         prob, place = self.prob, self.place
         base = {u, *overlay[2], *overlay[3], *overlay[4]}
         for r in overlay[4]:
@@ -388,12 +388,7 @@ class State:
                 out.add(j)
                 if prob.needs_grad[j] or isinstance(place[j], (Shard, Partial)):
                     out.update(prob.users[j])
-        params = tuple(i for i in out if prob.kind[i] == "param")
-        return tuple(i for i in out if prob.kind[i] != "param"), params
-
-    def _labels(self, ops, params) -> tuple:
-        """(the strategies of `ops`, the placements of `params`): what `_read_by`'s nodes are labelled."""
-        return tuple(map(self.sidx.__getitem__, ops)), tuple(map(self.place.__getitem__, params))
+        return tuple(i for i in out if prob.kind[i] != "param"), tuple(i for i in out if prob.kind[i] == "param")
 
     def _servable(self, i, s) -> bool:
         """Whether strategy `s` of node i can read its inputs as they are placed (a split parameter is
