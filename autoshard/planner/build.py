@@ -158,7 +158,7 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
             # a K or V cut by heads for nothing (planner.inference) that a later op cannot read so
             # (a node-by-node choice cannot see it): searched again without such cuts
             prob = make(cost, free_cuts=False)
-            state = _run(prob, search)
+            state = searched(prob)
         if sequence_parallel is True:
             moved = sequence_twin(state, make(cost, tokens=True))
             if moved is None:

@@ -237,8 +237,8 @@ def _together(prob, every, family_of) -> list:
     input: a dtype cast, a scale) one op sums, each such op's and each connected set of them (BERT's
     word, position and token-type embeddings; Pegasus's shared embedding with the encoder's and the
     decoder's positions), those a layer reads so with its own (an MLP's up and down projections,
-    Persimmon's through its squared ReLU), and those of each joint window with a group no alike layer repeats (a
-    stage's scale and the head it feeds)."""
+    Persimmon's through its squared ReLU), and those of each joint window with a group no alike layer
+    repeats (a stage's scale and the head it feeds)."""
     owner, passed = {}, {}           # node -> the families whose outputs it is or sums; ops passed through
     for f, fam in enumerate(every):
         for g in fam:
