@@ -139,6 +139,46 @@ class Stages(nn.Module):
         return self.head(x)
 
 
+class ChannelsFirstBlock(nn.Module):
+    """ConvNeXt's block: a depthwise convolution on channels-first maps, then channels-last a norm, an
+    MLP and a layer scale, added back channels-first to the block's input."""
+
+    def __init__(self, c=32):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.fc1 = nn.Linear(c, 4 * c)
+        self.fc2 = nn.Linear(4 * c, c)
+        self.gamma = nn.Parameter(torch.full((c,), 0.1))
+
+    def forward(self, x):
+        y = self.dw(x).permute(0, 2, 3, 1)
+        y = self.gamma * self.fc2(F.gelu(self.fc1(self.norm(y))))
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ChannelsFirst(nn.Module):
+    """A patchifying stem, two ConvNeXt blocks with a downsampling convolution between them, pooled
+    features, a norm and a classifier (`CHANNELS_FIRST_PINS`: all but the blocks' MLPs whole, DeepSpeed
+    AutoTP's layout)."""
+
+    def __init__(self, widths=(32, 64), classes=10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, widths[0], 4, stride=4)
+        self.b0 = ChannelsFirstBlock(widths[0])
+        self.down = nn.Conv2d(widths[0], widths[1], 2, stride=2)
+        self.b1 = ChannelsFirstBlock(widths[1])
+        self.norm = nn.LayerNorm(widths[1])
+        self.head = nn.Linear(widths[1], classes)
+
+    def forward(self, x):
+        x = self.b1(self.down(self.b0(self.stem(x))))
+        return self.head(self.norm(x.mean((-2, -1))))
+
+
+CHANNELS_FIRST_PINS = {m: None for m in ("stem", "b0", "b0.dw", "b0.norm", "down", "b1", "b1.dw", "b1.norm", "norm", "head")}
+
+
 class SummedEmbeddings(nn.Module):
     """Token and position embeddings summed (the token's cast to float32 first, as GPT-2's is), two
     layer-scaled blocks and a head (`tied`: the token embedding's weight)."""

@@ -232,6 +232,22 @@ def test_stages_of_layer_scale_planned_as_the_optimum(p):
     assert _ratio(Stages(), {"x": torch.randn(8, 64, 16)}, p) <= 1.01
 
 
+@pytest.mark.parametrize("p", [2, 4])
+def test_row_layer_times_a_whole_scale_reduced_at_once(p):
+    """ConvNeXt's blocks with all but their MLPs pinned whole (DeepSpeed AutoTP's layout): the row
+    layer's output, multiplied by the whole layer scale, was carried Partial to the pooled features
+    (the scale's gradient all-reduced too), which no one op's change settles; the greedy split the
+    second MLP's down projection on outputs instead, 1.17x (2 ranks) and 1.15x (4) the optimum's
+    step. A fresh Partial that a reader applies a parameter to is now tried reduced at once
+    (`State.reduce_early`)."""
+    from models import CHANNELS_FIRST_PINS, ChannelsFirst
+    model, x = ChannelsFirst(), (torch.randn(2, 3, 32, 32),)
+    greedy = autoshard.plan(model, p, x, pin=CHANNELS_FIRST_PINS)
+    best = autoshard.plan(model, p, x, pin=CHANNELS_FIRST_PINS, search="optimal")
+    assert greedy.step_time <= 1.01 * best.step_time
+    assert all("gamma" not in r.node for r in greedy.redistributions)
+
+
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_embedding_gathered_before_its_norm_as_the_optimum(p):
     """An embedding cast to float32 and read by a norm (LLaMA's shape): split on features and gathered
@@ -256,18 +272,20 @@ def test_parallel_branches_through_transposed_weights_as_the_optimum(p):
 
 
 def test_gathered_and_shared_patterns_run_exactly(dist2):
-    """Both patterns above train exactly on 2 gloo ranks (loss and every gradient)."""
+    """The patterns above train exactly on 2 gloo ranks (loss and every gradient)."""
     dist2.run(_patterns_rank)
 
 
 def _patterns_rank(rank, world):
     import copy
-    from models import NormedEmbedding, TransposedParallel
+    from models import CHANNELS_FIRST_PINS, ChannelsFirst, NormedEmbedding, TransposedParallel
     from refs import grads_match
     torch.manual_seed(0)
-    for model, x in ((NormedEmbedding(), torch.randint(0, 128, (2, 64))), (TransposedParallel(), torch.randn(2, 64, 64))):
+    for model, x, pin in ((NormedEmbedding(), torch.randint(0, 128, (2, 64)), None),
+                          (TransposedParallel(), torch.randn(2, 64, 64), None),
+                          (ChannelsFirst(), torch.randn(2, 3, 32, 32), CHANNELS_FIRST_PINS)):
         ref = copy.deepcopy(model)
-        gm = autoshard.parallelize(model, world, (x,))
+        gm = autoshard.parallelize(model, world, (x,), pin=pin)
         loss, want = gm(x).square().mean(), ref(x).square().mean()
         loss.backward()
         want.backward()

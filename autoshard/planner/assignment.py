@@ -2,7 +2,7 @@
 
 Decisions live on parameter groups; every other node takes its locally cheapest strategy given
 its inputs' placements, so an assignment is evaluated by one forward propagation and a change by
-re-propagating only the nodes whose inputs changed (`State.trial`, seen through `_Overlay`
+re-propagating only the nodes whose inputs changed (`State.trial`, seen through `Overlay`
 copies until committed). `reduce_early` settles the ties the per-node choice breaks late. The
 search (`search.py`) decides which changes to try.
 """
@@ -15,19 +15,13 @@ import torch
 
 from ..runtime.placements import (REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups,
                                   held_by_readers)
-from .problem import INF, Problem
+from .problem import INF, Overlay, Problem
 
 
 def _whole_in_group(placement) -> bool:
     """Rp (whole on every rank) or a shard held by groups of ranks or by the ranks that read it: a
     tensor every rank of a group holds whole, its gradient a summand per rank."""
     return isinstance(placement, ReplicatePartialGrad) or held_by_groups(placement) or held_by_readers(placement)
-
-def _path_after(prob: Problem, path: int, changes) -> int:
-    """The number naming the labelling that committing `changes` to labelling `path` makes
-    (`State.path`; 0: State(prob)'s). A trial's propagation does not read the price of state, so
-    the searches at several prices (`budget.least_comm`) share theirs while their commits agree."""
-    return prob.paths.setdefault((path, changes), len(prob.paths) + 1)
 
 
 class State:
@@ -218,7 +212,7 @@ class State:
         place, sidx, kind, users = self.place, self.sidx, prob.kind, prob.users
         old_place, old_sidx = {}, {}          # undo log: node -> value before the trial
         seen = set()
-        saved, self.param_place = self.param_place, _Overlay(self.param_place, new_pp)
+        saved, self.param_place = self.param_place, Overlay(self.param_place, new_pp)
         try:
             for key, pl in new_pp.items():
                 for i in prob.param_nodes[key]:
@@ -286,7 +280,7 @@ class State:
             self.tcost[j] = c
         self.total += delta
         if self.path is not None:
-            self.path = (self.prob, _path_after(self.prob, self.path[1], tuple(changes.items())))
+            self.path = (self.prob, self.prob.path_after(self.path[1], tuple(changes.items())))
 
     def reduce_early(self, nodes=None) -> None:
         """Settle the ties the per-node choice breaks late: an op that keeps Partial inputs Partial
@@ -298,15 +292,20 @@ class State:
         row layer's output is reduce-scattered to it, rather than the stream gathered whole to be
         added while Partial). Never where it would reduce two summands apart (the two branches
         of a parallel block: that costs more). A result some reader sums while Partial stays
-        Partial. With `nodes`, those alone are settled (a move's region: `planner.relax`)."""
+        Partial, unless a reader applies a parameter to a fresh Partial and reading it whole at once makes
+        the step cheaper (`_read_whole`: ConvNeXt's row layer times a whole layer scale, whose gradient
+        is otherwise summed too; a chain no one op's change settles).
+        With `nodes`, those alone are settled (a move's region: `planner.relax`)."""
         prob, place, sidx = self.prob, self.place, self.sidx
         order = reversed(range(len(prob.nodes))) if nodes is None else sorted(nodes, reverse=True)
+        fresh = []
         for i in order:      # readers first: a chain settles in one pass
             if prob.kind[i] != "op" or not isinstance(place[i], Partial) or not prob.strats[i] or not prob.users[i]:
                 continue
             ins = [r for r in prob.strats[i][sidx[i]].inputs if r is not None]
             if not any(isinstance(r, Partial) for r in ins):
-                continue            # a fresh Partial (a row layer's product) is not a tie
+                fresh.append(i)     # a fresh Partial (a row layer's product) is not a tie
+                continue
             want = self._read_as(i)
             if want is None or isinstance(want, Partial):
                 continue
@@ -330,10 +329,20 @@ class State:
             self.total += after - before
             for j, c in new.items():
                 self.tcost[j] = c
+        for i in (i for i in fresh if self._scaled(i)):   # (a scale's gradient summed too: reduced at once where that pays)
+            self._read_whole(i)
         if nodes is not None:            # (no longer a function of the labelling alone)
             self.path = None
         elif self.path is not None:      # (a function of the labelling, as a commit is)
-            self.path = (prob, _path_after(prob, self.path[1], "reduce_early"))
+            self.path = (prob, prob.path_after(self.path[1], "reduce_early"))
+
+    def _scaled(self, i, steps: int = 4) -> bool:
+        """Whether a parameter is applied to Partial tensor i within `steps` ops of one other input each
+        that keep it Partial or split (BEiT's row layer, its dropout, then its layer scale)."""
+        prob = self.prob
+        ins = {u: [j for j in prob.ins[u] if prob.kind[j] != "param"] for u in prob.users[i] if prob.kind[u] == "op"}
+        return any(len(a) == 1 and isinstance(self.place[u], (Partial, Shard)) and
+                   (len(a) < len(prob.ins[u]) or steps > 1 and self._scaled(u, steps - 1)) for u, a in ins.items())
 
     def gather_early(self, anchors) -> set:
         """Settle what the per-node choice passes on split for free: a reader of a split tensor (an
@@ -341,49 +350,56 @@ class State:
         all-reduced, the stream gathered after all) reads it whole at once wherever the step then
         costs less (LLaMA's embedding split on features, gathered before its first norm: half the
         bytes of the vocabulary-parallel all-reduce). The nodes changed are returned."""
+        changed = set()
+        if self.prob.gathers:
+            for a in sorted(anchors):
+                if isinstance(self.place[a], Shard) and not _whole_in_group(self.place[a]):
+                    changed |= self._read_whole(a)
+        return changed
+
+    def _read_whole(self, a) -> set:
+        """Each reader of node a that reads it split or Partial tried reading it whole, its output then
+        propagated; the trial that lowers the step most committed. Returns the nodes changed."""
         prob, changed = self.prob, set()
-        if not prob.gathers:
-            return changed
-        tried = prob.search_memo.setdefault("gather early", {})   # (u, si) -> labels around a trial that did not pay
+        tried = prob.search_memo.setdefault("read whole", {})   # (u, si) -> labels around a trial that did not pay
         labels = lambda ops, params: (tuple(map(self.sidx.__getitem__, ops)), tuple(map(self.place.__getitem__, params)))  # noqa: E731
-        for a in sorted(anchors):
-            if not isinstance(self.place[a], Shard) or _whole_in_group(self.place[a]):
+        for u in sorted(prob.users[a]):
+            if prob.kind[u] != "op" or len(prob.strats[u]) < 2:
                 continue
-            for u in sorted(prob.users[a]):
-                if prob.kind[u] != "op" or len(prob.strats[u]) < 2:
-                    continue
-                slots = [k for k, j in enumerate(prob.ins[u]) if j == a]
-                if all(prob.strats[u][self.sidx[u]].inputs[k] == REPLICATE for k in slots):
-                    continue
-                tol = 1e-12 * max(1.0, abs(self.total))
-                best = None
-                for si, s in enumerate(prob.strats[u]):
-                    if si != self.sidx[u] and all(s.inputs[k] == REPLICATE for k in slots) and self._servable(u, s):
-                        seen = tried.get((u, si))
-                        if seen is not None and labels(*seen[:2]) == seen[2:]:
-                            continue             # tried with the same labels around it: it did not pay
-                        d, ov = self._propagated({}, {u: si})
-                        if d < -tol and (best is None or d < best[0]):
-                            best = d, ov
-                        elif d >= -tol:
-                            ops, params = self._read_by(ov, u)
-                            tried[u, si] = (ops, params, *labels(ops, params))
-                if best is not None:
-                    self.commit(*best)
-                    changed.update(best[1][2], best[1][3])
-                    self.path = None         # (no longer a function of the group choices alone)
+            slots = [k for k, j in enumerate(prob.ins[u]) if j == a]
+            if all(prob.strats[u][self.sidx[u]].inputs[k] == REPLICATE for k in slots):
+                continue
+            tol = 1e-12 * max(1.0, abs(self.total))
+            best = None
+            for si, s in enumerate(prob.strats[u]):
+                if si != self.sidx[u] and all(s.inputs[k] == REPLICATE for k in slots) and self._servable(u, s):
+                    seen = tried.get((u, si))
+                    if seen is not None and labels(*seen[:2]) == seen[2:]:
+                        continue             # tried with the same labels around it: it did not pay
+                    d, ov = self._propagated({}, {u: si})
+                    if d < -tol and (best is None or d < best[0]):
+                        best = d, ov
+                    elif d >= -tol:
+                        ops, params = self._read_by(ov, u)
+                        tried[u, si] = (ops, params, *labels(ops, params))
+            if best is not None:
+                self.commit(*best)
+                changed.update(best[1][2], best[1][3])
+                self.path = None         # (no longer a function of the group choices alone)
         return changed
 
     def _read_by(self, overlay, u) -> tuple:
         """(ops, parameters) whose labels a trial forcing node u read: those it changed or costed (with their view
-        classes), their readers, inputs and the inputs' other readers where they count (`_read_before`)."""
+        classes) and their readers (where the propagation stopped), the inputs of both and the inputs' other
+        readers where they count (`_read_before`)."""
         prob, place = self.prob, self.place
         base = {u, *overlay[2], *overlay[3], *overlay[4]}
         for r in overlay[4]:
             base.update(prob.members.get(r, ()))
         out = set(base)
-        for i in base:
+        for i in list(base):
             out.update(prob.users[i])
+        for i in list(out):
             for j in prob.ins[i]:
                 out.add(j)
                 if prob.needs_grad[j] or isinstance(place[j], (Shard, Partial)):
@@ -431,20 +447,3 @@ class State:
         delta, ov = self.trial({g: c for g, c in choices.items() if c != self.choice[g]})
         self.commit(delta, ov)
         return delta
-
-
-class _Overlay:
-    """A list seen through a dict of changes (copy-on-write for trials)."""
-
-    __slots__ = ("base", "new")
-
-    def __init__(self, base, new):
-        self.base, self.new = base, new
-
-    def __getitem__(self, i):
-        return self.new[i] if i in self.new else self.base[i]
-
-    def get(self, k, default=None):
-        if k in self.new:
-            return self.new[k]
-        return self.base.get(k, default)

@@ -425,3 +425,26 @@ class Problem:
         only the parameters' memory term changes; States made before keep their totals."""
         self.state_price = price
         self._param_memo.clear()
+
+    def path_after(self, path: int, changes) -> int:
+        """The number naming the labelling that committing `changes` to labelling `path` makes
+        (`State.path`; 0: State(prob)'s). A trial's propagation does not read the price of state, so
+        the searches at several prices (`budget.least_comm`) share theirs while their commits agree."""
+        return self.paths.setdefault((path, changes), len(self.paths) + 1)
+
+
+class Overlay:
+    """A list seen through a dict of changes (copy-on-write for trials)."""
+
+    __slots__ = ("base", "new")
+
+    def __init__(self, base, new):
+        self.base, self.new = base, new
+
+    def __getitem__(self, i):
+        return self.new[i] if i in self.new else self.base[i]
+
+    def get(self, k, default=None):
+        if k in self.new:
+            return self.new[k]
+        return self.base.get(k, default)

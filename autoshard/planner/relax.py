@@ -43,8 +43,8 @@ def _settled(prob, state, move, trial, alike=frozenset()) -> tuple:
     """(how much faster the step of `state` gets with `move` ({group: choice}) made (its `trial`:
     delta and overlay), the state so changed and settled): both with their split outputs gathered
     where that pays (`State.gather_early`) and their reductions settled (`State.reduce_early`, as
-    every plan is built) over the nodes the move changes and the Partial chains above them:
-    elsewhere the two settle alike. The settled state is what `relax` commits (committed unsettled,
+    every plan is built) over the nodes the move changes, their readers and the Partial or split
+    chains above them: elsewhere the two settle alike. The settled state is what `relax` commits (committed unsettled,
     a later move compared settled states from another labelling, and Persimmon's MLP flipped to the
     optimum's layout and back). INF where the move sets apart the first layer of a run in `alike`
     (`search.first_layers_alike`: alike layers stay one block graph, one compile)."""
@@ -58,13 +58,13 @@ def _settled(prob, state, move, trial, alike=frozenset()) -> tuple:
     anchors = {a for g in move for a in prob.groups[g].anchors}
     before = state.copy()
     gathered = before.gather_early(anchors) | changed.gather_early(anchors)
-    region, todo = set(), [*overlay[2], *overlay[3], *overlay[4], *gathered]
+    region, todo = set(), [*overlay[2], *overlay[3], *overlay[4], *gathered, *(u for i in overlay[2] for u in prob.users[i])]
     while todo:
         i = todo.pop()
         if i not in region:
             region.add(i)
             todo += [j for j in prob.ins[i] if prob.kind[j] == "op"
-                     and (isinstance(state.place[j], Partial) or isinstance(changed.place[j], Partial))]
+                     and (isinstance(state.place[j], (Partial, Shard)) or isinstance(changed.place[j], (Partial, Shard)))]
     before.reduce_early(region)
     changed.reduce_early(region)
     held = sum(memory_term(prob, prob.groups[g].params, prob.groups[g].choices[c]) -
