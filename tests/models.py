@@ -121,6 +121,38 @@ class ScaledMLP(nn.Module):
         return x + self.gamma * self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
+class ScaledBlock(nn.Module):
+    """Pre-norm attention and MLP, each output dropped out, scaled by a learned per-channel parameter
+    and dropped out again before its residual add (BEiT's and CaiT's layer scales)."""
+
+    def __init__(self, h=64, heads=4, dropout=0.1):
+        super().__init__()
+        self.n1, self.attn = nn.LayerNorm(h), Attention(h, heads, dropout=dropout)
+        self.n2, self.fc1, self.fc2 = nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.l1, self.l2 = nn.Parameter(torch.full((h,), 0.1)), nn.Parameter(torch.full((h,), 0.1))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = x + self.drop(self.l1 * self.attn(self.n1(x)))
+        return x + self.drop(self.l2 * self.drop(self.fc2(F.gelu(self.fc1(self.n2(x))))))
+
+
+class ScaledBlocks(nn.Module):
+    """An input layer, two `ScaledBlock`s, features pooled over the tokens, a norm and a classifier."""
+
+    def __init__(self, h=64, features=16, classes=10, blocks=2):
+        super().__init__()
+        self.inp = nn.Linear(features, h)
+        self.blocks = nn.ModuleList(ScaledBlock(h) for _ in range(blocks))
+        self.norm, self.head = nn.LayerNorm(h), nn.Linear(h, classes)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x.mean(1)))
+
+
 class Stages(nn.Module):
     """Stages of different widths (32, then 64), each a width-changing linear and a layer-scaled
     block, and a classifier: ConvNeXt's shape without the convolutions."""

@@ -197,26 +197,16 @@ def _family_bytes(prob, state, fam, c=None) -> float:
 
 def _pairs(prob, state, every, over, freeing, held, bound, alike):
     """(move, bytes added) of two or more family flips at once, for `relax` where no single flip
-    pays: a flip that pays but exceeds the bound with one that frees the bytes (a stage's layer
-    scale kept whole, its downsampling split on outputs, bias and all); every choice of families
-    whose outputs one op reads (GPT-2's token and position embeddings, summed: split on features
-    both, or on rows both); and of the families of each joint window (`search.windows`: a layer
-    scale or a norm with the layers reading its output)."""
+    pays: every choice of families whose outputs one op reads (GPT-2's token and position
+    embeddings, summed: split on features both, or on rows both), and of the families of each joint
+    window (`search.windows`: a layer scale or a norm with the layers reading its output); then a
+    flip or such a choice that pays but exceeds the bound with one flip that frees the bytes (a
+    stage's layer scale kept whole, its downsampling split on outputs, bias and all; an attention's
+    output projection split on inputs with the scale it feeds whole, the input layer split)."""
     tol = 1e-12 * max(1.0, abs(state.total))
     least = min((ay for _, _, ay in freeing), default=0.0)
-    paying = []
-    for fx, cx, ax in over:
-        if held + ax + least <= bound:       # (one flip could free enough: does this one pay alone?)
-            move = {g: cx for g in fx if state.choice[g] != cx}
-            step, _ = _settled(prob, state, move, state.trial(move), alike)
-            if step < -tol:
-                paying.append((step, fx, cx, ax))
-    for step, fx, cx, ax in sorted(paying, key=lambda o: o[0])[:PAIRED]:
-        for fy, cy, ay in freeing:
-            if fy is not fx and held + ax + ay <= bound:
-                yield {**{g: cx for g in fx if state.choice[g] != cx},
-                       **{g: cy for g in fy if state.choice[g] != cy}}, ax + ay
     family_of = {g: f for f, fam in enumerate(every) for g in fam}
+    crowded = [({g: cx for g in fx if state.choice[g] != cx}, ax) for fx, cx, ax in over]
     for together in _together(prob, every, family_of):
         chosen = [every[f] for f in together]
         sizes = [len(prob.groups[fam[0]].choices) for fam in chosen]
@@ -230,6 +220,19 @@ def _pairs(prob, state, every, over, freeing, held, bound, alike):
             added = sum(_family_bytes(prob, state, fam, c) for fam, c in zip(chosen, combo)) - now
             if held + added <= bound:
                 yield move, added
+            else:
+                crowded.append((move, added))
+    paying = []
+    for move, added in crowded:
+        if held + added + least <= bound:       # (one flip could free enough: does this one pay alone?)
+            step, _ = _settled(prob, state, move, state.trial(move), alike)
+            if step < -tol:
+                paying.append((step, len(paying), move, added))
+    for _, _, move, added in sorted(paying, key=lambda o: o[:2])[:PAIRED]:
+        mine = {family_of[g] for g in move}
+        for fy, cy, ay in freeing:
+            if family_of[fy[0]] not in mine and held + added + ay <= bound:
+                yield {**move, **{g: cy for g in fy if state.choice[g] != cy}}, added + ay
 
 
 def _together(prob, every, family_of) -> list:
