@@ -25,6 +25,10 @@ opt-in, AUTOSHARD_SHM, is unset). Per model, on each side:
   equals one process's logits, and the median forward time.
 
 Results: a table on stdout and benchmarks/results/deepspeed_autotp.json (one row a model).
+`--at-deepspeed-memory` also runs autoshard with DeepSpeed's layout's predicted peak per rank as its
+`memory_budget` (`deepspeed_pins`: the fastest plan within DeepSpeed's memory), exactness and bytes
+counted as above, in a second table (results: deepspeed_autotp_same_memory.json). `--same-memory`
+prints the plans alone (no launch, no DeepSpeed).
 """
 from __future__ import annotations
 
@@ -153,12 +157,12 @@ def _deepspeed_infer(model, kw, ref_out, steps):
     return row
 
 
-def _autoshard(model, kw, ref, ref_out, steps):
+def _autoshard(model, kw, ref, ref_out, steps, **plan_options):
     import torch
     import autoshard
     import refs
     from autoshard.runtime.collectives import count_comm
-    gm = autoshard.parallelize(copy.deepcopy(model), 2, kw)
+    gm = autoshard.parallelize(copy.deepcopy(model), 2, kw, **plan_options)
     with count_comm() as c:
         out = gm(**kw)
         out.loss.backward()
@@ -182,16 +186,18 @@ def _autoshard(model, kw, ref, ref_out, steps):
     return row
 
 
-def _guarded(fn, *args) -> dict:
+def _guarded(fn, *args, **kwargs) -> dict:
     from autoshard.errors import first_line
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - a peer's failure is a result
         return {"error": f"{type(e).__name__}: {first_line(e, 200)}"}
 
 
-def worker(names: list, out_path: str, steps: int) -> None:
-    """One rank of a torchrun launch: each model in turn, a JSON line a model appended by rank 0."""
+def worker(names: list, out_path: str, steps: int, same_memory: bool = False) -> None:
+    """One rank of a torchrun launch: each model in turn, a JSON line a model appended by rank 0.
+    `same_memory`: autoshard run a second time, with DeepSpeed's layout's predicted peak as its
+    `memory_budget` (`deepspeed_pins`)."""
     import deepspeed
     import deepspeed.comm.torch  # noqa: F401 - the module (deepspeed.comm's attribute `torch` is torch itself)
     import torch
@@ -217,6 +223,11 @@ def worker(names: list, out_path: str, steps: int) -> None:
                "deepspeed": {**_guarded(_deepspeed_infer, model, kw, ref_eval, steps)},
                "autoshard": _guarded(_autoshard, model, kw, ref, ref_out, steps)}
         row["deepspeed_train"] = _guarded(_deepspeed_train, model, kw, ref_out, steps)
+        if same_memory:
+            import autoshard
+            budget = autoshard.plan(model, 2, kw, pin=deepspeed_pins(model)).memory.peak
+            row["autoshard_same_memory"] = dict(_guarded(_autoshard, model, kw, ref, ref_out, steps,
+                                                         memory_budget=budget), budget=budget)
         if rank == 0:
             with open(out_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -225,7 +236,7 @@ def worker(names: list, out_path: str, steps: int) -> None:
 
 # ----------------------------------------------------------------------------- parent
 
-def run(names: list, steps: int, per_launch: int) -> list:
+def run(names: list, steps: int, per_launch: int, same_memory: bool = False) -> list:
     """Launch torchrun over `names` (`per_launch` a launch); a launch that dies or passes
     LAUNCH_S is reported on the model it was at, and the rest go on in a new launch."""
     rows, todo = [], list(names)
@@ -237,7 +248,8 @@ def run(names: list, steps: int, per_launch: int) -> list:
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "rows.jsonl")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   __file__, "--worker", ",".join(batch), "--out", out, "--steps", str(steps)]
+                   __file__, "--worker", ",".join(batch), "--out", out, "--steps", str(steps)] + \
+                (["--at-deepspeed-memory"] if same_memory else [])
             try:
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_S)
                 failure = None if proc.returncode == 0 else f"launch exited {proc.returncode}: " + \
@@ -286,28 +298,49 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- at DeepSpeed's memory (plans only)
+# ----------------------------------------------------------------------------- at DeepSpeed's memory
 LAYER = re.compile(r"\.\d+\.")         # a module inside a numbered layer (model.layers.3.mlp.up_proj)
+
+
+def deepspeed_pins(model) -> dict:
+    """DeepSpeed AutoTP's layout as autoshard pins: every module owning parameters whole ({name: None})
+    but the Linear layers inside numbered layers, the only ones AutoTP splits (embeddings, heads,
+    norms, convolutions and layer scales stay replicated)."""
+    import torch
+    mods = dict(model.named_modules())
+    owners = {n.rpartition(".")[0] for n, _ in model.named_parameters()}
+    return {o: None for o in sorted(owners)
+            if not (isinstance(mods[o], torch.nn.Linear) and LAYER.search(f".{o}."))}
+
+
+def same_memory_table(rows: list) -> str:
+    """autoshard at DeepSpeed's memory (`--at-deepspeed-memory`) beside DeepSpeed and autoshard's default."""
+    lines = ["| model | DeepSpeed: bytes (calls) | autoshard default: bytes (calls) | budget = DeepSpeed's layout's "
+             "peak (KiB) | autoshard at that budget: training / inference | bytes (calls) | / DeepSpeed |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t, a, m = r.get("deepspeed_train", {}), r.get("autoshard", {}), r.get("autoshard_same_memory")
+        if m is None:
+            continue
+        cell = lambda d: f"{d['bytes']:,.0f} ({d['calls']})" if "bytes" in d else d.get("error", "-")  # noqa: E731
+        ratio = f"{m['bytes'] / t['bytes']:.2f}" if "bytes" in m and t.get("bytes") else "-"
+        lines.append(f"| {r['model']} | {cell(t)} | {cell(a)} | {m['budget'] / 1024:.0f} | "
+                     f"{m.get('train', m.get('error', '-'))} / {m.get('infer', '-')} | {cell(m)} | {ratio} |")
+    return "\n".join(lines)
 
 
 def same_memory(names: list) -> str:
     """Per model, plans only (no DeepSpeed run, no process group): autoshard's default plan; the plan
-    with every Linear and Embedding outside the numbered layers kept whole (DeepSpeed AutoTP's
-    layout for these models: embeddings and heads replicated, the layers split); and autoshard's
-    search with that plan's predicted peak per rank as `memory_budget` (the fastest plan within
-    DeepSpeed's memory). Convolutions are pinned whole too (AutoTP splits none: ConvNeXt's stem,
-    depthwise and downsampling convolutions). Bytes: ring bytes a rank sends in a training step."""
-    import torch
+    in DeepSpeed AutoTP's layout (`deepspeed_pins`); and autoshard's search with that plan's predicted
+    peak per rank as `memory_budget` (the fastest plan within DeepSpeed's memory). Bytes: ring bytes a
+    rank sends in a training step."""
     import autoshard
     from zoo import ZOO, build
-    lines = ["| model | default: bytes (peak KiB) | outside the layers whole: bytes (peak KiB) | "
+    lines = ["| model | default: bytes (peak KiB) | DeepSpeed's layout: bytes (peak KiB) | "
              "budget = that peak: bytes (peak KiB) | budget / default bytes |", "|---|---|---|---|---|"]
     for name in names:
         model, kw = build(ZOO[name])
-        pins = {n: None for n, m in model.named_modules()        # (AutoTP splits the layers' linears only)
-                if isinstance(m, (torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)) or
-                isinstance(m, torch.nn.Linear) and not LAYER.search(f".{n}.")}
-        plans = [autoshard.plan(model, 2, kw), autoshard.plan(model, 2, kw, pin=pins)]
+        plans = [autoshard.plan(model, 2, kw), autoshard.plan(model, 2, kw, pin=deepspeed_pins(model))]
         plans.append(autoshard.plan(model, 2, kw, memory_budget=plans[1].memory.peak))
         cells = [f"{int(p.comm_bytes):,} ({p.memory.peak / 1024:.0f})" for p in plans]
         lines.append(f"| {name} | {' | '.join(cells)} | {plans[2].comm_bytes / plans[0].comm_bytes:.2f} |")
@@ -322,21 +355,26 @@ def main() -> None:
     ap.add_argument("--per-launch", type=int, default=8)
     ap.add_argument("--same-memory", action="store_true",
                     help="plans only: autoshard at the predicted peak of DeepSpeed's layout (no DeepSpeed needed)")
+    ap.add_argument("--at-deepspeed-memory", action="store_true",
+                    help="run autoshard a second time at the predicted peak of DeepSpeed's layout (a second table)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        worker(a.worker.split(","), a.out, a.steps)
+        worker(a.worker.split(","), a.out, a.steps, a.at_deepspeed_memory)
         return
     from zoo import ZOO
     names = a.models.split(",") if a.models else list(ZOO)
     if a.same_memory:
         print(same_memory(names))
         return
-    rows = run(names, a.steps, a.per_launch)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(rows, indent=1))
+    rows = run(names, a.steps, a.per_launch, a.at_deepspeed_memory)
+    out = RESULTS.with_name("deepspeed_autotp_same_memory.json") if a.at_deepspeed_memory else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
     print(table(rows))
+    if a.at_deepspeed_memory:
+        print("\n" + same_memory_table(rows))
 
 
 if __name__ == "__main__":
