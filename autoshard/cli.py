@@ -38,6 +38,7 @@ stages a rank); --split 3,3,2 pins the blocks per stage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -309,8 +310,10 @@ def pipeline_summary(pplan) -> dict:
     return dict(out, stages=[list(names) for names in pplan.stages], balance=pplan.balance)
 
 
-def cmd_plan(args) -> int:
+def cmd_plan(args, out=None) -> int:
+    """`autoshard plan`; `out`: where an exported plan or --json goes (standard output)."""
     import autoshard
+    out = out or sys.stdout
     if args.world_size < 1:
         raise CliError(f"--world-size must be >= 1, got {args.world_size}")
     piped = pipeline_options(args)
@@ -361,13 +364,13 @@ def cmd_plan(args) -> int:
         exported = plan.export(args.export, **({"model": model, "loss_parallel": args.loss_parallel}
                                                if args.export == "dtensor" else
                                                {"base_model_prefix": args.base_model_prefix}))
-        print(exported.python())
+        print(exported.python(), file=out)
         print(exported, file=sys.stderr)
     elif args.json:
-        out = summary(plan)
+        found = summary(plan)
         if pplan is not None:
-            out["pipeline"] = pipeline_summary(pplan)
-        print(json.dumps(out, indent=1))
+            found["pipeline"] = pipeline_summary(pplan)
+        print(json.dumps(found, indent=1), file=out)
     else:
         if pplan is not None:
             print(f"tensor-parallel plan of one microbatch ({batch // microbatches} of the batch's {batch}):\n")
@@ -441,6 +444,10 @@ def main(argv=None) -> int:
         except (AutoshardError, OSError) as e:
             parser.exit(1, f"autoshard: convert {args.src} -> {args.dst} failed: {e}\n")
     try:
+        if args.export or args.json:      # what libraries print while loading and planning (DeepSpeed's
+            out = sys.stdout              # accelerator line, imported by transformers) kept off the output
+            with contextlib.redirect_stdout(sys.stderr):
+                return cmd_plan(args, out)
         return cmd_plan(args)
     except CliError as e:
         parser.exit(2, f"autoshard: error: {e}\n")

@@ -28,6 +28,12 @@ def mlp():
     return MLP(H)
 
 
+def chatty_mlp():
+    """An MLP whose build prints to standard output, as a library imported while loading can."""
+    print("[WARNING] a library's line on standard output")
+    return MLP(H)
+
+
 def block():
     return Block(H, HEADS)
 

@@ -229,6 +229,18 @@ def test_dtensor_export_with_loss_parallel(dist2):
     assert "loss_parallel()" in r["notes"][0]
 
 
+def test_cli_keeps_what_libraries_print_off_an_exported_plan(capsys):
+    """`--export` and `--json` write only the plan to standard output: what is printed while the model
+    is built and planned (DeepSpeed's accelerator line, when transformers imports it) goes to standard
+    error, so that `autoshard plan ... --export hf > tp_plan.json` holds JSON."""
+    import json
+
+    from autoshard import cli
+    assert cli.main(["plan", "tests.factories:chatty_mlp", "-n", "2", "--input-shape", "2,64,128", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["world_size"] == 2 and "a library's line" in out.err
+
+
 def test_cli_prints_the_exported_plans(tmp_path, capsys):
     """`python -m autoshard plan ... --export dtensor` prints Python that builds the styles it
     lists; `--export hf` prints a transformers tp_plan as JSON (here of a checkpoint directory)."""
