@@ -390,16 +390,17 @@ class State:
 
     def _read_by(self, overlay, u) -> tuple:
         """(ops, parameters) whose labels a trial forcing node u read: those it changed or costed (with their view
-        classes) and their readers (where the propagation stopped), the inputs of both and the inputs' other
-        readers where they count (`_read_before`)."""
+        classes), their readers (where the propagation stopped) and those readers' inputs, their own inputs and
+        the inputs' other readers where they count (`_read_before`)."""
         prob, place = self.prob, self.place
         base = {u, *overlay[2], *overlay[3], *overlay[4]}
         for r in overlay[4]:
             base.update(prob.members.get(r, ()))
         out = set(base)
-        for i in list(base):
-            out.update(prob.users[i])
-        for i in list(out):
+        for i in base:
+            for w in prob.users[i]:
+                out.update(prob.ins[w])
+                out.add(w)
             for j in prob.ins[i]:
                 out.add(j)
                 if prob.needs_grad[j] or isinstance(place[j], (Shard, Partial)):
