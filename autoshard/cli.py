@@ -78,10 +78,7 @@ def _pin(text: str) -> tuple:
     d = dim.strip().lower()
     if d in ("none", "replicate", "r", ""):
         return name, None
-    try:
-        value = int(d)
-    except ValueError:
-        value = None
+    value = int(d) if d.lstrip("-").isdigit() else None
     if value not in (0, 1, -1):
         raise argparse.ArgumentTypeError(f"--pin {name}: DIM must be None, 0, 1 or -1; got {dim!r}")
     return name, value
@@ -121,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dtype of the inputs: one for all, or one per --input-shape (default float)")
     pp.add_argument("--pin", type=_pin, action="append", default=[], metavar="NAME=DIM",
                     help="fix a module's TorchShard dim (None, 0, 1, -1); repeatable")
-    pp.add_argument("--search", choices=("greedy", "exact"), default="greedy")
+    pp.add_argument("--search", choices=("greedy", "exact", "optimal"), default="greedy", help="optimal: autoshard[optimal]")
     pp.add_argument("--tracer", choices=("auto", "symbolic_trace", "export"), default="auto")
     pp.add_argument("--tokens", type=int, default=512, help="positions of a synthesised input (no --input-shape)")
     pp.add_argument("--outputs", choices=("full", "sharded"), default="full",
@@ -310,10 +307,8 @@ def pipeline_summary(pplan) -> dict:
     return dict(out, stages=[list(names) for names in pplan.stages], balance=pplan.balance)
 
 
-def cmd_plan(args, out=None) -> int:
-    """`autoshard plan`; `out`: where an exported plan or --json goes (standard output)."""
+def cmd_plan(args, out) -> int:
     import autoshard
-    out = out or sys.stdout
     if args.world_size < 1:
         raise CliError(f"--world-size must be >= 1, got {args.world_size}")
     piped = pipeline_options(args)
@@ -444,11 +439,9 @@ def main(argv=None) -> int:
         except (AutoshardError, OSError) as e:
             parser.exit(1, f"autoshard: convert {args.src} -> {args.dst} failed: {e}\n")
     try:
-        if args.export or args.json:      # what libraries print while loading and planning (DeepSpeed's
-            out = sys.stdout              # accelerator line, imported by transformers) kept off the output
-            with contextlib.redirect_stdout(sys.stderr):
-                return cmd_plan(args, out)
-        return cmd_plan(args)
+        out = sys.stdout      # with --export or --json, what libraries print (DeepSpeed's line) goes to stderr
+        with contextlib.redirect_stdout(sys.stderr if args.export or args.json else out):
+            return cmd_plan(args, out)
     except CliError as e:
         parser.exit(2, f"autoshard: error: {e}\n")
     except (AutoshardError, ValueError, TypeError) as e:
