@@ -266,6 +266,47 @@ class NormedEmbedding(nn.Module):
         return self.head(self.norm(x))
 
 
+class QKNormBlock(nn.Module):
+    """Attention whose query and key projections are each normed over their whole width (OLMo-2's q_norm
+    and k_norm) before the heads are cut, then a SwiGLU MLP; norms after each branch (`post`, OLMo-2)
+    or before it."""
+
+    def __init__(self, h=64, heads=4, post=True):
+        super().__init__()
+        self.heads, self.post = heads, post
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
+        self.q_norm, self.k_norm, self.n1, self.n2 = RMSNorm(h), RMSNorm(h), RMSNorm(h), RMSNorm(h)
+        self.gate, self.up = nn.Linear(h, 2 * h, bias=False), nn.Linear(h, 2 * h, bias=False)
+        self.down = nn.Linear(2 * h, h, bias=False)
+
+    def forward(self, x):
+        B, T, H = x.shape
+        y = x if self.post else self.n1(x)
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                   for t in (self.q_norm(self.q(y)), self.k_norm(self.k(y)), self.v(y)))
+        a = self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, H))
+        x = x + (self.n1(a) if self.post else a)
+        z = x if self.post else self.n2(x)
+        m = self.down(F.silu(self.gate(z)) * self.up(z))
+        return x + (self.n2(m) if self.post else m)
+
+
+class QKNormed(nn.Module):
+    """An embedding, two `QKNormBlock`s, a norm and an untied head."""
+
+    def __init__(self, vocab=128, h=64, blocks=2, post=True):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList(QKNormBlock(h, post=post) for _ in range(blocks))
+        self.norm, self.head = RMSNorm(h), nn.Linear(h, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
 class TransposedParallel(nn.Module):
     """Blocks whose attention-like and MLP branches both read one norm's output (parallel residual,
     Falcon's and GPT-J's) through weights applied as `x @ w.T` (Falcon's ALiBi path: the weight

@@ -390,17 +390,17 @@ class State:
 
     def _read_by(self, overlay, u) -> tuple:
         """(ops, parameters) whose labels a trial forcing node u read: those it changed or costed (with their view
-        classes), their readers (where the propagation stopped) and those readers' inputs, their own inputs and
-        the inputs' other readers where they count (`_read_before`)."""
+        classes), their readers, inputs and the inputs' other readers where they count (`_read_before`), and the
+        inputs of the readers of what changed placement (whose choice a change there alters)."""
         prob, place = self.prob, self.place
         base = {u, *overlay[2], *overlay[3], *overlay[4]}
         for r in overlay[4]:
             base.update(prob.members.get(r, ()))
         out = set(base)
+        for w in {w for i in (u, *overlay[2]) for w in prob.users[i]}:    # where the propagation stopped
+            out.update(prob.ins[w])
         for i in base:
-            for w in prob.users[i]:
-                out.update(prob.ins[w])
-                out.add(w)
+            out.update(prob.users[i])
             for j in prob.ins[i]:
                 out.add(j)
                 if prob.needs_grad[j] or isinstance(place[j], (Shard, Partial)):

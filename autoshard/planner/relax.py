@@ -207,14 +207,15 @@ def _pairs(prob, state, every, over, freeing, held, bound, alike):
     least = min((ay for _, _, ay in freeing), default=0.0)
     family_of = {g: f for f, fam in enumerate(every) for g in fam}
     crowded = [({g: cx for g in fx if state.choice[g] != cx}, ax) for fx, cx, ax in over]
-    for together in _together(prob, every, family_of):
+    found = _together(prob, every, family_of)
+    for together in found + _siblings(prob, every, family_of, found):
         chosen = [every[f] for f in together]
         sizes = [len(prob.groups[fam[0]].choices) for fam in chosen]
-        if math.prod(sizes) > PAIR_COMBOS:
-            continue
         now = sum(_family_bytes(prob, state, fam) for fam in chosen)
-        for combo in itertools.product(*(range(n) for n in sizes)):
-            move = {g: c for fam, c in zip(chosen, combo) for g in fam if state.choice[g] != c}
+        combos = itertools.product(*(range(n) for n in sizes)) if math.prod(sizes) <= PAIR_COMBOS else \
+            _uniform(prob, chosen)
+        for combo in combos:
+            move = {g: c for fam, c in zip(chosen, combo) for g in fam if c is not None and state.choice[g] != c}
             if len({family_of[g] for g in move}) < 2:
                 continue                      # (a single flip: `relax` tried it)
             added = sum(_family_bytes(prob, state, fam, c) for fam, c in zip(chosen, combo)) - now
@@ -233,6 +234,33 @@ def _pairs(prob, state, every, over, freeing, held, bound, alike):
         for fy, cy, ay in freeing:
             if family_of[fy[0]] not in mine and held + added + ay <= bound:
                 yield {**move, **{g: cy for g in fy if state.choice[g] != cy}}, added + ay
+
+
+def _siblings(prob, every, family_of, found) -> list:
+    """Sets of three or more families whose anchors read one tensor (an attention's q, k and v), each
+    with the families fed by one of them (`found` pairs: OLMo-2's q and k with the norms of their
+    outputs)."""
+    readers: dict = {}
+    for g, grp in enumerate(prob.groups):
+        for a in grp.anchors:
+            if g in family_of:
+                for j in prob.ins[a]:
+                    if prob.kind[j] != "param":
+                        readers.setdefault(j, set()).add(family_of[g])
+    out = set()
+    for fams in readers.values():
+        if len(fams) >= 3:
+            fed = {f for pair in found if len(pair) == 2 and fams.intersection(pair) for f in pair}
+            out.add(tuple(sorted(fams | fed)))
+    return sorted(out)
+
+
+def _uniform(prob, chosen) -> list:
+    """Choices of families too many to enumerate (`PAIR_COMBOS`), each family taking the layout of the
+    same first placement where it has one (all split on outputs: Shard(0)), else kept as it is (None)."""
+    firsts = [[ch[0] for ch in prob.groups[fam[0]].choices] for fam in chosen]
+    kinds = dict.fromkeys(pl for fs in firsts for pl in fs)
+    return [tuple(fs.index(pl) if pl in fs else None for fs in firsts) for pl in kinds]
 
 
 def _together(prob, every, family_of) -> list:
