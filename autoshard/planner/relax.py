@@ -44,9 +44,9 @@ def _settled(prob, state, move, trial, alike=frozenset()) -> tuple:
     delta and overlay), the state so changed and settled): both with their split outputs gathered
     where that pays (`State.gather_early`) and their reductions settled (`State.reduce_early`, as
     every plan is built) over the nodes the move changes, their readers and the Partial or split
-    chains above them: elsewhere the two settle alike. The settled state is what `relax` commits (committed unsettled,
-    a later move compared settled states from another labelling, and Persimmon's MLP flipped to the
-    optimum's layout and back). INF where the move sets apart the first layer of a run in `alike`
+    chains above them: elsewhere the two settle alike. The settled state is what `relax` commits
+    (committed unsettled, a later move compared settled states from another labelling, and
+    Persimmon's MLP flipped to the optimum's layout and back). INF where the move sets apart the first layer of a run in `alike`
     (`search.first_layers_alike`: alike layers stay one block graph, one compile)."""
     delta, overlay = trial
     if overlay is None:
