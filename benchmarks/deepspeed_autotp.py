@@ -186,10 +186,17 @@ def _autoshard(model, kw, ref, ref_out, steps, **plan_options):
     return row
 
 
-def _guarded(fn, *args, **kwargs) -> dict:
+def _autoshard_at_deepspeed_memory(model, kw, ref, ref_out, steps):
+    """`_autoshard` with DeepSpeed's layout's predicted peak per rank (`deepspeed_pins`) as its budget."""
+    import autoshard
+    budget = autoshard.plan(model, 2, kw, pin=deepspeed_pins(model)).memory.peak
+    return dict(_autoshard(model, kw, ref, ref_out, steps, memory_budget=budget), budget=budget)
+
+
+def _guarded(fn, *args) -> dict:
     from autoshard.errors import first_line
     try:
-        return fn(*args, **kwargs)
+        return fn(*args)
     except Exception as e:  # noqa: BLE001 - a peer's failure is a result
         return {"error": f"{type(e).__name__}: {first_line(e, 200)}"}
 
@@ -224,10 +231,7 @@ def worker(names: list, out_path: str, steps: int, same_memory: bool = False) ->
                "autoshard": _guarded(_autoshard, model, kw, ref, ref_out, steps)}
         row["deepspeed_train"] = _guarded(_deepspeed_train, model, kw, ref_out, steps)
         if same_memory:
-            import autoshard
-            budget = autoshard.plan(model, 2, kw, pin=deepspeed_pins(model)).memory.peak
-            row["autoshard_same_memory"] = dict(_guarded(_autoshard, model, kw, ref, ref_out, steps,
-                                                         memory_budget=budget), budget=budget)
+            row["autoshard_same_memory"] = _guarded(_autoshard_at_deepspeed_memory, model, kw, ref, ref_out, steps)
         if rank == 0:
             with open(out_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -271,6 +275,15 @@ def _brief(r: dict) -> dict:
     return {k: ({kk: vv for kk, vv in v.items() if kk != "events"} if isinstance(v, dict) else v) for k, v in r.items()}
 
 
+def _bytes(d: dict) -> str:
+    """A row's bytes a training step and its collectives, '-' where it has none."""
+    return f"{d['bytes']:,.0f} ({d['calls']})" if "bytes" in d else "-"
+
+
+def _ratio(d: dict, to: dict) -> str:
+    return f"{d['bytes'] / to['bytes']:.2f}" if "bytes" in d and to.get("bytes") else "-"
+
+
 def _cell(d: dict, key: str) -> str:
     if "error" in d:
         return "fails"
@@ -287,13 +300,10 @@ def table(rows: list) -> str:
             lines.append(f"| {r['model']} | {r['launch_failure']} |" + " - |" * 9)
             continue
         t, i, a = r["deepspeed_train"], r["deepspeed"], r["autoshard"]
-        tb = f"{t['bytes']:,.0f} ({t['calls']})" if "bytes" in t else "-"
-        ab = f"{a['bytes']:,.0f} ({a['calls']})" if "bytes" in a else "-"
-        ratio = f"{a['bytes'] / t['bytes']:.2f}" if "bytes" in a and t.get("bytes") else "-"
         ms = lambda d, k: f"{d[k]:.1f}" if k in d else "-"        # noqa: E731
         err = lambda d, k: d.get(k, "") if "error" not in d else f"fails: {d['error']}"  # noqa: E731
         lines.append(f"| {r['model']} | {err(t, 'train')} | {err(i, 'infer')} | {err(a, 'train')} / "
-                     f"{a.get('infer', '-')} | {tb} | {ab} | {ratio} | {ms(t, 'step_ms')} | {ms(a, 'step_ms')} | "
+                     f"{a.get('infer', '-')} | {_bytes(t)} | {_bytes(a)} | {_ratio(a, t)} | {ms(t, 'step_ms')} | {ms(a, 'step_ms')} | "
                      f"{ms(i, 'infer_ms')} | {ms(a, 'infer_ms')} |")
     return "\n".join(lines)
 
@@ -322,10 +332,9 @@ def same_memory_table(rows: list) -> str:
         t, a, m = r.get("deepspeed_train", {}), r.get("autoshard", {}), r.get("autoshard_same_memory")
         if m is None:
             continue
-        cell = lambda d: f"{d['bytes']:,.0f} ({d['calls']})" if "bytes" in d else d.get("error", "-")  # noqa: E731
-        ratio = f"{m['bytes'] / t['bytes']:.2f}" if "bytes" in m and t.get("bytes") else "-"
-        lines.append(f"| {r['model']} | {cell(t)} | {cell(a)} | {m['budget'] / 1024:.0f} | "
-                     f"{m.get('train', m.get('error', '-'))} / {m.get('infer', '-')} | {cell(m)} | {ratio} |")
+        budget = f"{m['budget'] / 1024:.0f}" if "budget" in m else "-"
+        lines.append(f"| {r['model']} | {_bytes(t)} | {_bytes(a)} | {budget} | "
+                     f"{m.get('train', m.get('error', '-'))} / {m.get('infer', '-')} | {_bytes(m)} | {_ratio(m, t)} |")
     return "\n".join(lines)
 
 
