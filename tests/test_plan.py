@@ -419,3 +419,31 @@ def test_symbolic_trace_specialises_a_none_default():
     plan = autoshard.plan(meta(GPT, V, H, HEADS, 1, S), 4, ids(targets=False), tracer="symbolic_trace")
     assert plan.tracer == "symbolic_trace" and plan.dims["head"] == -1
     assert not plan.unsupported
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_plan_leaves_the_garbage_collector_as_it_found_it(enabled):
+    """`plan` pauses Python's cyclic collector while it captures and searches (each full collection walks
+    every object planning made: half a second of an 80-layer plan), then leaves it as it was, also where
+    planning fails."""
+    import gc
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            seen.append(gc.isenabled())
+            return self.fc(x)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        autoshard.plan(Probe(), 2, (torch.randn(2, 8),))
+        assert seen and not any(seen) and gc.isenabled() == enabled
+        with pytest.raises(ShardingError):
+            autoshard.plan(Probe(), 2, (torch.randn(2, 8),), pin={"nowhere": 0})
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()

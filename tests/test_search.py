@@ -227,3 +227,42 @@ def test_alike_layers_are_searched_once(monkeypatch):
     few, many = _search_work(4, monkeypatch), _search_work(16, monkeypatch)
     assert many["best"] <= few["best"] * 1.25, (few, many)
     assert many["single flips"] <= few["single flips"] * 1.25 + 10, (few, many)
+
+
+def _early_gather_trials(layers: int, monkeypatch, translated: bool = True):
+    """(plan, readers tried reading a split output whole: `State.gather_early`'s forced propagations) of a
+    LLaMA-shaped model of `layers` alike layers on meta at 8 ranks, the memo of trials that did not pay
+    shared between alike layers (`planner.alike`) or, with `translated` off, kept per node."""
+    transformers = pytest.importorskip("transformers")
+    import autoshard
+    counts, propagated = Counter(), assignment.State._propagated
+
+    def counted(self, changes, forced=None):
+        counts["forced"] += bool(forced)
+        return propagated(self, changes, forced)
+    monkeypatch.setattr(assignment.State, "_propagated", counted)
+    if not translated:
+        monkeypatch.setattr(assignment.AlikeLayers, "recall", lambda self, memo, what, u: memo.get((u, what)))
+        monkeypatch.setattr(assignment.AlikeLayers, "remember",
+                            lambda self, memo, what, u, nodes, labels: memo.__setitem__((u, what), (nodes, labels)))
+    cfg = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+                                   num_hidden_layers=layers, vocab_size=128256, max_position_embeddings=8192)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    plan = autoshard.plan(model, 8, {"input_ids": torch.Size([2, 512]), "labels": torch.Size([2, 512])}, tracer="export")
+    monkeypatch.undo()
+    return plan, counts["forced"]
+
+
+def test_alike_layers_share_the_early_gathers_that_did_not_pay(monkeypatch):
+    """A reader of a split output tried reading it whole (`State.gather_early`), where that did not pay, is
+    not tried again in an alike layer with the same labels around it (`planner.alike`; the labels a trial
+    reads leave out ops of one strategy and the readers of what costs nothing however read, the rotary's
+    cos: else they span every layer). The trials grow little with depth (LLaMA-3-70B's shapes: 194 at 6
+    layers, 224 at 12, against 694 kept per node, the most of an 80-layer plan's relaxing step), and the
+    plan is the one made trying every layer."""
+    few, few_trials = _early_gather_trials(6, monkeypatch)
+    many, many_trials = _early_gather_trials(12, monkeypatch)
+    each, each_trials = _early_gather_trials(12, monkeypatch, translated=False)
+    assert many_trials <= few_trials * 1.5 and each_trials > many_trials * 2, (few_trials, many_trials, each_trials)
+    assert (many.layouts, many.objective, many.comm_bytes) == (each.layouts, each.objective, each.comm_bytes)

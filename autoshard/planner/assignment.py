@@ -15,6 +15,7 @@ import torch
 
 from ..runtime.placements import (REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups,
                                   held_by_readers)
+from .alike import AlikeLayers
 from .problem import INF, Overlay, Problem
 
 
@@ -31,17 +32,13 @@ class State:
         self.prob = prob
         n = len(prob.nodes)
         self.choice = [0] * len(prob.groups)
-        self.param_place: dict[int, object] = {}
-        for grp in prob.groups:       # choice 0: all-Replicate, unless a pin or a fixed layout removed that option
-            for key, pl in zip(grp.params, grp.choices[0]):
-                if pl != REPLICATE:           # (an Rp layout is a Replicate of its own)
-                    self.param_place[key] = pl
-        self.sidx = [0] * n
-        self.place = [None] * n
+        # choice 0: all-Replicate, unless a pin or a fixed layout removed that option (an Rp layout is a Replicate of its own)
+        self.param_place: dict[int, object] = {key: pl for grp in prob.groups for key, pl in zip(grp.params, grp.choices[0])
+                                               if pl != REPLICATE}
+        self.sidx, self.place = [0] * n, [None] * n
         for i in range(n):
             self._assign(i, self.place, self.sidx)
-        # communication cost of every tensor under this labelling, kept current by commit()
-        self.tcost = [prob.tensor_cost(j, self.place, self.sidx) for j in range(n)]
+        self.tcost = [prob.tensor_cost(j, self.place, self.sidx) for j in range(n)]   # every tensor's, kept by commit()
         self.total = self.evaluate()
         self.path = (prob, 0)       # the labelling, named by the commits since State(prob) (`trial`)
 
@@ -361,7 +358,7 @@ class State:
         """Each reader of node a that reads it split or Partial tried reading it whole, its output then
         propagated; the trial that lowers the step most committed. Returns the nodes changed."""
         prob, changed = self.prob, set()
-        tried = prob.search_memo.setdefault("read whole", {})   # (u, si) -> labels around a trial that did not pay
+        tried, alike = prob.search_memo.setdefault("read whole", {}), AlikeLayers.of(prob)   # trials that did not pay
         labels = lambda ops, params: (tuple(map(self.sidx.__getitem__, ops)), tuple(map(self.place.__getitem__, params)))  # noqa: E731
         for u in sorted(prob.users[a]):
             if prob.kind[u] != "op" or len(prob.strats[u]) < 2:
@@ -373,15 +370,15 @@ class State:
             best = None
             for si, s in enumerate(prob.strats[u]):
                 if si != self.sidx[u] and all(s.inputs[k] == REPLICATE for k in slots) and self._servable(u, s):
-                    seen = tried.get((u, si))
-                    if seen is not None and labels(*seen[:2]) == seen[2:]:
-                        continue             # tried with the same labels around it: it did not pay
+                    seen = alike.recall(tried, si, u)
+                    if seen is not None and labels(*seen[0]) == seen[1]:
+                        continue             # tried with the same labels around it (here or alike): it did not pay
                     d, ov = self._propagated({}, {u: si})
                     if d < -tol and (best is None or d < best[0]):
                         best = d, ov
                     elif d >= -tol:
-                        ops, params = self._read_by(ov, u)
-                        tried[u, si] = (ops, params, *labels(ops, params))
+                        nodes = self._read_by(ov, u)
+                        alike.remember(tried, si, u, nodes, labels(*nodes))
             if best is not None:
                 self.commit(*best)
                 changed.update(best[1][2], best[1][3])
@@ -391,12 +388,13 @@ class State:
     def _read_by(self, overlay, u) -> tuple:
         """(ops, parameters) whose labels a trial forcing node u read: those it changed or costed (with their view
         classes), their readers, inputs and the inputs' other readers where they count (`_read_before`), and the
-        inputs of the readers of what changed placement (whose choice a change there alters)."""
+        inputs of the readers of what changed placement (whose choice a change there alters). Not the readers of
+        what costs nothing however read (a size, the rotary's cos: whole, without a gradient)."""
         prob, place = self.prob, self.place
-        base = {u, *overlay[2], *overlay[3], *overlay[4]}
-        for r in overlay[4]:
-            base.update(prob.members.get(r, ()))
-        out = set(base)
+        free = {r for r in overlay[4] if not prob.nbytes[r] or all(     # (costs nothing, whoever reads it)
+            type(place[m]) is Replicate and not prob.needs_grad[m] for m in prob.members.get(r, (r,)))}
+        base = {u, *overlay[2], *overlay[3], *(m for r in set(overlay[4]) - free for m in (r, *prob.members.get(r, ())))}
+        out = base | free
         for w in {w for i in (u, *overlay[2]) for w in prob.users[i]}:    # where the propagation stopped
             out.update(prob.ins[w])
         for i in base:
@@ -405,7 +403,8 @@ class State:
                 out.add(j)
                 if prob.needs_grad[j] or isinstance(place[j], (Shard, Partial)):
                     out.update(prob.users[j])
-        return tuple(i for i in out if prob.kind[i] != "param"), tuple(i for i in out if prob.kind[i] == "param")
+        return tuple(i for i in out if prob.kind[i] != "param" and len(prob.strats[i]) > 1), \
+            tuple(i for i in out if prob.kind[i] == "param")       # (an op of one strategy: no choice to note)
 
     def _servable(self, i, s) -> bool:
         """Whether strategy `s` of node i can read its inputs as they are placed (a split parameter is

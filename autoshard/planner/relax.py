@@ -39,7 +39,7 @@ def families(prob) -> list:
     return out
 
 
-def _settled(prob, state, move, trial, alike=frozenset()) -> tuple:
+def _settled(prob, state, move, trial, alike=frozenset(), cache=None) -> tuple:
     """(how much faster the step of `state` gets with `move` ({group: choice}) made (its `trial`:
     delta and overlay), the state so changed and settled): both with their split outputs gathered
     where that pays (`State.gather_early`) and their reductions settled (`State.reduce_early`, as
@@ -47,7 +47,9 @@ def _settled(prob, state, move, trial, alike=frozenset()) -> tuple:
     chains above them: elsewhere the two settle alike. The settled state is what `relax` commits
     (committed unsettled, a later move compared settled states from another labelling, and
     Persimmon's MLP flipped to the optimum's layout and back). INF where the move sets apart the first layer of a run in `alike`
-    (`search.first_layers_alike`: alike layers stay one block graph, one compile)."""
+    (`search.first_layers_alike`: alike layers stay one block graph, one compile). `cache`: {anchors:
+    `state` with their early gathers settled}, kept while `state` is unchanged (a family's every choice
+    settles the same state before it)."""
     delta, overlay = trial
     if overlay is None:
         return 0.0, None
@@ -56,8 +58,14 @@ def _settled(prob, state, move, trial, alike=frozenset()) -> tuple:
     if alike and not alike <= first_layers_alike(changed):
         return INF, None
     anchors = {a for g in move for a in prob.groups[g].anchors}
-    before = state.copy()
-    gathered = before.gather_early(anchors) | changed.gather_early(anchors)
+    hit = None if cache is None else cache.get(frozenset(anchors))
+    if hit is None:
+        base = state.copy()
+        hit = base, base.gather_early(anchors)
+        if cache is not None:
+            cache[frozenset(anchors)] = hit
+    before = hit[0].copy()
+    gathered = hit[1] | changed.gather_early(anchors)
     region, todo = set(), [*overlay[2], *overlay[3], *overlay[4], *gathered, *(u for i in overlay[2] for u in prob.users[i])]
     while todo:
         i = todo.pop()
@@ -88,6 +96,7 @@ def _relax(prob, state, bound, held) -> None:
     scale passed it on Partial and reduced it later too)."""
     fams = families(prob)
     rejected: dict = {}          # (family, choice) -> nodes its last trial read or wrote, while unchanged since
+    cache: dict = {}             # `_settled`'s states before a move, while `state` is unchanged
     kept = _vocabulary_heads(prob, state)
     fams = [fam for fam in fams if not kept.intersection(fam)]
     for _ in range(4):
@@ -111,25 +120,25 @@ def _relax(prob, state, bound, held) -> None:
                     continue
                 move = {g: c for g in fam if state.choice[g] != c}
                 d, ov = state.trial(move)
-                step, settled = _settled(prob, state, move, (d, ov), alike)
+                step, settled = _settled(prob, state, move, (d, ov), alike, cache)
                 if settled is not None and (step < -tol or (step <= tol and added < 0)):
                     if best is None or (step, added) < best[:2]:
                         best = step, added, settled
                 else:
                     rejected[f, c] = _touched(prob, ov, move)
             if best is not None:
-                _commit(prob, state, best, rejected)
+                _commit(prob, state, best, rejected, cache)
                 held += best[1]
                 improved = True
         if not improved:
             best = None
-            for move, added in _pairs(prob, state, fams, over, freeing, held, bound, alike):
-                step, settled = _settled(prob, state, move, state.trial(move), alike)
+            for move, added in _pairs(prob, state, fams, over, freeing, held, bound, alike, cache):
+                step, settled = _settled(prob, state, move, state.trial(move), alike, cache)
                 if settled is not None and step < -tol and (best is None or step < best[0]):
                     best = step, added, settled
             if best is None:
                 return
-            _commit(prob, state, best, rejected)
+            _commit(prob, state, best, rejected, cache)
             held += best[1]
 
 
@@ -176,8 +185,10 @@ def _touched(prob, overlay, move) -> frozenset:
     return frozenset(out)
 
 
-def _commit(prob, state, best, rejected) -> None:
-    """Commit `best` (step, bytes added, the state settled), forgetting the rejections it may undo."""
+def _commit(prob, state, best, rejected, cache) -> None:
+    """Commit `best` (step, bytes added, the state settled), forgetting the rejections it may undo and
+    the states `_settled` kept from before it."""
+    cache.clear()
     changed = state.adopt(best[2])
     for key in [k for k, nodes in rejected.items() if not nodes.isdisjoint(changed)]:
         del rejected[key]
@@ -195,7 +206,7 @@ def _family_bytes(prob, state, fam, c=None) -> float:
     return total
 
 
-def _pairs(prob, state, every, over, freeing, held, bound, alike):
+def _pairs(prob, state, every, over, freeing, held, bound, alike, cache):
     """(move, bytes added) of two or more family flips at once, for `relax` where no single flip
     pays: every choice of families whose outputs one op reads (GPT-2's token and position
     embeddings, summed: split on features both, or on rows both), and of the families of each joint
@@ -226,7 +237,7 @@ def _pairs(prob, state, every, over, freeing, held, bound, alike):
     paying = []
     for move, added in crowded:
         if held + added + least <= bound:       # (one flip could free enough: does this one pay alone?)
-            step, _ = _settled(prob, state, move, state.trial(move), alike)
+            step, _ = _settled(prob, state, move, state.trial(move), alike, cache)
             if step < -tol:
                 paying.append((step, len(paying), move, added))
     for _, _, move, added in sorted(paying, key=lambda o: o[:2])[:PAIRED]:
