@@ -268,22 +268,27 @@ class NormedEmbedding(nn.Module):
 
 class QKNormBlock(nn.Module):
     """Attention whose query and key projections are each normed over their whole width (OLMo-2's q_norm
-    and k_norm) before the heads are cut, then a SwiGLU MLP; norms after each branch (`post`, OLMo-2)
-    or before it."""
+    and k_norm) before the heads are cut, or with `per_head` over each head after (Qwen3's), then a
+    SwiGLU MLP; norms after each branch (`post`, OLMo-2) or before it."""
 
-    def __init__(self, h=64, heads=4, post=True):
+    def __init__(self, h=64, heads=4, post=True, per_head=False):
         super().__init__()
-        self.heads, self.post = heads, post
+        self.heads, self.post, self.per_head = heads, post, per_head
         self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
-        self.q_norm, self.k_norm, self.n1, self.n2 = RMSNorm(h), RMSNorm(h), RMSNorm(h), RMSNorm(h)
+        self.q_norm, self.k_norm = (RMSNorm(h // heads if per_head else h) for _ in range(2))
+        self.n1, self.n2 = RMSNorm(h), RMSNorm(h)
         self.gate, self.up = nn.Linear(h, 2 * h, bias=False), nn.Linear(h, 2 * h, bias=False)
         self.down = nn.Linear(2 * h, h, bias=False)
 
     def forward(self, x):
         B, T, H = x.shape
         y = x if self.post else self.n1(x)
-        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
-                   for t in (self.q_norm(self.q(y)), self.k_norm(self.k(y)), self.v(y)))
+        if self.per_head:
+            q, k, v = (norm(t.view(B, T, self.heads, -1)).transpose(1, 2)
+                       for t, norm in ((self.q(y), self.q_norm), (self.k(y), self.k_norm), (self.v(y), nn.Identity())))
+        else:
+            q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                       for t in (self.q_norm(self.q(y)), self.k_norm(self.k(y)), self.v(y)))
         a = self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, H))
         x = x + (self.n1(a) if self.post else a)
         z = x if self.post else self.n2(x)
@@ -294,10 +299,10 @@ class QKNormBlock(nn.Module):
 class QKNormed(nn.Module):
     """An embedding, two `QKNormBlock`s, a norm and an untied head."""
 
-    def __init__(self, vocab=128, h=64, blocks=2, post=True):
+    def __init__(self, vocab=128, h=64, blocks=2, post=True, per_head=False):
         super().__init__()
         self.tok = nn.Embedding(vocab, h)
-        self.blocks = nn.ModuleList(QKNormBlock(h, post=post) for _ in range(blocks))
+        self.blocks = nn.ModuleList(QKNormBlock(h, post=post, per_head=per_head) for _ in range(blocks))
         self.norm, self.head = RMSNorm(h), nn.Linear(h, vocab, bias=False)
 
     def forward(self, ids):

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from factories import RandomDAG, random_dag  # noqa: E402
 
-from autoshard.planner import assignment, relax, search as S  # noqa: E402
+from autoshard.planner import assignment, relax, search as S, tried  # noqa: E402
 from autoshard.planner.build import chunk_candidates, plan_graph  # noqa: E402
 from autoshard.capture.trace import capture  # noqa: E402
 from autoshard.planner.cost import CostModel  # noqa: E402
@@ -230,9 +230,10 @@ def test_alike_layers_are_searched_once(monkeypatch):
 
 
 def _early_gather_trials(layers: int, monkeypatch, translated: bool = True):
-    """(plan, readers tried reading a split output whole: `State.gather_early`'s forced propagations) of a
-    LLaMA-shaped model of `layers` alike layers on meta at 8 ranks, the memo of trials that did not pay
-    shared between alike layers (`planner.alike`) or, with `translated` off, kept per node."""
+    """(plan, forced propagations: readers tried reading a split output whole, `State.gather_early`, and
+    sibling layers' outputs kept split, `relax.keep_split`) of a LLaMA-shaped model of `layers` alike layers
+    on meta at 8 ranks, the memo of trials that did not pay shared between alike layers (`planner.tried`)
+    or, with `translated` off, kept per node."""
     transformers = pytest.importorskip("transformers")
     import autoshard
     counts, propagated = Counter(), assignment.State._propagated
@@ -242,9 +243,7 @@ def _early_gather_trials(layers: int, monkeypatch, translated: bool = True):
         return propagated(self, changes, forced)
     monkeypatch.setattr(assignment.State, "_propagated", counted)
     if not translated:
-        monkeypatch.setattr(assignment.AlikeLayers, "recall", lambda self, memo, what, u: memo.get((u, what)))
-        monkeypatch.setattr(assignment.AlikeLayers, "remember",
-                            lambda self, memo, what, u, nodes, labels: memo.__setitem__((u, what), (nodes, labels)))
+        monkeypatch.setattr(tried.AlikeLayers, "relative", lambda self, nodes, layer: None)
     cfg = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
                                    num_hidden_layers=layers, vocab_size=128256, max_position_embeddings=8192)
     with torch.device("meta"):
@@ -256,7 +255,7 @@ def _early_gather_trials(layers: int, monkeypatch, translated: bool = True):
 
 def test_alike_layers_share_the_early_gathers_that_did_not_pay(monkeypatch):
     """A reader of a split output tried reading it whole (`State.gather_early`), where that did not pay, is
-    not tried again in an alike layer with the same labels around it (`planner.alike`; the labels a trial
+    not tried again in an alike layer with the same labels around it (`planner.tried`; the labels a trial
     reads leave out ops of one strategy and the readers of what costs nothing however read, the rotary's
     cos: else they span every layer). The trials grow little with depth (LLaMA-3-70B's shapes: 194 at 6
     layers, 224 at 12, against 694 kept per node, the most of an 80-layer plan's relaxing step), and the

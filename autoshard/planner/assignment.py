@@ -15,8 +15,8 @@ import torch
 
 from ..runtime.placements import (REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard, held_by_groups,
                                   held_by_readers)
-from .alike import AlikeLayers
 from .problem import INF, Overlay, Problem
+from .tried import Tried
 
 
 def _whole_in_group(placement) -> bool:
@@ -358,55 +358,37 @@ class State:
         """Each reader of node a that reads it split or Partial tried reading it whole, its output then
         propagated; the trial that lowers the step most committed. Returns the nodes changed."""
         prob, changed = self.prob, set()
-        tried, alike = prob.search_memo.setdefault("read whole", {}), AlikeLayers.of(prob)   # trials that did not pay
-        labels = lambda ops, params: (tuple(map(self.sidx.__getitem__, ops)), tuple(map(self.place.__getitem__, params)))  # noqa: E731
         for u in sorted(prob.users[a]):
             if prob.kind[u] != "op" or len(prob.strats[u]) < 2:
                 continue
             slots = [k for k, j in enumerate(prob.ins[u]) if j == a]
             if all(prob.strats[u][self.sidx[u]].inputs[k] == REPLICATE for k in slots):
                 continue
-            tol = 1e-12 * max(1.0, abs(self.total))
             best = None
             for si, s in enumerate(prob.strats[u]):
-                if si != self.sidx[u] and all(s.inputs[k] == REPLICATE for k in slots) and self._servable(u, s):
-                    seen = alike.recall(tried, si, u)
-                    if seen is not None and labels(*seen[0]) == seen[1]:
-                        continue             # tried with the same labels around it (here or alike): it did not pay
-                    d, ov = self._propagated({}, {u: si})
-                    if d < -tol and (best is None or d < best[0]):
+                if si != self.sidx[u] and all(s.inputs[k] == REPLICATE for k in slots) and self.servable(u, s):
+                    d, ov = self.tried({u: si}, u, si)
+                    if d < -1e-12 * max(1.0, abs(self.total)) and (best is None or d < best[0]):
                         best = d, ov
-                    elif d >= -tol:
-                        nodes = self._read_by(ov, u)
-                        alike.remember(tried, si, u, nodes, labels(*nodes))
             if best is not None:
                 self.commit(*best)
                 changed.update(best[1][2], best[1][3])
                 self.path = None         # (no longer a function of the group choices alone)
         return changed
 
-    def _read_by(self, overlay, u) -> tuple:
-        """(ops, parameters) whose labels a trial forcing node u read: those it changed or costed (with their view
-        classes), their readers, inputs and the inputs' other readers where they count (`_read_before`), and the
-        inputs of the readers of what changed placement (whose choice a change there alters). Not the readers of
-        what costs nothing however read (a size, the rotary's cos: whole, without a gradient)."""
-        prob, place = self.prob, self.place
-        free = {r for r in overlay[4] if not prob.nbytes[r] or all(     # (costs nothing, whoever reads it)
-            type(place[m]) is Replicate and not prob.needs_grad[m] for m in prob.members.get(r, (r,)))}
-        base = {u, *overlay[2], *overlay[3], *(m for r in set(overlay[4]) - free for m in (r, *prob.members.get(r, ())))}
-        out = base | free
-        for w in {w for i in (u, *overlay[2]) for w in prob.users[i]}:    # where the propagation stopped
-            out.update(prob.ins[w])
-        for i in base:
-            out.update(prob.users[i])
-            for j in prob.ins[i]:
-                out.add(j)
-                if prob.needs_grad[j] or isinstance(place[j], (Shard, Partial)):
-                    out.update(prob.users[j])
-        return tuple(i for i in out if prob.kind[i] != "param" and len(prob.strats[i]) > 1), \
-            tuple(i for i in out if prob.kind[i] == "param")       # (an op of one strategy: no choice to note)
+    def tried(self, forced: dict, u, what) -> tuple:
+        """(delta, overlay) of ops taking the strategies of `forced` ({op: strategy}), as `trial` gives one;
+        (0.0, None) without propagating where the same trial (`what` at node u) did not pay with the labels
+        it read as they are (`tried.Tried`: here or in an alike layer). One that does not pay is noted."""
+        memo = Tried.of(self.prob)
+        if memo.failed(self, what, u):
+            return 0.0, None
+        delta, overlay = self._propagated({}, forced)
+        if delta >= -1e-12 * max(1.0, abs(self.total)) and overlay is not None:
+            memo.note(self, what, u, overlay)
+        return delta, overlay
 
-    def _servable(self, i, s) -> bool:
+    def servable(self, i, s) -> bool:
         """Whether strategy `s` of node i can read its inputs as they are placed (a split parameter is
         read as stored, a held input as it is held: `_best` never takes such a strategy)."""
         prob = self.prob

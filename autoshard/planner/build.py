@@ -29,6 +29,7 @@ from .cost import CostModel, flops
 from .decisions import module_of
 from .budget import fit_budget, least_comm, sequence_twin
 from .memory import memory_of
+from .relax import settle_splits
 from .rules.registry import PARALLEL_LAYERS, family_of
 from .rules.shape import view_groups
 
@@ -145,7 +146,7 @@ def plan_graph(gm: fx.GraphModule, world_size: int, cost: CostModel, *, pin=None
             state = least_comm(prob, lambda pr: _run(pr, search))
         else:             # (a price, or the layouts of a plan made: settled as `least_comm` settles)
             state = _run(prob, search)
-            state.gather_early({a for grp in prob.groups for a in grp.anchors})
+            settle_splits(prob, state, {a for grp in prob.groups for a in grp.anchors})
         state.reduce_early()
         return state
     prob = make(cost)

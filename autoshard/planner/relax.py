@@ -9,11 +9,12 @@ import itertools
 import math
 
 from ..capture.repeats import layer_key
-from ..runtime.placements import Partial, Shard
+from ..runtime.placements import Partial, Replicate, Shard
 from .decisions import module_of
 from .held import group_bytes, memory_term
 from .problem import INF
 from .search import first_layers_alike, windows
+from .tried import Tried
 
 PAIRED = 8             # flips over the bound that `_pairs` tries with each flip freeing bytes
 PAIR_COMBOS = 3 ** 4   # choices of families enumerated together at most
@@ -61,11 +62,11 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None) -> tuple:
     hit = None if cache is None else cache.get(frozenset(anchors))
     if hit is None:
         base = state.copy()
-        hit = base, base.gather_early(anchors)
+        hit = base, settle_splits(prob, base, anchors)
         if cache is not None:
             cache[frozenset(anchors)] = hit
     before = hit[0].copy()
-    gathered = hit[1] | changed.gather_early(anchors)
+    gathered = hit[1] | settle_splits(prob, changed, anchors)
     region, todo = set(), [*overlay[2], *overlay[3], *overlay[4], *gathered, *(u for i in overlay[2] for u in prob.users[i])]
     while todo:
         i = todo.pop()
@@ -81,10 +82,102 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None) -> tuple:
 
 
 def relax(prob, state, bound, held) -> None:
-    """`_relax`, then every split output gathered at once where that costs less (`State.gather_early`),
-    as the relaxing step compared its moves."""
+    """`_relax`, then the split outputs settled (`settle_splits`), as the relaxing step compared its moves."""
     _relax(prob, state, bound, held)
-    state.gather_early({a for grp in prob.groups for a in grp.anchors})
+    settle_splits(prob, state, {a for grp in prob.groups for a in grp.anchors})
+
+
+def settle_splits(prob, state, anchors) -> set:
+    """What the per-node choice leaves split, or gathers one reader at a time, settled at the `anchors`'
+    outputs: gathered at once where that pays (`State.gather_early`), then sibling layers' kept split
+    together where that pays (`keep_split`). The nodes changed are returned."""
+    return state.gather_early(anchors) | keep_split(prob, state, anchors)
+
+
+def keep_split(prob, state, anchors) -> set:
+    """Sibling layers' split outputs (`sibling_sets`: the query, key and value projections) kept split
+    together where the step then costs less: every op that reads one of them whole (`_gather_points`)
+    takes its cheapest strategy reading it as it is, all of a set's at once. The per-node choice gathers
+    each alone for less: Qwen3's per-head norms of the queries and keys gather them (split, their
+    weights' gradients are all-reduced) and the attention runs whole, where the three kept split run
+    it by heads. The nodes changed are returned."""
+    changed, memo, found = set(), Tried.of(prob), {}
+    for sibs in sibling_sets(prob):
+        if anchors.isdisjoint(sibs) or not (forced := _points(prob, state, sibs, memo.alike, found)):
+            continue
+        u, ops = min(sibs), sorted(forced)
+        delta, overlay = state.tried(forced, u, ("kept split", memo.name(u, ops), tuple(map(forced.get, ops))))
+        if delta < -1e-12 * max(1.0, abs(state.total)):
+            state.commit(delta, overlay)
+            state.path = None           # (no longer a function of the group choices alone)
+            changed.update(overlay[2], overlay[3])
+            found.clear()
+    return changed
+
+
+def sibling_sets(prob) -> list:
+    """The decision groups' anchors two or more of which read one tensor (an attention's query, key and
+    value projections, an MLP's gate and up projections), a set each."""
+    if "sibling anchors" not in prob.search_memo:
+        readers: dict = {}
+        for grp in prob.groups:
+            for a in grp.anchors:
+                for j in prob.ins[a]:
+                    if prob.kind[j] != "param":
+                        readers.setdefault(j, set()).add(a)
+        prob.search_memo["sibling anchors"] = [frozenset(s) for _, s in sorted(readers.items()) if len(s) > 1]
+    return prob.search_memo["sibling anchors"]
+
+
+def _points(prob, state, sibs, alike, found: dict) -> dict:
+    """`_gather_points` of a set of siblings, walked within their layer where they lie in a run of alike
+    layers (`tried.AlikeLayers`); where the set at their place in another layer of the run found its
+    points with the same labels around (that layer's and the one before: `signature`), those points
+    named again here (`found`: kept while the state is unchanged)."""
+    u = min(sibs)
+    j = alike.layer_of.get(u)
+    if j is None:
+        return _gather_points(prob, state, sibs)
+    if j < 2:
+        return _gather_points(prob, state, sibs, alike.nodes[j])
+    key = alike.at[u][1], alike.signature(state, j)
+    if key not in found:
+        found[key] = j, _gather_points(prob, state, sibs, alike.nodes[j])
+    k, forced = found[key]
+    return forced if k == j else {alike.layers[j][alike.at[v][1]]: si for v, si in forced.items()}
+
+
+def _gather_points(prob, state, anchors, within=None, reach: int = 16) -> dict:
+    """{op: strategy} for each op that reads whole a split tensor that the anchors' outputs reach split
+    (within `reach` tensors of each, and the nodes `within` where given): the cheapest of its strategies
+    that read every such input as it is."""
+    need: dict = {}                      # op -> {slot: the placement kept}
+    sidx, place, strats, ins, users, kind = state.sidx, state.place, prob.strats, prob.ins, prob.users, prob.kind
+    seen = set()
+    for a in sorted(anchors):
+        if not isinstance(place[a], Shard) or a in seen:
+            continue
+        todo, stop = [a], len(seen) + reach
+        seen.add(a)
+        for t in todo:
+            pt = place[t]
+            for u in users[t]:
+                if kind[u] != "op" or not strats[u] or within is not None and u not in within:
+                    continue
+                req = strats[u][sidx[u]].inputs
+                slots = [k for k, j in enumerate(ins[u]) if j == t]
+                if all(req[k] is pt or req[k] == pt for k in slots):
+                    if u not in seen and len(seen) < stop and isinstance(place[u], Shard):
+                        seen.add(u)
+                        todo.append(u)                           # (carried split)
+                elif any(isinstance(req[k], Replicate) for k in slots):
+                    need.setdefault(u, {}).update((k, pt) for k in slots)
+    forced = {}
+    for u, slots in need.items():
+        keep = [si for si, s in enumerate(strats[u]) if all(s.inputs[k] == pl for k, pl in slots.items()) and state.servable(u, s)]
+        if keep:
+            forced[u] = min(keep, key=prob.node_cost[u].__getitem__)
+    return forced
 
 
 def _relax(prob, state, bound, held) -> None:

@@ -192,6 +192,13 @@ class Repeats:
 
     @classmethod
     def of(cls, prob):
+        """The run of `prob`'s graph (None: none), found once and kept in its search memo."""
+        if "repeats" not in prob.search_memo:
+            prob.search_memo["repeats"] = cls._found(prob)
+        return prob.search_memo["repeats"]
+
+    @classmethod
+    def _found(cls, prob):
         found: dict = {}
         for names in prob.param_names.values():
             for name in names:
