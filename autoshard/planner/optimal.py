@@ -52,7 +52,7 @@ class Solved:
     integers: int
     constraints: int
     objective: float
-    held_classes: int = 0     # tensor classes solved with their views reading as held (`_views_as_held`)
+    held_classes: int = 0     # tensor classes solved with their views reading as held (`_held_combos`)
 
     def note(self) -> str:
         return (f"search=optimal: HiGHS {self.status}, gap {self.gap:.2g}, {self.seconds:.2f} s solving + "
@@ -161,12 +161,18 @@ def _factor(prob: Problem, dec: _Deciders, r: int, place, sidx):
         options: dict = {}
         for v, fs in feats.items():
             options.setdefault(fs, v)
-        reach = {S | fs: {**assign, d: v} for S, assign in reach.items() for fs, v in options.items()}
+        grown: dict = {}
+        for S, assign in reach.items():
+            for fs, v in options.items():
+                grown[S | fs] = {**assign, d: v}
+            if len(grown) > COMBOS:      # (too many: the table is made over the deciders instead)
+                break
+        reach = grown
         if len(reach) > COMBOS:
             break
     n = math.prod(len(c) for c in classes) * len(reach)
     joint = _joint_classes(dec, sorted(set(makes) | set(reads)), makes, reads)
-    held = n > COMBOS and math.prod(len(c) for c in joint) <= RAW
+    held = n > COMBOS
     if held or math.prod(len(c) for c in joint) <= n:       # as few entries with every decision's values apart
         makers, classes, reach = sorted(set(makes) | set(reads)), joint, {frozenset(): {}}
         makes = {d: [(m, (lambda v, f=f, d=d: f(v))) for m, f in makes.get(d, ())] +
@@ -177,15 +183,11 @@ def _factor(prob: Problem, dec: _Deciders, r: int, place, sidx):
         raise ValueError(f"search='optimal': the communication of %{prob.nodes[r].name} depends on "
                          f"{len(makers)} placements and {len(reads)} readers with {n} combinations (> {COMBOS})")
     table = {}
-    for combo in itertools.product(*(range(len(c)) for c in classes)):
-        for d, k, cls in zip(makers, combo, classes):
-            for m, f in makes[d]:
-                if m is None:
-                    f(cls[k][0])                # (a reader's strategy, set by its setter)
-                else:
-                    place[m] = f(cls[k][0])
-        if held and not _views_as_held(prob, makers, combo, classes, mset, place):
-            continue
+    for combo in (_held_combos(prob, r, makers, classes, makes, mset, place) if held else
+                  itertools.product(*(range(len(c)) for c in classes))):
+        if not held:
+            for d, k, cls in zip(makers, combo, classes):
+                _make(makes[d], cls[k][0], place)
         for S, assign in reach.items():
             for d, v in assign.items():
                 sidx[d[1]] = v
@@ -200,18 +202,46 @@ def _factor(prob: Problem, dec: _Deciders, r: int, place, sidx):
     return makers, classes, reads, table, held
 
 
-def _views_as_held(prob: Problem, makers, combo, classes, mset, place) -> bool:
-    """Whether every view in a class reads the member it views in the placement that member is held in
-    (no redistribution inside the class): the restriction a class too large to enumerate is solved
-    under (`Solved.held_classes` counts them)."""
-    for d, k, cls in zip(makers, combo, classes):
+def _make(makes, v, place) -> None:
+    """Set what one decider's value `v` makes: its members' placements (a reader's strategy by its setter)."""
+    for m, f in makes:
+        if m is None:
+            f(v)
+        else:
+            place[m] = f(v)
+
+
+def _held_combos(prob: Problem, r: int, makers, classes, makes, mset, place):
+    """The combinations of the makers' classes (their placements made in `place` as each is yielded) in
+    which every view in the class reads the member it views in the placement that member is held in (no
+    redistribution inside the class): the restriction a class too large to enumerate is solved under
+    (`Solved.held_classes` counts them). Depth first in the graph's order (makers sorted: groups, then
+    ops by node), a view's classes tried only where its own read holds: the combinations that hold, not
+    all of them filtered (DeBERTa's mask, viewed 7 times: 2.5 million combinations). At most `RAW` tried."""
+    combo, tried = [0] * len(makers), 0
+
+    def holds(d, v) -> bool:
         if d[0] != "s" or d[1] not in mset:
-            continue
-        st = prob.strats[d[1]][cls[k][0]]
-        for slot, j in enumerate(prob.ins[d[1]]):
-            if j in mset and st.inputs[slot] is not None and st.inputs[slot] != place[j]:
-                return False
-    return True
+            return True
+        st = prob.strats[d[1]][v]
+        return all(not (j in mset and st.inputs[slot] is not None and st.inputs[slot] != place[j])
+                   for slot, j in enumerate(prob.ins[d[1]]))
+
+    def walk(n):
+        nonlocal tried
+        if n == len(makers):
+            yield tuple(combo)
+            return
+        for k, cls in enumerate(classes[n]):
+            tried += 1
+            if tried > RAW:
+                raise ValueError(f"search='optimal': the communication of %{prob.nodes[r].name} depends on "
+                                 f"{len(makers)} placements with over {RAW} combinations, views read as held")
+            _make(makes[makers[n]], cls[0], place)
+            if holds(makers[n], cls[0]):
+                combo[n] = k
+                yield from walk(n + 1)
+    return walk(0)
 
 
 def _joint_classes(dec: _Deciders, deciders, makes, reads) -> list:
