@@ -168,19 +168,21 @@ def test_classes_too_large_are_enumerated_as_held_depth_first(monkeypatch):
     (DeBERTa was refused: "over 2000000 combinations"). Forced onto a small GPT by a small table limit:
     the same program, to the objective and the classes so solved, as filtering every combination."""
     import itertools
+    from autoshard.planner import factors
     prob = _problem(capture(GPT(), None, tokens=64).gm, 2, CostModel())
-    monkeypatch.setattr(O, "COMBOS", 100)
+    monkeypatch.setattr(factors, "COMBOS", 100)
     depth_first = O.solve(prob)
 
     def filtered(prob, r, makers, classes, makes, mset, place):
         for combo in itertools.product(*(range(len(c)) for c in classes)):
             for d, k, cls in zip(makers, combo, classes):
-                O._make(makes[d], cls[k][0], place)
+                for m, f in makes[d]:
+                    f(cls[k][0]) if m is None else place.__setitem__(m, f(cls[k][0]))
             if all(d[0] != "s" or d[1] not in mset or all(
                     not (j in mset and prob.strats[d[1]][cls[k][0]].inputs[slot] not in (None, place[j]))
                     for slot, j in enumerate(prob.ins[d[1]])) for d, k, cls in zip(makers, combo, classes)):
                 yield combo
-    monkeypatch.setattr(O, "_held_combos", filtered)
+    monkeypatch.setattr(factors, "held_combos", filtered)
     every = O.solve(prob)
     assert depth_first.solved.held_classes == every.solved.held_classes > 0
     assert _agree(depth_first.total, every.total), (depth_first.total, every.total)

@@ -42,8 +42,8 @@ def families(prob) -> list:
 
 def _settled(prob, state, move, trial, alike=frozenset(), cache=None) -> tuple:
     """(how much faster the step of `state` gets with `move` ({group: choice}) made (its `trial`:
-    delta and overlay), the state so changed and settled): both with their split outputs gathered
-    where that pays (`State.gather_early`) and their reductions settled (`State.reduce_early`, as
+    delta and overlay), the state so changed and settled): both with their split outputs settled
+    (`settle_splits`: gathered at once, or kept split together, where that pays) and their reductions settled (`State.reduce_early`, as
     every plan is built) over the nodes the move changes, their readers and the Partial or split
     chains above them: elsewhere the two settle alike. The settled state is what `relax` commits
     (committed unsettled, a later move compared settled states from another labelling, and
