@@ -22,7 +22,6 @@ class AlikeLayers:
         reps = Repeats.of(prob)
         self.layers = [] if reps is None else reps.layers
         self.at = {} if reps is None else {i: at for i, at in reps.at.items() if at[0] >= 1}
-        self.run = frozenset(() if reps is None else reps.at)
         self.start = min((i for nodes in self.layers for i in nodes if prob.kind[i] == "op"), default=-1)
         self.layer_of = {} if reps is None else {i: at[0] for i, at in reps.at.items()}
         self.nodes = [frozenset(nodes) for nodes in self.layers]
@@ -44,7 +43,7 @@ class AlikeLayers:
             a = self.at.get(i)
             if a is not None:
                 out.append((a[0] - layer, a[1]))
-            elif i < self.start and i not in self.run:
+            elif i < self.start and i not in self.layer_of:
                 out.append(i)
             else:
                 return None
