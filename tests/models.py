@@ -332,3 +332,39 @@ class TransposedParallel(nn.Module):
             m = F.gelu(y @ self.w_up[k].T) @ self.w_down[k].T
             x = x + a + m
         return x
+
+
+class TwoNormBlock(nn.Module):
+    """Attention and MLP each normalising the same stream, their outputs summed into it (the parallel
+    residual of GPT-NeoX, Pythia and Falcon-40B: two norms reading one tensor)."""
+
+    def __init__(self, h, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.out = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(h, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = self.out(a.transpose(1, 2).reshape(b, t, h))
+        return x + a + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TwoNormParallel(nn.Module):
+    """An embedding, `TwoNormBlock`s, a norm and an untied head."""
+
+    def __init__(self, vocab=128, h=64, heads=8, blocks=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList(TwoNormBlock(h, heads) for _ in range(blocks))
+        self.norm, self.head = nn.LayerNorm(h), nn.Linear(h, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))

@@ -163,12 +163,15 @@ class State:
         return total
 
     # ---------------------------------------------------------------- incremental change
-    def trial(self, changes: dict[int, int]):
-        """Cost delta of setting group -> choice in `changes`, and the overlay that does it.
+    def trial(self, changes: dict[int, int], forced=None):
+        """Cost delta of setting group -> choice in `changes`, and the overlay that does it; with
+        `forced` ({op: strategy}), those ops take those strategies rather than their locally cheapest.
 
         Re-propagates in place from the changed parameters (in topological order) and undoes
         the change before returning; old tensor costs come from `tcost`, not recomputed."""
         prob = self.prob
+        if forced:
+            return self._priced(*self._propagated(changes, forced))
         memo = self.path is not None and self.path[0] is prob
         if memo:
             key = (self.path[1], tuple(changes.items()))

@@ -14,6 +14,7 @@ from .decisions import module_of
 from .held import group_bytes, memory_term
 from .problem import INF
 from .search import first_layers_alike, windows
+from .siblings import read_together, sibling_sets
 from .tried import Tried
 
 PAIRED = 8             # flips over the bound that `_pairs` tries with each flip freeing bytes
@@ -102,7 +103,7 @@ def keep_split(prob, state, anchors) -> set:
     weights' gradients are all-reduced) and the attention runs whole, where the three kept split run
     it by heads. The nodes changed are returned."""
     changed, memo, found = set(), Tried.of(prob), {}
-    for sibs in sibling_sets(prob):
+    for _, sibs in sibling_sets(prob):
         if anchors.isdisjoint(sibs) or not (forced := _points(prob, state, sibs, memo.alike, found)):
             continue
         u, ops = min(sibs), sorted(forced)
@@ -113,20 +114,6 @@ def keep_split(prob, state, anchors) -> set:
             changed.update(overlay[2], overlay[3])
             found.clear()
     return changed
-
-
-def sibling_sets(prob) -> list:
-    """The decision groups' anchors two or more of which read one tensor (an attention's query, key and
-    value projections, an MLP's gate and up projections), a set each."""
-    if "sibling anchors" not in prob.search_memo:
-        readers: dict = {}
-        for grp in prob.groups:
-            for a in grp.anchors:
-                for j in prob.ins[a]:
-                    if prob.kind[j] != "param":
-                        readers.setdefault(j, set()).add(a)
-        prob.search_memo["sibling anchors"] = [frozenset(s) for _, s in sorted(readers.items()) if len(s) > 1]
-    return prob.search_memo["sibling anchors"]
 
 
 def _points(prob, state, sibs, alike, found: dict) -> dict:
@@ -186,7 +173,8 @@ def _relax(prob, state, bound, held) -> None:
     the bound is per byte. Where no single flip pays, two at once (`_pairs`). Steps are compared as
     the plan will run, reductions settled (`_settled`): a flip can pay only then (ConvNeXt's layer
     scale kept whole: the row layer's output it scales is then all-reduced at once, where a split
-    scale passed it on Partial and reduced it later too)."""
+    scale passed it on Partial and reduced it later too). With them, siblings read their tensor whole
+    together (`siblings.read_together`: a parallel block's two norms)."""
     fams = families(prob)
     rejected: dict = {}          # (family, choice) -> nodes its last trial read or wrote, while unchanged since
     cache: dict = {}             # `_settled`'s states before a move, while `state` is unchanged
@@ -225,14 +213,26 @@ def _relax(prob, state, bound, held) -> None:
                 improved = True
         if not improved:
             best = None
-            for move, added in _pairs(prob, state, fams, over, freeing, held, bound, alike, cache):
-                step, settled = _settled(prob, state, move, state.trial(move), alike, cache)
+            for move, added, forced in [*((m, a, None) for m, a in _pairs(prob, state, fams, over, freeing, held, bound,
+                                                                          alike, cache)),
+                                        *_together_read(prob, state, fams, held, bound)]:
+                step, settled = _settled(prob, state, move, state.trial(move, forced), alike, cache)
                 if settled is not None and step < -tol and (best is None or step < best[0]):
                     best = step, added, settled
             if best is None:
                 return
             _commit(prob, state, best, rejected, cache)
             held += best[1]
+
+
+def _together_read(prob, state, fams, held, bound) -> list:
+    """(move, bytes added, forced strategies) of `siblings.read_together` within the bound."""
+    out = []
+    for whole, forced in read_together(prob, state, fams):
+        added = sum(_family_bytes(prob, state, fams[f], c) - _family_bytes(prob, state, fams[f]) for f, c in whole.items())
+        if held + added <= bound:
+            out.append(({g: c for f, c in whole.items() for g in fams[f] if state.choice[g] != c}, added, forced))
+    return out
 
 
 def tied_heads(prob) -> list:
