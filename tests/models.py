@@ -269,13 +269,14 @@ class NormedEmbedding(nn.Module):
 class QKNormBlock(nn.Module):
     """Attention whose query and key projections are each normed over their whole width (OLMo-2's q_norm
     and k_norm) before the heads are cut, or with `per_head` over each head after (Qwen3's), then a
-    SwiGLU MLP; norms after each branch (`post`, OLMo-2) or before it."""
+    SwiGLU MLP; norms after each branch (`post`, OLMo-2) or before it. Without `qk`, q and k are not
+    normed (with `post=False`: LLaMA's block)."""
 
-    def __init__(self, h=64, heads=4, post=True, per_head=False):
+    def __init__(self, h=64, heads=4, post=True, per_head=False, qk=True):
         super().__init__()
         self.heads, self.post, self.per_head = heads, post, per_head
         self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
-        self.q_norm, self.k_norm = (RMSNorm(h // heads if per_head else h) for _ in range(2))
+        self.q_norm, self.k_norm = (RMSNorm(h // heads if per_head else h) if qk else nn.Identity() for _ in range(2))
         self.n1, self.n2 = RMSNorm(h), RMSNorm(h)
         self.gate, self.up = nn.Linear(h, 2 * h, bias=False), nn.Linear(h, 2 * h, bias=False)
         self.down = nn.Linear(2 * h, h, bias=False)
@@ -299,10 +300,10 @@ class QKNormBlock(nn.Module):
 class QKNormed(nn.Module):
     """An embedding, two `QKNormBlock`s, a norm and an untied head."""
 
-    def __init__(self, vocab=128, h=64, blocks=2, post=True, per_head=False):
+    def __init__(self, vocab=128, h=64, blocks=2, post=True, per_head=False, qk=True, heads=4):
         super().__init__()
         self.tok = nn.Embedding(vocab, h)
-        self.blocks = nn.ModuleList(QKNormBlock(h, post=post, per_head=per_head) for _ in range(blocks))
+        self.blocks = nn.ModuleList(QKNormBlock(h, heads, post=post, per_head=per_head, qk=qk) for _ in range(blocks))
         self.norm, self.head = RMSNorm(h), nn.Linear(h, vocab, bias=False)
 
     def forward(self, ids):

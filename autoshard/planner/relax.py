@@ -9,7 +9,7 @@ import itertools
 import math
 
 from ..capture.repeats import layer_key
-from ..runtime.placements import Partial, Replicate, Shard
+from ..runtime.placements import REPLICATE, Partial, Replicate, Shard
 from .decisions import module_of
 from .held import group_bytes, memory_term
 from .problem import INF
@@ -60,6 +60,8 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None) -> tuple:
     if alike and not alike <= first_layers_alike(changed):
         return INF, None
     anchors = {a for g in move for a in prob.groups[g].anchors}
+    if any(all(pl == REPLICATE for pl in prob.groups[g].choices[c]) for g, c in move.items()):
+        anchors |= _feeding(prob, state, anchors)       # (made whole: it may read what feeds it whole)
     hit = None if cache is None else cache.get(frozenset(anchors))
     if hit is None:
         base = state.copy()
@@ -80,6 +82,26 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None) -> tuple:
     held = sum(memory_term(prob, prob.groups[g].params, prob.groups[g].choices[c]) -
                memory_term(prob, prob.groups[g].params, prob.groups[g].choices[state.choice[g]]) for g, c in move.items())
     return changed.total - before.total - held, changed
+
+
+def _feeding(prob, state, anchors, depth: int = 8) -> set:
+    """Anchors whose split output reaches `anchors` carried split (through at most `depth` ops): a
+    norm's weight made whole lets the norm read the split embedding feeding it whole at once
+    (`State.gather_early` at the embedding)."""
+    owners = prob.search_memo.get("anchor nodes")
+    if owners is None:
+        owners = prob.search_memo["anchor nodes"] = frozenset(a for grp in prob.groups for a in grp.anchors)
+    out, todo, seen = set(), [(a, 0) for a in anchors], set(anchors)
+    for i, d in todo:
+        for j in prob.ins[i]:
+            if j in seen or prob.kind[j] != "op" or not isinstance(state.place[j], Shard):
+                continue
+            seen.add(j)
+            if j in owners:
+                out.add(j)
+            elif d < depth:
+                todo.append((j, d + 1))
+    return out
 
 
 def relax(prob, state, bound, held) -> None:
