@@ -337,31 +337,34 @@ class TransposedParallel(nn.Module):
 
 class TwoNormBlock(nn.Module):
     """Attention and MLP each normalising the same stream, their outputs summed into it (the parallel
-    residual of GPT-NeoX, Pythia and Falcon-40B: two norms reading one tensor)."""
+    residual of GPT-NeoX, Pythia and Falcon-40B: two norms reading one tensor); with `norms=1` both
+    read one norm's output (GPT-J's, Phi's, CodeGen's), with `dropout` each output passes a dropout."""
 
-    def __init__(self, h, heads):
+    def __init__(self, h, heads, norms=2, dropout=None, ffn=4):
         super().__init__()
         self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.ln1 = nn.LayerNorm(h)
+        self.ln2 = nn.LayerNorm(h) if norms == 2 else None
         self.qkv, self.out = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.fc1, self.fc2 = nn.Linear(h, ffn * h), nn.Linear(ffn * h, h)
+        self.drop = nn.Identity() if dropout is None else nn.Dropout(dropout)
 
     def forward(self, x):
         b, t, h = x.shape
-        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2)
-                   for z in self.qkv(self.ln1(x)).split(h, dim=-1))
+        y = self.ln1(x)
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in self.qkv(y).split(h, dim=-1))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        a = self.out(a.transpose(1, 2).reshape(b, t, h))
-        return x + a + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        a = self.drop(self.out(a.transpose(1, 2).reshape(b, t, h)))
+        return x + a + self.drop(self.fc2(F.gelu(self.fc1(y if self.ln2 is None else self.ln2(x)))))
 
 
 class TwoNormParallel(nn.Module):
     """An embedding, `TwoNormBlock`s, a norm and an untied head."""
 
-    def __init__(self, vocab=128, h=64, heads=8, blocks=2):
+    def __init__(self, vocab=128, h=64, heads=8, blocks=2, norms=2, dropout=None, ffn=4):
         super().__init__()
         self.tok = nn.Embedding(vocab, h)
-        self.blocks = nn.ModuleList(TwoNormBlock(h, heads) for _ in range(blocks))
+        self.blocks = nn.ModuleList(TwoNormBlock(h, heads, norms, dropout, ffn) for _ in range(blocks))
         self.norm, self.head = nn.LayerNorm(h), nn.Linear(h, vocab, bias=False)
 
     def forward(self, ids):

@@ -369,8 +369,25 @@ def test_two_norms_reading_one_stream_read_it_whole_together(p):
     assert _compare()(model, p, {"ids": ids}, tokens=512, alike=True)["ratio"] <= 1.01
 
 
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_parallel_block_reduces_its_two_summands_at_once(p):
+    """Attention and MLP reading one norm's output, each through a dropout, summed into the stream
+    (GPT-J's block), with fewer heads than ranks: the attention runs whole. The optimum splits its
+    output projection on inputs, its Partial output summed with the MLP's before one all-reduce; the
+    MLP's dropout had reduced its row layer's output while the other summand was split, and that flip
+    left it reduced (two all-reduces, never undone by `reduce_early`). A reduction next to a Partial
+    summand is now tried later (`settle.sum_late`). The greedy's step was 1.10x the optimum's at 8
+    ranks (GPT-J, Phi and CodeGen of the zoo 1.20-1.25x)."""
+    from models import TwoNormParallel
+    torch.manual_seed(0)
+    model = TwoNormParallel(vocab=256, h=64, heads=4, norms=1, dropout=0.1, ffn=2)
+    assert _ratio(model, {"ids": torch.randint(0, 256, (2, 16))}, p) <= 1.01
+
+
 def test_gathered_and_shared_patterns_run_exactly(dist2):
-    """The patterns above train exactly on 2 gloo ranks (loss and every gradient)."""
+    """The patterns above train exactly on 2 gloo ranks (loss and every gradient; dropout on, with one
+    process's masks). (The parallel block with dropout, at 8 ranks where its summands are reduced at
+    once, was checked so by hand: exact.)"""
     dist2.run(_patterns_rank)
 
 
@@ -385,16 +402,21 @@ def _patterns_rank(rank, world):
                           (QKNormed(per_head=True), torch.randint(0, 128, (2, 64)), None),
                           (TransposedParallel(), torch.randn(2, 64, 64), None),
                           (TwoNormParallel(vocab=256, h=256), torch.randint(0, 256, (2, 512)), None),
+                          (TwoNormParallel(vocab=256, heads=4, norms=1, dropout=0.1, ffn=2), torch.randint(0, 256, (2, 16)),
+                           None),
                           (ScaledBlocks().eval(), torch.randn(2, 17, 16), None),
                           (ChannelsFirst(), torch.randn(2, 3, 32, 32), CHANNELS_FIRST_PINS)):
         ref = copy.deepcopy(model)
-        gm = autoshard.parallelize(model, world, (x,), pin=pin)
-        loss, want = gm(x).square().mean(), ref(x).square().mean()
+        gm = autoshard.parallelize(model, world, (x,), pin=pin, dropout_masks="single_process")
+        torch.manual_seed(11)
+        want = ref(x).square().mean()
+        autoshard.manual_seed(11)
+        loss = gm(x).square().mean()
         loss.backward()
         want.backward()
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
         grads_match(gm, ref, type(model).__name__)
-        if isinstance(model, TwoNormParallel):        # (both norms read the stream whole, together)
+        if isinstance(model, TwoNormParallel) and model.blocks[0].ln2 is not None:   # (both read the stream whole)
             assert all(gm.get_parameter(f"blocks.{k}.ln{n}.weight").shape == (256,) for k in (0, 1) for n in (1, 2))
 
 

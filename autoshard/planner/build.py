@@ -29,7 +29,7 @@ from .cost import CostModel, flops
 from .decisions import module_of
 from .budget import fit_budget, least_comm, sequence_twin
 from .memory import memory_of
-from .relax import settle_splits
+from .settle import settle_splits
 from .rules.registry import PARALLEL_LAYERS, family_of
 from .rules.shape import view_groups
 

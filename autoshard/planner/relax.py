@@ -9,13 +9,13 @@ import itertools
 import math
 
 from ..capture.repeats import layer_key
-from ..runtime.placements import REPLICATE, Partial, Replicate, Shard
+from ..runtime.placements import REPLICATE, Partial, Shard
 from .decisions import module_of
 from .held import group_bytes, memory_term
 from .problem import INF
 from .search import first_layers_alike, windows
-from .siblings import read_together, sibling_sets
-from .tried import Tried
+from .settle import settle_splits, sum_late
+from .siblings import read_together
 
 PAIRED = 8             # flips over the bound that `_pairs` tries with each flip freeing bytes
 PAIR_COMBOS = 3 ** 4   # choices of families enumerated together at most
@@ -77,8 +77,8 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None) -> tuple:
             region.add(i)
             todo += [j for j in prob.ins[i] if prob.kind[j] == "op"
                      and (isinstance(state.place[j], (Partial, Shard)) or isinstance(changed.place[j], (Partial, Shard)))]
-    before.reduce_early(region)
-    changed.reduce_early(region)
+    for settled in (before, changed):
+        settled.reduce_early(region | sum_late(prob, settled, region))
     held = sum(memory_term(prob, prob.groups[g].params, prob.groups[g].choices[c]) -
                memory_term(prob, prob.groups[g].params, prob.groups[g].choices[state.choice[g]]) for g, c in move.items())
     return changed.total - before.total - held, changed
@@ -108,85 +108,6 @@ def relax(prob, state, bound, held) -> None:
     """`_relax`, then the split outputs settled (`settle_splits`), as the relaxing step compared its moves."""
     _relax(prob, state, bound, held)
     settle_splits(prob, state, {a for grp in prob.groups for a in grp.anchors})
-
-
-def settle_splits(prob, state, anchors) -> set:
-    """What the per-node choice leaves split, or gathers one reader at a time, settled at the `anchors`'
-    outputs: gathered at once where that pays (`State.gather_early`), then sibling layers' kept split
-    together where that pays (`keep_split`). The nodes changed are returned."""
-    return state.gather_early(anchors) | keep_split(prob, state, anchors)
-
-
-def keep_split(prob, state, anchors) -> set:
-    """Sibling layers' split outputs (`sibling_sets`: the query, key and value projections) kept split
-    together where the step then costs less: every op that reads one of them whole (`_gather_points`)
-    takes its cheapest strategy reading it as it is, all of a set's at once. The per-node choice gathers
-    each alone for less: Qwen3's per-head norms of the queries and keys gather them (split, their
-    weights' gradients are all-reduced) and the attention runs whole, where the three kept split run
-    it by heads. The nodes changed are returned."""
-    changed, memo, found = set(), Tried.of(prob), {}
-    for _, sibs in sibling_sets(prob):
-        if anchors.isdisjoint(sibs) or not (forced := _points(prob, state, sibs, memo.alike, found)):
-            continue
-        u, ops = min(sibs), sorted(forced)
-        delta, overlay = state.tried(forced, u, ("kept split", memo.name(u, ops), tuple(map(forced.get, ops))))
-        if delta < -1e-12 * max(1.0, abs(state.total)):
-            state.commit(delta, overlay)
-            state.path = None           # (no longer a function of the group choices alone)
-            changed.update(overlay[2], overlay[3])
-            found.clear()
-    return changed
-
-
-def _points(prob, state, sibs, alike, found: dict) -> dict:
-    """`_gather_points` of a set of siblings, walked within their layer where they lie in a run of alike
-    layers (`tried.AlikeLayers`); where the set at their place in another layer of the run found its
-    points with the same labels around (that layer's and the one before: `signature`), those points
-    named again here (`found`: kept while the state is unchanged)."""
-    u = min(sibs)
-    j = alike.layer_of.get(u)
-    if j is None:
-        return _gather_points(prob, state, sibs)
-    if j < 2:
-        return _gather_points(prob, state, sibs, alike.nodes[j])
-    key = alike.at[u][1], alike.signature(state, j)
-    if key not in found:
-        found[key] = j, _gather_points(prob, state, sibs, alike.nodes[j])
-    k, forced = found[key]
-    return forced if k == j else {alike.layers[j][alike.at[v][1]]: si for v, si in forced.items()}
-
-
-def _gather_points(prob, state, anchors, within=None, reach: int = 16) -> dict:
-    """{op: strategy} for each op that reads whole a split tensor that the anchors' outputs reach split
-    (within `reach` tensors of each, and the nodes `within` where given): the cheapest of its strategies
-    that read every such input as it is."""
-    need: dict = {}                      # op -> {slot: the placement kept}
-    sidx, place, strats, ins, users, kind = state.sidx, state.place, prob.strats, prob.ins, prob.users, prob.kind
-    seen = set()
-    for a in sorted(anchors):
-        if not isinstance(place[a], Shard) or a in seen:
-            continue
-        todo, stop = [a], len(seen) + reach
-        seen.add(a)
-        for t in todo:
-            pt = place[t]
-            for u in users[t]:
-                if kind[u] != "op" or not strats[u] or within is not None and u not in within:
-                    continue
-                req = strats[u][sidx[u]].inputs
-                slots = [k for k, j in enumerate(ins[u]) if j == t]
-                if all(req[k] is pt or req[k] == pt for k in slots):
-                    if u not in seen and len(seen) < stop and isinstance(place[u], Shard):
-                        seen.add(u)
-                        todo.append(u)                           # (carried split)
-                elif any(isinstance(req[k], Replicate) for k in slots):
-                    need.setdefault(u, {}).update((k, pt) for k in slots)
-    forced = {}
-    for u, slots in need.items():
-        keep = [si for si, s in enumerate(strats[u]) if all(s.inputs[k] == pl for k, pl in slots.items()) and state.servable(u, s)]
-        if keep:
-            forced[u] = min(keep, key=prob.node_cost[u].__getitem__)
-    return forced
 
 
 def _relax(prob, state, bound, held) -> None:

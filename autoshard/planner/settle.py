@@ -1,0 +1,130 @@
+"""Settling a labelling where the per-node choice decides one op at a time: split outputs gathered at
+once or kept split together (`settle_splits`), and summands reduced together (`sum_late`). The relaxing
+step compares its moves settled so (`planner.relax`), and the plan is built settled.
+"""
+from __future__ import annotations
+
+from ..runtime.placements import Partial, Replicate, Shard
+from .siblings import sibling_sets
+from .tried import Tried
+
+
+def settle_splits(prob, state, anchors) -> set:
+    """What the per-node choice leaves split, or gathers one reader at a time, settled at the `anchors`'
+    outputs: gathered at once where that pays (`State.gather_early`), then sibling layers' kept split
+    together where that pays (`keep_split`). The nodes changed are returned."""
+    return state.gather_early(anchors) | keep_split(prob, state, anchors)
+
+
+def keep_split(prob, state, anchors) -> set:
+    """Sibling layers' split outputs (`sibling_sets`: the query, key and value projections) kept split
+    together where the step then costs less: every op that reads one of them whole (`_gather_points`)
+    takes its cheapest strategy reading it as it is, all of a set's at once. The per-node choice gathers
+    each alone for less: Qwen3's per-head norms of the queries and keys gather them (split, their
+    weights' gradients are all-reduced) and the attention runs whole, where the three kept split run
+    it by heads. The nodes changed are returned."""
+    changed, memo, found = set(), Tried.of(prob), {}
+    for _, sibs in sibling_sets(prob):
+        if anchors.isdisjoint(sibs) or not (forced := _points(prob, state, sibs, memo.alike, found)):
+            continue
+        u, ops = min(sibs), sorted(forced)
+        delta, overlay = state.tried(forced, u, ("kept split", memo.name(u, ops), tuple(map(forced.get, ops))))
+        if delta < -1e-12 * max(1.0, abs(state.total)):
+            state.commit(delta, overlay)
+            state.path = None           # (no longer a function of the group choices alone)
+            changed.update(overlay[2], overlay[3])
+            found.clear()
+    return changed
+
+
+def _points(prob, state, sibs, alike, found: dict) -> dict:
+    """`_gather_points` of a set of siblings, walked within their layer where they lie in a run of alike
+    layers (`tried.AlikeLayers`); where the set at their place in another layer of the run found its
+    points with the same labels around (that layer's and the one before: `signature`), those points
+    named again here (`found`: kept while the state is unchanged)."""
+    u = min(sibs)
+    j = alike.layer_of.get(u)
+    if j is None:
+        return _gather_points(prob, state, sibs)
+    if j < 2:
+        return _gather_points(prob, state, sibs, alike.nodes[j])
+    key = alike.at[u][1], alike.signature(state, j)
+    if key not in found:
+        found[key] = j, _gather_points(prob, state, sibs, alike.nodes[j])
+    k, forced = found[key]
+    return forced if k == j else {alike.layers[j][alike.at[v][1]]: si for v, si in forced.items()}
+
+
+def _gather_points(prob, state, anchors, within=None, reach: int = 16) -> dict:
+    """{op: strategy} for each op that reads whole a split tensor that the anchors' outputs reach split
+    (within `reach` tensors of each, and the nodes `within` where given): the cheapest of its strategies
+    that read every such input as it is."""
+    need: dict = {}                      # op -> {slot: the placement kept}
+    sidx, place, strats, ins, users, kind = state.sidx, state.place, prob.strats, prob.ins, prob.users, prob.kind
+    seen = set()
+    for a in sorted(anchors):
+        if not isinstance(place[a], Shard) or a in seen:
+            continue
+        todo, stop = [a], len(seen) + reach
+        seen.add(a)
+        for t in todo:
+            pt = place[t]
+            for u in users[t]:
+                if kind[u] != "op" or not strats[u] or within is not None and u not in within:
+                    continue
+                req = strats[u][sidx[u]].inputs
+                slots = [k for k, j in enumerate(ins[u]) if j == t]
+                if all(req[k] is pt or req[k] == pt for k in slots):
+                    if u not in seen and len(seen) < stop and isinstance(place[u], Shard):
+                        seen.add(u)
+                        todo.append(u)                           # (carried split)
+                elif any(isinstance(req[k], Replicate) for k in slots):
+                    need.setdefault(u, {}).update((k, pt) for k in slots)
+    forced = {}
+    for u, slots in need.items():
+        keep = [si for si, s in enumerate(strats[u]) if all(s.inputs[k] == pl for k, pl in slots.items()) and state.servable(u, s)]
+        if keep:
+            forced[u] = min(keep, key=prob.node_cost[u].__getitem__)
+    return forced
+
+
+def sum_late(prob, state, nodes) -> set:
+    """Ops in `nodes` that sum a Partial with a tensor reduced from a fresh Partial one op before (an MLP's
+    row output all-reduced by its dropout, then added to the attention's output, still Partial): the
+    op that reduced it tried keeping it Partial instead, so both summands are reduced at once where
+    the step then costs less (`reduce_early` never undoes a reduction). The per-node choice reduced
+    it while the other summand was whole or split; a later move (the attention's output projection
+    split on inputs: GPT-J's parallel block with its heads fewer than the ranks) leaves it reduced.
+    The nodes changed are returned."""
+    changed, place, sidx, strats = set(), state.place, state.sidx, prob.strats
+    sums = prob.search_memo.get("sums")
+    if sums is None:                    # (ops reading two or more op outputs)
+        sums = prob.search_memo["sums"] = frozenset(
+            u for u in range(len(prob.nodes)) if prob.kind[u] == "op" and strats[u] and
+            sum(prob.kind[j] == "op" for j in prob.ins[u]) > 1)
+    for u in sorted(sums.intersection(nodes)):
+        if not any(isinstance(place[j], Partial) for j in prob.ins[u]):
+            continue
+        for j in prob.ins[u]:
+            if prob.kind[j] != "op" or not strats[j] or isinstance(place[j], Partial) or \
+                    not any(isinstance(place[k], Partial) and _fresh(prob, state, k) for k in prob.ins[j]):
+                continue
+            now = strats[j][sidx[j]]
+            keep = [si for si, s in enumerate(strats[j]) if isinstance(s.output, Partial) and
+                    all(r is None or r == q or isinstance(place[k], Partial) and isinstance(r, Partial)
+                        for k, r, q in zip(prob.ins[j], s.inputs, now.inputs)) and state.servable(j, s)]
+            if not keep:
+                continue
+            si = min(keep, key=prob.node_cost[j].__getitem__)
+            delta, overlay = state.tried({j: si}, j, ("summed late", si))
+            if delta < -1e-12 * max(1.0, abs(state.total)):
+                state.commit(delta, overlay)
+                state.path = None           # (no longer a function of the group choices alone)
+                changed.update(overlay[2], overlay[3])
+    return changed
+
+
+def _fresh(prob, state, k) -> bool:
+    """Whether op k makes a Partial of inputs none of which it reads Partial (a row layer's product)."""
+    return prob.kind[k] == "op" and bool(prob.strats[k]) and \
+        not any(isinstance(r, Partial) for r in prob.strats[k][state.sidx[k]].inputs if r is not None)
