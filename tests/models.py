@@ -372,3 +372,37 @@ class TwoNormParallel(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(self.norm(x))
+
+
+class FusedNoBiasBlock(nn.Module):
+    """A pre-norm block with q, k and v fused in one projection, no biases anywhere (MPT's)."""
+
+    def __init__(self, h, heads, ffn=2):
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = nn.LayerNorm(h, bias=False), nn.LayerNorm(h, bias=False)
+        self.qkv, self.o = nn.Linear(h, 3 * h, bias=False), nn.Linear(h, h, bias=False)
+        self.up, self.down = nn.Linear(h, ffn * h, bias=False), nn.Linear(ffn * h, h, bias=False)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.n1(x)).chunk(3, dim=-1))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h))
+        return x + self.down(F.gelu(self.up(self.n2(x))))
+
+
+class FusedNoBias(nn.Module):
+    """An embedding, `FusedNoBiasBlock`s, a norm and a head tied to the embedding."""
+
+    def __init__(self, vocab=256, h=64, heads=4, blocks=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList(FusedNoBiasBlock(h, heads) for _ in range(blocks))
+        self.norm, self.head = nn.LayerNorm(h, bias=False), nn.Linear(h, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))

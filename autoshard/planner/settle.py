@@ -18,7 +18,7 @@ def settle_splits(prob, state, anchors) -> set:
 
 def keep_split(prob, state, anchors) -> set:
     """Sibling layers' split outputs (`sibling_sets`: the query, key and value projections) kept split
-    together where the step then costs less: every op that reads one of them whole (`_gather_points`)
+    together where the step then costs less: every op that reads one of them whole (`gather_points`)
     takes its cheapest strategy reading it as it is, all of a set's at once. The per-node choice gathers
     each alone for less: Qwen3's per-head norms of the queries and keys gather them (split, their
     weights' gradients are all-reduced) and the attention runs whole, where the three kept split run
@@ -38,27 +38,38 @@ def keep_split(prob, state, anchors) -> set:
 
 
 def _points(prob, state, sibs, alike, found: dict) -> dict:
-    """`_gather_points` of a set of siblings, walked within their layer where they lie in a run of alike
+    """`gather_points` of a set of siblings, walked within their layer where they lie in a run of alike
     layers (`tried.AlikeLayers`); where the set at their place in another layer of the run found its
     points with the same labels around (that layer's and the one before: `signature`), those points
     named again here (`found`: kept while the state is unchanged)."""
     u = min(sibs)
     j = alike.layer_of.get(u)
     if j is None:
-        return _gather_points(prob, state, sibs)
+        return gather_points(prob, state, sibs)
     if j < 2:
-        return _gather_points(prob, state, sibs, alike.nodes[j])
+        return gather_points(prob, state, sibs, alike.nodes[j])
     key = alike.at[u][1], alike.signature(state, j)
     if key not in found:
-        found[key] = j, _gather_points(prob, state, sibs, alike.nodes[j])
+        found[key] = j, gather_points(prob, state, sibs, alike.nodes[j])
     k, forced = found[key]
     return forced if k == j else {alike.layers[j][alike.at[v][1]]: si for v, si in forced.items()}
 
 
-def _gather_points(prob, state, anchors, within=None, reach: int = 16) -> dict:
-    """{op: strategy} for each op that reads whole a split tensor that the anchors' outputs reach split
-    (within `reach` tensors of each, and the nodes `within` where given): the cheapest of its strategies
-    that read every such input as it is."""
+def gather_points(prob, state, anchors, within=None) -> dict:
+    """{op: strategy} for each op that gathers what the anchors' outputs reach split (`gathered_at`): the
+    cheapest of its strategies that read every such input as it is."""
+    forced = {}
+    for u, slots in gathered_at(prob, state, anchors, within).items():
+        keep = [si for si, s in enumerate(prob.strats[u])
+                if all(s.inputs[k] == pl for k, pl in slots.items()) and state.servable(u, s)]
+        if keep:
+            forced[u] = min(keep, key=prob.node_cost[u].__getitem__)
+    return forced
+
+
+def gathered_at(prob, state, anchors, within=None, reach: int = 16) -> dict:
+    """{op: {slot: placement}} of each op that reads whole a split tensor that the anchors' outputs reach
+    split (within `reach` tensors of each, and the nodes `within` where given), and how it is split."""
     need: dict = {}                      # op -> {slot: the placement kept}
     sidx, place, strats, ins, users, kind = state.sidx, state.place, prob.strats, prob.ins, prob.users, prob.kind
     seen = set()
@@ -70,22 +81,22 @@ def _gather_points(prob, state, anchors, within=None, reach: int = 16) -> dict:
         for t in todo:
             pt = place[t]
             for u in users[t]:
-                if kind[u] != "op" or not strats[u] or within is not None and u not in within:
+                if within is not None and u not in within:
+                    continue
+                if kind[u] == "select" and isinstance(place[u], Shard) and u not in seen and len(seen) < stop:
+                    seen.add(u)
+                    todo.append(u)                               # (a piece of a split tuple: q of a fused q/k/v)
+                if kind[u] != "op" or not strats[u]:
                     continue
                 req = strats[u][sidx[u]].inputs
                 slots = [k for k, j in enumerate(ins[u]) if j == t]
                 if all(req[k] is pt or req[k] == pt for k in slots):
-                    if u not in seen and len(seen) < stop and isinstance(place[u], Shard):
+                    if u not in seen and len(seen) < stop and _split(place[u]):
                         seen.add(u)
                         todo.append(u)                           # (carried split)
                 elif any(isinstance(req[k], Replicate) for k in slots):
                     need.setdefault(u, {}).update((k, pt) for k in slots)
-    forced = {}
-    for u, slots in need.items():
-        keep = [si for si, s in enumerate(strats[u]) if all(s.inputs[k] == pl for k, pl in slots.items()) and state.servable(u, s)]
-        if keep:
-            forced[u] = min(keep, key=prob.node_cost[u].__getitem__)
-    return forced
+    return need
 
 
 def sum_late(prob, state, nodes) -> set:
@@ -122,6 +133,11 @@ def sum_late(prob, state, nodes) -> set:
                 state.path = None           # (no longer a function of the group choices alone)
                 changed.update(overlay[2], overlay[3])
     return changed
+
+
+def _split(pl) -> bool:
+    """Whether a placement is split, or a tuple (a chunk's pieces) holding a split piece."""
+    return isinstance(pl, Shard) or isinstance(pl, tuple) and any(isinstance(x, Shard) for x in pl)
 
 
 def _fresh(prob, state, k) -> bool:
