@@ -293,7 +293,7 @@ def test_queries_and_keys_normed_by_heads_kept_split_as_the_optimum(p, post):
     all-reduced, so each norm alone gathers its input for less, and the attention then runs whole; the
     optimum keeps q, k and v split together and runs it by heads (the greedy's step was 1.07x the
     optimum's at 2 ranks, 1.04x at 4). The outputs of layers reading one tensor are now kept split
-    together where that pays (`relax.keep_split`)."""
+    together where that pays (`settle.keep_split`)."""
     from models import QKNormed
     torch.manual_seed(0)
     r = _compare()(QKNormed(post=post, per_head=True), p, {"ids": torch.randint(0, 128, (2, 64))}, alike=True)

@@ -231,7 +231,7 @@ def test_alike_layers_are_searched_once(monkeypatch):
 
 def _early_gather_trials(layers: int, monkeypatch, translated: bool = True):
     """(plan, forced propagations: readers tried reading a split output whole, `State.gather_early`, and
-    sibling layers' outputs kept split, `relax.keep_split`) of a LLaMA-shaped model of `layers` alike layers
+    sibling layers' outputs kept split, `settle.keep_split`) of a LLaMA-shaped model of `layers` alike layers
     on meta at 8 ranks, the memo of trials that did not pay shared between alike layers (`planner.tried`)
     or, with `translated` off, kept per node."""
     transformers = pytest.importorskip("transformers")

@@ -78,8 +78,9 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None) -> tuple:
             region.add(i)
             todo += [j for j in prob.ins[i] if prob.kind[j] == "op"
                      and (isinstance(state.place[j], (Partial, Shard)) or isinstance(changed.place[j], (Partial, Shard)))]
+    sums = {u for i in (*overlay[2], *overlay[3], *gathered) for u in prob.users[i]}     # (readers of what moved)
     for settled in (before, changed):
-        settled.reduce_early(region | sum_late(prob, settled, region))
+        settled.reduce_early(region | sum_late(prob, settled, sums))
     held = sum(memory_term(prob, prob.groups[g].params, prob.groups[g].choices[c]) -
                memory_term(prob, prob.groups[g].params, prob.groups[g].choices[state.choice[g]]) for g, c in move.items())
     return changed.total - before.total - held, changed
