@@ -416,8 +416,8 @@ def _patterns_rank(rank, world):
                           (QKNormed(per_head=True), torch.randint(0, 128, (2, 64)), None),
                           (TransposedParallel(), torch.randn(2, 64, 64), None),
                           (TwoNormParallel(vocab=256, h=256), torch.randint(0, 256, (2, 512)), None),
-                          (TwoNormParallel(vocab=256, heads=4, norms=1, dropout=0.1, ffn=2), torch.randint(0, 256, (2, 16)),
-                           None),
+                          (TwoNormParallel(vocab=256, heads=4, norms=1, dropout=0.1, ffn=2),
+                           torch.randint(0, 256, (2, 16)), None),
                           (FusedNoBias(), torch.randint(0, 256, (2, 16)), None),
                           (ScaledBlocks().eval(), torch.randn(2, 17, 16), None),
                           (ChannelsFirst(), torch.randn(2, 3, 32, 32), CHANNELS_FIRST_PINS)):

@@ -180,7 +180,8 @@ def _together_read(prob, state, fams, held, bound) -> list:
     """(move, bytes added, forced strategies) of `siblings.read_together` within the bound."""
     out = []
     for whole, forced in read_together(prob, state, fams):
-        added = sum(_family_bytes(prob, state, fams[f], c) - _family_bytes(prob, state, fams[f]) for f, c in whole.items())
+        added = sum(_family_bytes(prob, state, fams[f], c) - _family_bytes(prob, state, fams[f])
+                    for f, c in whole.items())
         if held + added <= bound:
             out.append(({g: c for f, c in whole.items() for g in fams[f] if state.choice[g] != c}, added, forced))
     return out
@@ -293,11 +294,11 @@ def _pairs(prob, state, every, over, freeing, held, bound, alike, cache):
 
 
 def _across_gathers(prob, state, family_of, depth: int = 16) -> list:
-    """Pairs of families where one's split output is gathered on its way to the
-    other's anchors, within `depth` ops of the gather (`settle.gathered_at`): an attention run whole (fewer heads than ranks)
+    """Pairs of families where one's split output is gathered (`settle.gathered_at`) on its way to the
+    other's anchors, within `depth` ops past the gather: an attention run whole (fewer heads than ranks)
     between its input projection, split and gathered, and its output projection. The optimum flips both
-    (the projection's input read whole with its gradient summed, the output projection split on outputs:
-    MPT's at 8 ranks, 1.08x its step with each flipped alone)."""
+    (the fused projection split in thirds, the output projection split on outputs: MPT's at 8 ranks,
+    1.08x its step with the greedy's, and each flipped alone costs more)."""
     owner = {a: family_of[g] for g, grp in enumerate(prob.groups) if g in family_of for a in grp.anchors}
     out = set()
     for a, f in owner.items():
@@ -308,8 +309,11 @@ def _across_gathers(prob, state, family_of, depth: int = 16) -> list:
             for i, d in todo:
                 if owner.get(i, f) != f:
                     out.add(tuple(sorted((f, owner[i]))))
-                elif d < depth:
-                    todo += [(v, d + 1) for v in prob.users[i] if v not in seen and not seen.add(v)]
+                    continue
+                for v in prob.users[i] if d < depth else ():
+                    if v not in seen:
+                        seen.add(v)
+                        todo.append((v, d + 1))
     return sorted(out)
 
 
