@@ -5,15 +5,18 @@ step compares its moves settled so (`planner.relax`), and the plan is built sett
 from __future__ import annotations
 
 from ..runtime.placements import Partial, Replicate, Shard
-from .siblings import sibling_sets
+from .siblings import sibling_sets, summed_sets
 from .tried import Tried
 
 
 def settle_splits(prob, state, anchors) -> set:
     """What the per-node choice leaves split, or gathers one reader at a time, settled at the `anchors`'
-    outputs: gathered at once where that pays (`State.gather_early`), then sibling layers' kept split
-    together where that pays (`keep_split`). The nodes changed are returned."""
-    return state.gather_early(anchors) | keep_split(prob, state, anchors)
+    outputs: gathered at once where that pays (`State.gather_early`; first at the ops that sum the
+    anchors' outputs, `summed_sets`: summed split, the sum is gathered once, where each summand gathered
+    apart is two), then sibling layers' kept split together where that pays (`keep_split`). The nodes
+    changed are returned."""
+    sums = {u for u, fed in summed_sets(prob) if not anchors.isdisjoint(fed)}
+    return state.gather_early(sums) | state.gather_early(anchors) | keep_split(prob, state, anchors)
 
 
 def keep_split(prob, state, anchors) -> set:

@@ -25,6 +25,22 @@ def sibling_sets(prob) -> list:
     return prob.search_memo["sibling anchors"]
 
 
+def summed_sets(prob) -> list:
+    """(op, the anchors it reads) for each op reading the outputs of anchors of two or more decision
+    groups (GPT-2's token and position embeddings, summed), in the graph's order: kept split together,
+    they are summed split and the sum gathered once (`settle.settle_splits`)."""
+    if "summed anchors" not in prob.search_memo:
+        group_of = {a: g for g, grp in enumerate(prob.groups) for a in grp.anchors}
+        out = []
+        for u in range(len(prob.nodes)):
+            if prob.kind[u] == "op":
+                fed = frozenset(j for j in prob.ins[u] if j in group_of)
+                if len({group_of[j] for j in fed}) > 1:
+                    out.append((u, fed))
+        prob.search_memo["summed anchors"] = out
+    return prob.search_memo["summed anchors"]
+
+
 def read_together(prob, state, families) -> list:
     """({family: choice}, {op: strategy}) moves that have siblings read their tensor whole together: each
     sibling that reads it split or Partial, or whole but wanting its whole gradient back, takes a
