@@ -14,7 +14,7 @@ from .decisions import module_of
 from .held import group_bytes, memory_term
 from .problem import INF
 from .search import first_layers_alike, windows
-from .settle import gathered_at, settle_splits, sum_late
+from .settle import gathered_at, settle_splits, sum_grads_late, sum_late
 from .siblings import read_together
 
 PAIRED = 8             # flips over the bound that `_pairs` tries with each flip freeing bytes
@@ -115,6 +115,8 @@ def relax(prob, state, bound, held) -> None:
     if settle_splits(prob, state, anchors):
         _relax(prob, state, bound, held)
         settle_splits(prob, state, anchors)
+    if sum_grads_late(prob, state, range(len(prob.nodes))):
+        state.reduce_early()
 
 
 def _relax(prob, state, bound, held) -> float:

@@ -147,3 +147,41 @@ def _fresh(prob, state, k) -> bool:
     """Whether op k makes a Partial of inputs none of which it reads Partial (a row layer's product)."""
     return prob.kind[k] == "op" and bool(prob.strats[k]) and \
         not any(isinstance(r, Partial) for r in prob.strats[k][state.sidx[k]].inputs if r is not None)
+
+
+def sum_grads_late(prob, state, nodes) -> set:
+    """Whole regions below a gather or an all-reduce (ops of `nodes` reading a split or Partial input
+    whole) whose ops send back whole gradients, each switched at once to sending back summands (`Rp`),
+    the reduction left to the one edge that made them whole, where the step then costs less: one op at a
+    time each costs more (a norm's pow, mean, rsqrt and product between a gather and the projections
+    reading it whole). The nodes changed are returned. (Prototype.)"""
+    from ..runtime.placements import REPLICATE, ReplicatePartialGrad
+    changed, place, sidx, strats = set(), state.place, state.sidx, prob.strats
+    done, forced = set(), {}
+    for u in sorted(nodes):
+        if u in done or prob.kind[u] != "op" or not strats[u] or place[u] != REPLICATE or \
+                not any(isinstance(place[j], (Shard, Partial)) for j in prob.ins[u]):
+            continue
+        region, todo = [], [u]
+        seen = {u}
+        while todo:
+            i = todo.pop()
+            region.append(i)
+            for v in prob.users[i]:
+                if v not in seen and prob.kind[v] == "op" and strats[v] and place[v] == REPLICATE:
+                    seen.add(v)
+                    todo.append(v)
+        done |= seen
+        for i in region:
+            now = strats[i][sidx[i]]
+            alt = [si for si, s in enumerate(strats[i]) if type(s.output) is ReplicatePartialGrad and
+                   s.output.cut == 1 and s.inputs == now.inputs and state.servable(i, s)]
+            if alt:
+                forced[i] = min(alt, key=prob.node_cost[i].__getitem__)
+    if forced:
+        delta, overlay = state.trial({}, forced)
+        if overlay is not None and delta < -1e-12 * max(1.0, abs(state.total)):
+            state.commit(delta, overlay)
+            state.path = None
+            changed.update(overlay[2], overlay[3])
+    return changed
