@@ -406,3 +406,28 @@ class FusedNoBias(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(self.norm(x))
+
+
+class WeightlessNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps): an RMS norm without a weight."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class SummedNormed(nn.Module):
+    """Token and position embeddings summed, a weightless norm, a SwiGLU block, a weightless norm and an
+    untied head (the shape of the random language models of tests/random_models.py)."""
+
+    def __init__(self, vocab=64, h=24, positions=16):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, h), nn.Embedding(positions, h)
+        self.n1, self.n2 = WeightlessNorm(), WeightlessNorm()
+        self.fc1, self.gate = nn.Linear(h, 4 * h, bias=False), nn.Linear(h, 4 * h, bias=False)
+        self.fc2, self.head = nn.Linear(4 * h, h, bias=False), nn.Linear(h, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        y = self.n1(x)
+        x = x + self.fc2(F.silu(self.gate(y)) * self.fc1(y))
+        return self.head(self.n2(x))

@@ -4,7 +4,7 @@ step compares its moves settled so (`planner.relax`), and the plan is built sett
 """
 from __future__ import annotations
 
-from ..runtime.placements import Partial, Replicate, Shard
+from ..runtime.placements import REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard
 from .siblings import sibling_sets, summed_sets
 from .tried import Tried
 
@@ -154,8 +154,8 @@ def sum_grads_late(prob, state, nodes) -> set:
     whole) whose ops send back whole gradients, each switched at once to sending back summands (`Rp`),
     the reduction left to the one edge that made them whole, where the step then costs less: one op at a
     time each costs more (a norm's pow, mean, rsqrt and product between a gather and the projections
-    reading it whole). The nodes changed are returned. (Prototype.)"""
-    from ..runtime.placements import REPLICATE, ReplicatePartialGrad
+    reading it whole). All regions are tried in one trial: region by region none pays (the summed
+    embeddings' norm and the final norm). The nodes changed are returned."""
     changed, place, sidx, strats = set(), state.place, state.sidx, prob.strats
     done, forced = set(), {}
     for u in sorted(nodes):
