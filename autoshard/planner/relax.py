@@ -13,7 +13,7 @@ from ..runtime.placements import REPLICATE, Partial, Shard
 from .decisions import module_of
 from .held import group_bytes, memory_term
 from .problem import INF
-from .search import first_layers_alike, windows
+from .search import anchor_nodes, first_layers_alike, windows
 from .settle import gathered_at, settle_splits, sum_grads_late, sum_late
 from .siblings import read_together
 
@@ -90,9 +90,7 @@ def _feeding(prob, state, anchors, depth: int = 8) -> set:
     """Anchors whose split output reaches `anchors` carried split (through at most `depth` ops): a
     norm's weight made whole lets the norm read the split embedding feeding it whole at once
     (`State.gather_early` at the embedding)."""
-    owners = prob.search_memo.get("anchor nodes")
-    if owners is None:
-        owners = prob.search_memo["anchor nodes"] = frozenset(a for grp in prob.groups for a in grp.anchors)
+    owners = anchor_nodes(prob)
     out, todo, seen = set(), [(a, 0) for a in anchors], set(anchors)
     for i, d in todo:
         for j in prob.ins[i]:
@@ -110,7 +108,7 @@ def relax(prob, state, bound, held) -> None:
     """`_relax`, then the split outputs settled (`settle_splits`), as the relaxing step compared its moves;
     where that settling changed the plan, `_relax` once more (OLMo's output projection at 8 ranks pays
     only once the last layer's gathers are settled: 1.04x the optimum's step without)."""
-    anchors = {a for grp in prob.groups for a in grp.anchors}
+    anchors = anchor_nodes(prob)
     held = _relax(prob, state, bound, held)
     if settle_splits(prob, state, anchors):
         _relax(prob, state, bound, held)

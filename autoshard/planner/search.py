@@ -166,7 +166,7 @@ def _signature(prob: Problem, win, reach_nodes, state: State):
     return shape, tuple(state.place[j] for j in boundary)
 
 
-def _anchors(prob: Problem) -> frozenset:
+def anchor_nodes(prob: Problem) -> frozenset:
     """Every group's anchors (where the windows' and flips' regions stop), derived once a problem."""
     if "anchors" not in prob.search_memo:
         prob.search_memo["anchors"] = frozenset(a for grp in prob.groups for a in grp.anchors)
@@ -177,7 +177,7 @@ def _sweep(prob: Problem, state: State, wins, max_sweeps: int) -> bool:
     """Visit each window in turn, enumerate it exhaustively and commit its best combination where
     the total drops, until a sweep commits nothing; returns whether anything was. Answers are
     cached by (window structure, boundary placements): identical blocks are solved once."""
-    anchor_set = _anchors(prob)
+    anchor_set = anchor_nodes(prob)
     regions = prob.search_memo.setdefault("windows", {})
     shapes = prob.search_memo.setdefault("window shapes", {})
     changed = False
@@ -390,7 +390,7 @@ def improve_single(state: State) -> None:
     labelled as the rejected one's was: each alike layer of a stack is tried once a pass, not
     once per layer (a trial is still made before any flip is kept)."""
     prob = state.prob
-    anchor_set = _anchors(prob)
+    anchor_set = anchor_nodes(prob)
     shapes = prob.search_memo.setdefault("flip shapes", {})
     for _ in range(3):
         improved, rejected = False, set()      # (for one pass, as `_sweep`'s answers: see there)

@@ -31,11 +31,8 @@ def keep_split(prob, state, anchors) -> set:
         if anchors.isdisjoint(sibs) or not (forced := _points(prob, state, sibs, memo.alike, found)):
             continue
         u, ops = min(sibs), sorted(forced)
-        delta, overlay = state.tried(forced, u, ("kept split", memo.name(u, ops), tuple(map(forced.get, ops))))
-        if delta < -1e-12 * max(1.0, abs(state.total)):
-            state.commit(delta, overlay)
-            state.path = None           # (no longer a function of the group choices alone)
-            changed.update(overlay[2], overlay[3])
+        if _kept(state, *state.tried(forced, u, ("kept split", memo.name(u, ops), tuple(map(forced.get, ops)))),
+                 changed):
             found.clear()
     return changed
 
@@ -130,11 +127,7 @@ def sum_late(prob, state, nodes) -> set:
             if not keep:
                 continue
             si = min(keep, key=prob.node_cost[j].__getitem__)
-            delta, overlay = state.tried({j: si}, j, ("summed late", si))
-            if delta < -1e-12 * max(1.0, abs(state.total)):
-                state.commit(delta, overlay)
-                state.path = None           # (no longer a function of the group choices alone)
-                changed.update(overlay[2], overlay[3])
+            _kept(state, *state.tried({j: si}, j, ("summed late", si)), changed)
     return changed
 
 
@@ -179,9 +172,16 @@ def sum_grads_late(prob, state, nodes) -> set:
             if alt:
                 forced[i] = min(alt, key=prob.node_cost[i].__getitem__)
     if forced:
-        delta, overlay = state.trial({}, forced)
-        if overlay is not None and delta < -1e-12 * max(1.0, abs(state.total)):
-            state.commit(delta, overlay)
-            state.path = None
-            changed.update(overlay[2], overlay[3])
+        _kept(state, *state.trial({}, forced), changed)
     return changed
+
+
+def _kept(state, delta, overlay, changed: set) -> bool:
+    """Commit a trial of forced op strategies where the step then costs less, adding the nodes it
+    changed to `changed`; whether it was kept."""
+    if overlay is None or delta >= -1e-12 * max(1.0, abs(state.total)):
+        return False
+    state.commit(delta, overlay)
+    state.path = None           # (no longer a function of the group choices alone)
+    changed.update(overlay[2], overlay[3])
+    return True
