@@ -431,3 +431,67 @@ class SummedNormed(nn.Module):
         y = self.n1(x)
         x = x + self.fc2(F.silu(self.gate(y)) * self.fc1(y))
         return self.head(self.n2(x))
+
+
+class LatentBlock(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2's): the queries and a compressed key/value latent with a
+    shared positional key projected from the normed stream (two layers reading one tensor), the latent
+    normed and projected up to every head's keys and values; then a SwiGLU MLP. With `complex_rope`, the
+    positional parts rotated as complex numbers (`torch.view_as_complex`) and the keys written in place
+    into a new tensor, as Hugging Face's DeepSeek-V2 does."""
+
+    def __init__(self, h, heads, latent, nope, pe, dv, ffn, complex_rope=False):
+        super().__init__()
+        self.heads, self.latent, self.nope, self.pe, self.dv = heads, latent, nope, pe, dv
+        self.complex_rope = complex_rope
+        self.n1, self.n2, self.kv_norm = RMSNorm(h), RMSNorm(h), RMSNorm(latent)
+        self.q = nn.Linear(h, heads * (nope + pe), bias=False)
+        self.kv_a = nn.Linear(h, latent + pe, bias=False)
+        self.kv_b = nn.Linear(latent, heads * (nope + dv), bias=False)
+        self.o = nn.Linear(heads * dv, h, bias=False)
+        self.gate, self.up = nn.Linear(h, ffn, bias=False), nn.Linear(h, ffn, bias=False)
+        self.down = nn.Linear(ffn, h, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        y = self.n1(x)
+        q = self.q(y).view(b, t, self.heads, self.nope + self.pe).transpose(1, 2)
+        c, k_pe = self.kv_a(y).split([self.latent, self.pe], dim=-1)
+        c = self.kv_norm(c).view(b, 1, t, self.latent) if self.complex_rope else self.kv_norm(c)
+        kv = self.kv_b(c).view(b, t, self.heads, self.nope + self.dv).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.dv], dim=-1)
+        k_pe = k_pe.view(b, 1, t, self.pe)
+        if self.complex_rope:
+            q_nope, q_pe = q.split([self.nope, self.pe], dim=-1)
+            angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32),
+                                 torch.arange(self.pe // 2, device=x.device, dtype=torch.float32))
+            turn = torch.polar(torch.ones_like(angles), angles)
+            q_pe, k_pe = (torch.view_as_real(torch.view_as_complex(z.float().reshape(*z.shape[:-1], -1, 2)) * turn)
+                          .flatten(-2).type_as(z) for z in (q_pe, k_pe))
+            q = torch.cat([q_nope, q_pe], dim=-1)
+        if self.complex_rope:            # (the keys written in place into a new tensor, as DeepSeek-V2's code does)
+            k = kv.new_empty(b, self.heads, t, self.nope + self.pe)
+            k[..., :self.nope].copy_(k_nope)
+            k[..., self.nope:].copy_(k_pe.expand(b, self.heads, t, self.pe))
+        else:
+            k = torch.cat([k_nope, k_pe.expand(b, self.heads, t, self.pe)], dim=-1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, self.heads * self.dv))
+        y = self.n2(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+
+class Latent(nn.Module):
+    """An embedding, `LatentBlock`s, a norm and an untied head."""
+
+    def __init__(self, vocab=128, h=64, heads=4, latent=16, nope=8, pe=4, dv=8, ffn=128, blocks=2, complex_rope=False):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList(LatentBlock(h, heads, latent, nope, pe, dv, ffn, complex_rope) for _ in range(blocks))
+        self.norm, self.head = RMSNorm(h), nn.Linear(h, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))

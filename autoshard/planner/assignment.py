@@ -201,7 +201,7 @@ class State:
         prob = self.prob
         forced = forced or {}
         new_pp = {}
-        heap = list(forced)
+        heap = sorted(forced)                 # a heap from the start: pops run in graph order
         for g, ch in changes.items():
             grp = prob.groups[g]
             for key, pl in zip(grp.params, grp.choices[ch]):

@@ -14,8 +14,8 @@ from .decisions import module_of
 from .held import group_bytes, memory_term
 from .problem import INF
 from .search import anchor_nodes, first_layers_alike, windows
-from .settle import gathered_at, settle_splits, sum_grads_late, sum_late
-from .siblings import read_together
+from .settle import gathered_at, run_whole, scatter_early, settle_splits, sum_grads_late, sum_late
+from .siblings import read_split, read_together
 
 PAIRED = 8             # flips over the bound that `_pairs` tries with each flip freeing bytes
 PAIR_COMBOS = 3 ** 4   # choices of families enumerated together at most (`PAIR_COMBOS2` of two)
@@ -42,7 +42,7 @@ def families(prob) -> list:
     return out
 
 
-def _settled(prob, state, move, trial, alike=frozenset(), cache=None) -> tuple:
+def _settled(prob, state, move, trial, alike=frozenset(), cache=None, split=False) -> tuple:
     """(how much faster the step of `state` gets with `move` ({group: choice}) made (its `trial`:
     delta and overlay), the state so changed and settled): both with their split outputs settled
     (`settle_splits`: gathered at once, or kept split together, where that pays) and their reductions settled (`State.reduce_early`, as
@@ -52,7 +52,9 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None) -> tuple:
     Persimmon's MLP flipped to the optimum's layout and back). INF where the move sets apart the first layer of a run in `alike`
     (`search.first_layers_alike`: alike layers stay one block graph, one compile). `cache`: {anchors:
     `state` with their early gathers settled}, kept while `state` is unchanged (a family's every choice
-    settles the same state before it)."""
+    settles the same state before it). `split`: a move reading a tensor split (`siblings.read_split`),
+    whose region also settles what then runs whole and what is then reduce-scattered (`settle.run_whole`,
+    `settle.scatter_early`)."""
     delta, overlay = trial
     if overlay is None:
         return 0.0, None
@@ -80,7 +82,8 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None) -> tuple:
                      and (isinstance(state.place[j], (Partial, Shard)) or isinstance(changed.place[j], (Partial, Shard)))]
     sums = {u for i in (*overlay[2], *overlay[3], *gathered) for u in prob.users[i]}     # (readers of what moved)
     for settled in (before, changed):
-        settled.reduce_early(region | sum_late(prob, settled, sums))
+        extra = scatter_early(prob, settled, region) | (run_whole(prob, settled, region) if split else set())
+        settled.reduce_early(region | extra | sum_late(prob, settled, sums))
     held = sum(memory_term(prob, prob.groups[g].params, prob.groups[g].choices[c]) -
                memory_term(prob, prob.groups[g].params, prob.groups[g].choices[state.choice[g]]) for g, c in move.items())
     return changed.total - before.total - held, changed
@@ -169,6 +172,9 @@ def _relax(prob, state, bound, held) -> float:
                 step, settled = _settled(prob, state, move, state.trial(move, forced), alike, cache)
                 if settled is not None and step < -tol and (best is None or step < best[0]):
                     best = step, added, settled
+            for found in _split_read(prob, state, fams, held, bound, alike, cache):
+                if found[0] < -tol and (best is None or found[0] < best[0]):
+                    best = found
             if best is None:
                 return held
             _commit(prob, state, best, rejected, cache)
@@ -179,12 +185,47 @@ def _relax(prob, state, bound, held) -> float:
 def _together_read(prob, state, fams, held, bound) -> list:
     """(move, bytes added, forced strategies) of `siblings.read_together` within the bound."""
     out = []
-    for whole, forced in read_together(prob, state, fams):
-        added = sum(_family_bytes(prob, state, fams[f], c) - _family_bytes(prob, state, fams[f])
-                    for f, c in whole.items())
+    for chosen, forced in read_together(prob, state, fams):
+        added = _added(prob, state, fams, chosen)
         if held + added <= bound:
-            out.append(({g: c for f, c in whole.items() for g in fams[f] if state.choice[g] != c}, added, forced))
+            out.append((_move(state, fams, chosen), added, forced))
     return out
+
+
+def _split_read(prob, state, fams, held, bound, alike, cache) -> list:
+    """(step, bytes added, the state settled) of each `siblings.read_split` move within the bound, the
+    families below its siblings chosen again one after another, each at its best given those before
+    (DeepSeek-V2 at 8 ranks: its K/V norm and up projection whole and its output projection unchunked,
+    none of which pays alone)."""
+    out = []
+    for chosen, forced, below in read_split(prob, state, fams):
+        best = None
+        for f in (None, *below):
+            base = chosen if best is None else best[3]
+            for c in (None,) if f is None else range(len(prob.groups[fams[f][0]].choices)):
+                if f is not None and all(state.choice[g] == c for g in fams[f]):
+                    continue                          # (as the move before it)
+                tried = base if f is None else {**base, f: c}
+                added = _added(prob, state, fams, tried)
+                if held + added > bound:
+                    continue
+                move = _move(state, fams, tried)
+                step, settled = _settled(prob, state, move, state.trial(move, forced), alike, cache, split=True)
+                if settled is not None and (best is None or step < best[0]):
+                    best = step, added, settled, tried
+        if best is not None:
+            out.append(best[:3])
+    return out
+
+
+def _added(prob, state, fams, chosen) -> float:
+    """Bytes a rank holds more with families at the choices of `chosen` ({family: choice})."""
+    return sum(_family_bytes(prob, state, fams[f], c) - _family_bytes(prob, state, fams[f]) for f, c in chosen.items())
+
+
+def _move(state, fams, chosen) -> dict:
+    """{group: choice} of `chosen` ({family: choice}) where a group is not there yet."""
+    return {g: c for f, c in chosen.items() for g in fams[f] if state.choice[g] != c}
 
 
 def tied_heads(prob) -> list:

@@ -108,12 +108,7 @@ def sum_late(prob, state, nodes) -> set:
     split on inputs: GPT-J's parallel block with its heads fewer than the ranks) leaves it reduced.
     The nodes changed are returned."""
     changed, place, sidx, strats = set(), state.place, state.sidx, prob.strats
-    sums = prob.search_memo.get("sums")
-    if sums is None:                    # (ops reading two or more op outputs)
-        sums = prob.search_memo["sums"] = frozenset(
-            u for u in range(len(prob.nodes)) if prob.kind[u] == "op" and strats[u] and
-            sum(prob.kind[j] == "op" for j in prob.ins[u]) > 1)
-    for u in sorted(sums.intersection(nodes)):
+    for u in sorted(_sums(prob).intersection(nodes)):
         if not any(isinstance(place[j], Partial) for j in prob.ins[u]):
             continue
         for j in prob.ins[u]:
@@ -129,6 +124,67 @@ def sum_late(prob, state, nodes) -> set:
             si = min(keep, key=prob.node_cost[j].__getitem__)
             _kept(state, *state.tried({j: si}, j, ("summed late", si)), changed)
     return changed
+
+
+def run_whole(prob, state, nodes) -> set:
+    """Ops in `nodes` that slice whole inputs to make a fresh Partial (a projection run on pieces of a whole
+    input and a whole weight), each tried reading them whole, where the step then costs less: the per-node
+    choice saves the product's compute and leaves the reduction to the reader (DeepSeek-V2's K/V up
+    projection after its inputs' projection is read split: each reader of its output then all-reduces it).
+    The nodes changed are returned."""
+    changed, place, strats = set(), state.place, prob.strats
+    for u in sorted(nodes):
+        if prob.kind[u] != "op" or not strats[u] or not isinstance(place[u], Partial) or not _fresh(prob, state, u):
+            continue
+        now = strats[u][state.sidx[u]].inputs
+        ops = [(r, place[j]) for j, r in zip(prob.ins[u], now) if r is not None and prob.kind[j] == "op"]
+        if not ops or not all(isinstance(pl, Replicate) for _, pl in ops) or all(r == pl for r, pl in ops):
+            continue
+        keep = [si for si, s in enumerate(strats[u]) if isinstance(s.output, Replicate) and
+                all(r is None or prob.kind[j] != "op" or r == place[j] for j, r in zip(prob.ins[u], s.inputs)) and
+                state.servable(u, s)]
+        if keep:
+            si = min(keep, key=prob.node_cost[u].__getitem__)
+            _kept(state, *state.tried({u: si}, u, ("run whole", si)), changed)
+    return changed
+
+
+def scatter_early(prob, state, nodes) -> set:
+    """Ops in `nodes` that sum a split tensor with a Partial one and reduce it whole or keep the sum
+    Partial, each tried reducing it scattered instead (their cheapest strategy with a split output,
+    reading every split input as it is and every Partial one split), where the step then costs less: the
+    stream kept split through a residual sum, a row layer's output reduce-scattered into it (latent
+    attention's MLP; DeepSeek-V2's last layer, its final norm then run split). The per-node choice keeps
+    the sum Partial, or reduces it whole, at the first layer to read the row layer's output split, and
+    no later change revisits it. The nodes changed are returned."""
+    changed, place, strats = set(), state.place, prob.strats
+    for u in sorted(_sums(prob).intersection(nodes)):
+        if isinstance(place[u], Shard):
+            continue
+        ins = [(j, r) for j, r in zip(prob.ins[u], strats[u][state.sidx[u]].inputs)
+               if r is not None and prob.kind[j] == "op"]
+        if not any(isinstance(place[j], Shard) for j, _ in ins) or not any(
+                isinstance(place[j], Partial) and (isinstance(r, Replicate) or isinstance(place[u], Partial))
+                for j, r in ins):
+            continue
+        keep = [si for si, s in enumerate(strats[u]) if isinstance(s.output, Shard) and
+                all(r is None or prob.kind[j] != "op" or (r == place[j] if isinstance(place[j], Shard) else
+                                                          isinstance(r, Shard)) for j, r in zip(prob.ins[u], s.inputs))
+                and state.servable(u, s)]
+        if keep:
+            si = min(keep, key=prob.node_cost[u].__getitem__)
+            _kept(state, *state.tried({u: si}, u, ("scattered", si)), changed)
+    return changed
+
+
+def _sums(prob) -> frozenset:
+    """The ops that read two or more op outputs (memoised)."""
+    sums = prob.search_memo.get("sums")
+    if sums is None:
+        sums = prob.search_memo["sums"] = frozenset(
+            u for u in range(len(prob.nodes)) if prob.kind[u] == "op" and prob.strats[u] and
+            sum(prob.kind[j] == "op" for j in prob.ins[u]) > 1)
+    return sums
 
 
 def _split(pl) -> bool:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import itertools
 
-from ..runtime.placements import REPLICATE, Partial
+from ..runtime.placements import REPLICATE, Partial, Replicate, Shard
 
 COMBOS = 3 ** 3        # strategy combinations of one set of siblings tried together at most
+BELOW = 3              # families below siblings read split that `read_split` offers to choose again
 
 
 def sibling_sets(prob) -> list:
@@ -85,6 +86,112 @@ def read_together(prob, state, families) -> list:
                             forced[a] = si
                 out.append((whole, forced))
     return out
+
+
+def read_split(prob, state, families, depth: int = 8) -> list:
+    """({family: choice}, {op: strategy}, [family below]) moves that have siblings reading a tensor made
+    whole above them read it split together: the ops above that gather it or all-reduce it
+    (`_made_whole`) keep it split (reduce-scattered), each sibling reads it split with its family in the
+    layout that does (a row layer's), all sets at the same places of alike layers at once; the families
+    below them (`_below`) are for the caller to choose again given the move (`relax`).
+
+    Apart, each such flip keeps the gather above (the other siblings still read whole) and no op above
+    is revisited: DeepSeek-V2's MLA projections read its stream split on features, normed split, the
+    stream never gathered (the optimum's step; the greedy's gathered it, 1.014x at 4 ranks)."""
+    family_of = {g: f for f, fam in enumerate(families) for g in fam}
+    group_of = {a: g for g, grp in enumerate(prob.groups) for a in grp.anchors}
+    key_of = {i: key for key, nodes in prob.param_nodes.items() for i in nodes}
+    by_families: dict = {}
+    for j, sibs in sibling_sets(prob):
+        if isinstance(state.place[j], Replicate) and all(group_of[a] in family_of for a in sibs) and \
+                all(_whole_at(prob, a, j, prob.strats[a][state.sidx[a]]) for a in sibs):
+            fams = tuple(sorted({family_of[group_of[a]] for a in sibs}))
+            if len(fams) > 1:
+                by_families.setdefault(fams, []).append((j, sorted(sibs)))
+    out = []
+    for sets in by_families.values():
+        chosen, forced = {}, {}
+        if all(_split_read(prob, state, j, sibs, chosen, forced, (family_of, group_of, key_of), depth)
+               for j, sibs in sets):
+            out.append((chosen, forced, _below(prob, [a for _, sibs in sets for a in sibs], chosen, family_of,
+                                               group_of)[:BELOW]))
+    return out
+
+
+def _below(prob, sibs, chosen, family_of, group_of, reach: int = 16) -> list:
+    """Families other than `chosen` whose anchors the siblings' outputs reach (within `reach` ops), nearest
+    first: once the siblings' Partial outputs are reduced whole, they may take another layout
+    (DeepSeek-V2's K/V norm and up projection run whole, its output projection unchunked)."""
+    out, todo, seen = [], [(a, 0) for a in sibs], set(sibs)
+    for i, d in todo:
+        f = family_of.get(group_of.get(i))
+        if f is not None and f not in chosen and f not in out:
+            out.append(f)
+        for u in prob.users[i] if d < reach else ():
+            if u not in seen and prob.kind[u] != "output":
+                seen.add(u)
+                todo.append((u, d + 1))
+    return out
+
+
+def _split_read(prob, state, j, sibs, chosen, forced, maps, depth) -> bool:
+    """Add to `chosen` ({family: choice}) and `forced` ({op: strategy}) what has siblings `sibs` read tensor
+    j split (`read_split`); whether they can."""
+    family_of, group_of, key_of = maps
+    points = _made_whole(prob, state, j, depth)
+    for t in points:
+        keep = [si for si, s in enumerate(prob.strats[t]) if isinstance(s.output, Shard) and
+                all(r is None or prob.kind[i] != "op" or _kept_split(state.place[i], r)
+                    for i, r in zip(prob.ins[t], s.inputs)) and state.servable(t, s)]
+        if not keep:
+            return False
+        forced[t] = min(keep, key=prob.node_cost[t].__getitem__)
+    for a in sibs:
+        row = _row(prob, a, j, group_of[a], key_of)
+        if row is None or chosen.setdefault(family_of[group_of[a]], row[1]) != row[1]:
+            return False
+        forced[a] = row[0]
+    return bool(points)
+
+
+def _made_whole(prob, state, j, depth: int = 8) -> list:
+    """The ops at or above tensor j, through whole tensors (within `depth` ops), that read a split or
+    Partial input whole (a gather, an all-reduce)."""
+    out, todo, seen = [], [(j, 0)], {j}
+    for t, d in todo:
+        if prob.kind[t] != "op" or not prob.strats[t]:
+            continue
+        now = prob.strats[t][state.sidx[t]].inputs
+        if any(isinstance(state.place[i], (Shard, Partial)) and isinstance(r, Replicate)
+               for i, r in zip(prob.ins[t], now) if prob.kind[i] == "op"):
+            out.append(t)
+            continue
+        for i in prob.ins[t] if d < depth else ():
+            if prob.kind[i] == "op" and i not in seen and isinstance(state.place[i], Replicate):
+                seen.add(i)
+                todo.append((i, d + 1))
+    return out
+
+
+def _kept_split(pl, req) -> bool:
+    """Whether reading an input placed `pl` as `req` keeps it split: a split one as it is, a Partial one
+    reduce-scattered, a whole one sliced."""
+    return req == pl if isinstance(pl, Shard) else isinstance(req, Shard)
+
+
+def _row(prob, a, j, g, key_of):
+    """(strategy, choice of group g) of the cheapest strategy of anchor a reading tensor j split, its
+    parameters as a choice of g holds them; None where there is none."""
+    grp, best = prob.groups[g], None
+    for si, s in enumerate(prob.strats[a]):
+        if not all(isinstance(s.inputs[k], Shard) for k, i in enumerate(prob.ins[a]) if i == j):
+            continue
+        want = {key_of[i]: s.inputs[k] for k, i in enumerate(prob.ins[a]) if i in key_of}
+        c = next((c for c, ch in enumerate(grp.choices) if all(want.get(p, pl) == pl for p, pl in zip(grp.params, ch))),
+                 None)
+        if c is not None and (best is None or prob.node_cost[a][si] < prob.node_cost[a][best[0]]):
+            best = si, c
+    return best
 
 
 def _summed(prob, a, j, s) -> bool:
