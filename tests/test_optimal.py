@@ -451,6 +451,18 @@ def test_latent_projections_read_the_split_stream_together():
     assert _compare()(_latent(heads=16, complex_rope=True), 4, {"ids": ids}, tokens=512, alike=True)["ratio"] <= 1.01
 
 
+def test_weights_gathered_where_smaller_than_the_activations():
+    """Weights applied as `x @ w.T` at hidden 64 over 8 ranks, 16 tokens: the weights outweigh the
+    activations, and the optimum gathers every weight through its transpose and runs each layer whole.
+    One op at a time, a gather or a reduction of activations follows it, so no move paid: 1.232x the
+    optimum's step. The ops reading a weight's view are tried whole all at once (`settle.gather_weights`).
+    (Falcon's ALiBi path, the zoo's 2 layers: smaller hand-made models of `x @ w.T` layers planned the
+    optimum before.)"""
+    from zoo import ZOO
+    model, kwargs = ZOO["falcon_alibi"].build()
+    assert _compare()(model, 8, kwargs, alike=True, vocabulary=True)["ratio"] <= 1.01
+
+
 def test_gathered_and_shared_patterns_run_exactly(dist2):
     """The patterns above train exactly on 2 gloo ranks (loss and every gradient; dropout on, with one
     process's masks). (The parallel block with dropout, at 8 ranks where its summands are reduced at

@@ -14,7 +14,7 @@ from .decisions import module_of
 from .held import group_bytes, memory_term
 from .problem import INF
 from .search import anchor_nodes, first_layers_alike, windows
-from .settle import gathered_at, run_whole, scatter_early, settle_splits, sum_grads_late, sum_late
+from .settle import gather_weights, gathered_at, run_whole, scatter_early, settle_splits, sum_grads_late, sum_late
 from .siblings import read_split, read_together
 
 PAIRED = 8             # flips over the bound that `_pairs` tries with each flip freeing bytes
@@ -116,7 +116,7 @@ def relax(prob, state, bound, held) -> None:
     if settle_splits(prob, state, anchors):
         _relax(prob, state, bound, held)
         settle_splits(prob, state, anchors)
-    if sum_grads_late(prob, state, range(len(prob.nodes))):
+    if sum_grads_late(prob, state, range(len(prob.nodes))) | gather_weights(prob, state):
         state.reduce_early()
 
 
