@@ -297,20 +297,28 @@ class QKNormBlock(nn.Module):
         return x + (self.n2(m) if self.post else m)
 
 
-class QKNormed(nn.Module):
-    """An embedding, two `QKNormBlock`s, a norm and an untied head."""
+class BlockLM(nn.Module):
+    """An embedding, `count` blocks made by `block()`, the norm `norm` and an untied head."""
 
-    def __init__(self, vocab=128, h=64, blocks=2, post=True, per_head=False, qk=True, heads=4):
+    def __init__(self, vocab, h, block, count, norm):
         super().__init__()
         self.tok = nn.Embedding(vocab, h)
-        self.blocks = nn.ModuleList(QKNormBlock(h, heads, post=post, per_head=per_head, qk=qk) for _ in range(blocks))
-        self.norm, self.head = RMSNorm(h), nn.Linear(h, vocab, bias=False)
+        self.blocks = nn.ModuleList(block() for _ in range(count))
+        self.norm, self.head = norm, nn.Linear(h, vocab, bias=False)
 
     def forward(self, ids):
         x = self.tok(ids)
         for b in self.blocks:
             x = b(x)
         return self.head(self.norm(x))
+
+
+class QKNormed(BlockLM):
+    """An embedding, two `QKNormBlock`s, a norm and an untied head."""
+
+    def __init__(self, vocab=128, h=64, blocks=2, post=True, per_head=False, qk=True, heads=4):
+        super().__init__(vocab, h, lambda: QKNormBlock(h, heads, post=post, per_head=per_head, qk=qk), blocks,
+                         RMSNorm(h))
 
 
 class TransposedParallel(nn.Module):
@@ -358,20 +366,11 @@ class TwoNormBlock(nn.Module):
         return x + a + self.drop(self.fc2(F.gelu(self.fc1(y if self.ln2 is None else self.ln2(x)))))
 
 
-class TwoNormParallel(nn.Module):
+class TwoNormParallel(BlockLM):
     """An embedding, `TwoNormBlock`s, a norm and an untied head."""
 
     def __init__(self, vocab=128, h=64, heads=8, blocks=2, norms=2, dropout=None, ffn=4):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, h)
-        self.blocks = nn.ModuleList(TwoNormBlock(h, heads, norms, dropout, ffn) for _ in range(blocks))
-        self.norm, self.head = nn.LayerNorm(h), nn.Linear(h, vocab, bias=False)
-
-    def forward(self, ids):
-        x = self.tok(ids)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))
+        super().__init__(vocab, h, lambda: TwoNormBlock(h, heads, norms, dropout, ffn), blocks, nn.LayerNorm(h))
 
 
 class FusedNoBiasBlock(nn.Module):
@@ -391,21 +390,12 @@ class FusedNoBiasBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.n2(x))))
 
 
-class FusedNoBias(nn.Module):
+class FusedNoBias(BlockLM):
     """An embedding, `FusedNoBiasBlock`s, a norm and a head tied to the embedding."""
 
     def __init__(self, vocab=256, h=64, heads=4, blocks=2):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, h)
-        self.blocks = nn.ModuleList(FusedNoBiasBlock(h, heads) for _ in range(blocks))
-        self.norm, self.head = nn.LayerNorm(h, bias=False), nn.Linear(h, vocab, bias=False)
+        super().__init__(vocab, h, lambda: FusedNoBiasBlock(h, heads), blocks, nn.LayerNorm(h, bias=False))
         self.head.weight = self.tok.weight
-
-    def forward(self, ids):
-        x = self.tok(ids)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))
 
 
 class WeightlessNorm(nn.Module):
@@ -481,17 +471,9 @@ class LatentBlock(nn.Module):
         return x + self.down(F.silu(self.gate(y)) * self.up(y))
 
 
-class Latent(nn.Module):
+class Latent(BlockLM):
     """An embedding, `LatentBlock`s, a norm and an untied head."""
 
     def __init__(self, vocab=128, h=64, heads=4, latent=16, nope=8, pe=4, dv=8, ffn=128, blocks=2, complex_rope=False):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, h)
-        self.blocks = nn.ModuleList(LatentBlock(h, heads, latent, nope, pe, dv, ffn, complex_rope) for _ in range(blocks))
-        self.norm, self.head = RMSNorm(h), nn.Linear(h, vocab, bias=False)
-
-    def forward(self, ids):
-        x = self.tok(ids)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))
+        super().__init__(vocab, h, lambda: LatentBlock(h, heads, latent, nope, pe, dv, ffn, complex_rope), blocks,
+                         RMSNorm(h))
