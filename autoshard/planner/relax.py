@@ -52,9 +52,9 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None, split=Fals
     Persimmon's MLP flipped to the optimum's layout and back). INF where the move sets apart the first layer of a run in `alike`
     (`search.first_layers_alike`: alike layers stay one block graph, one compile). `cache`: {anchors:
     `state` with their early gathers settled}, kept while `state` is unchanged (a family's every choice
-    settles the same state before it). `split`: a move reading a tensor split (`siblings.read_split`),
-    whose region also settles what then runs whole and what is then reduce-scattered (`settle.run_whole`,
-    `settle.scatter_early`)."""
+    settles the same state before it). Residual sums of a split and a Partial tensor are settled too
+    (`settle.scatter_early`); with `split` (a move reading a tensor split, `siblings.read_split`), also
+    what then runs whole (`settle.run_whole`)."""
     delta, overlay = trial
     if overlay is None:
         return 0.0, None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..capture.repeats import layer_key
 from ..runtime.placements import REPLICATE, Partial, Replicate, ReplicatePartialGrad, Shard
-from .siblings import sibling_sets, summed_sets
+from .siblings import sibling_sets, split_strategy, summed_sets
 from .tried import Tried
 
 
@@ -168,12 +168,8 @@ def scatter_early(prob, state, nodes) -> set:
                 isinstance(place[j], Partial) and (isinstance(r, Replicate) or isinstance(place[u], Partial))
                 for j, r in ins):
             continue
-        keep = [si for si, s in enumerate(strats[u]) if isinstance(s.output, Shard) and
-                all(r is None or prob.kind[j] != "op" or (r == place[j] if isinstance(place[j], Shard) else
-                                                          isinstance(r, Shard)) for j, r in zip(prob.ins[u], s.inputs))
-                and state.servable(u, s)]
-        if keep:
-            si = min(keep, key=prob.node_cost[u].__getitem__)
+        si = split_strategy(prob, state, u)
+        if si is not None:
             _kept(state, *state.tried({u: si}, u, ("scattered", si)), changed)
     return changed
 
@@ -254,7 +250,8 @@ def gather_weights(prob, state, steps: int = 3) -> set:
         if keep:
             si = min(keep, key=prob.node_cost[u].__getitem__)
             for name in names:
-                by_weight.setdefault(layer_key(name)[0] if layer_key(name) else name, {})[u] = si
+                key = layer_key(name)
+                by_weight.setdefault(name if key is None else key[0], {})[u] = si
     changed = set()
     if by_weight and not _kept(state, *state.trial({}, {u: si for f in by_weight.values() for u, si in f.items()}),
                                changed):

@@ -100,7 +100,6 @@ def read_split(prob, state, families, depth: int = 8) -> list:
     stream never gathered (the optimum's step; the greedy's gathered it, 1.014x at 4 ranks)."""
     family_of = {g: f for f, fam in enumerate(families) for g in fam}
     group_of = {a: g for g, grp in enumerate(prob.groups) for a in grp.anchors}
-    key_of = {i: key for key, nodes in prob.param_nodes.items() for i in nodes}
     by_families: dict = {}
     for j, sibs in sibling_sets(prob):
         if isinstance(state.place[j], Replicate) and all(group_of[a] in family_of for a in sibs) and \
@@ -111,7 +110,7 @@ def read_split(prob, state, families, depth: int = 8) -> list:
     out = []
     for sets in by_families.values():
         chosen, forced = {}, {}
-        if all(_split_read(prob, state, j, sibs, chosen, forced, (family_of, group_of, key_of), depth)
+        if all(_set_read_split(prob, state, j, sibs, chosen, forced, family_of, group_of, depth)
                for j, sibs in sets):
             out.append((chosen, forced, _below(prob, [a for _, sibs in sets for a in sibs], chosen, family_of,
                                                group_of)[:BELOW]))
@@ -134,24 +133,32 @@ def _below(prob, sibs, chosen, family_of, group_of, reach: int = 16) -> list:
     return out
 
 
-def _split_read(prob, state, j, sibs, chosen, forced, maps, depth) -> bool:
+def _set_read_split(prob, state, j, sibs, chosen, forced, family_of, group_of, depth) -> bool:
     """Add to `chosen` ({family: choice}) and `forced` ({op: strategy}) what has siblings `sibs` read tensor
     j split (`read_split`); whether they can."""
-    family_of, group_of, key_of = maps
     points = _made_whole(prob, state, j, depth)
     for t in points:
-        keep = [si for si, s in enumerate(prob.strats[t]) if isinstance(s.output, Shard) and
-                all(r is None or prob.kind[i] != "op" or _kept_split(state.place[i], r)
-                    for i, r in zip(prob.ins[t], s.inputs)) and state.servable(t, s)]
-        if not keep:
+        si = split_strategy(prob, state, t)
+        if si is None:
             return False
-        forced[t] = min(keep, key=prob.node_cost[t].__getitem__)
+        forced[t] = si
     for a in sibs:
-        row = _row(prob, a, j, group_of[a], key_of)
+        row = _row(prob, a, j, group_of[a])
         if row is None or chosen.setdefault(family_of[group_of[a]], row[1]) != row[1]:
             return False
         forced[a] = row[0]
     return bool(points)
+
+
+def split_strategy(prob, state, t):
+    """The cheapest strategy of op t with a split output that keeps every input it reads split: a split
+    one read as it is, a Partial one reduce-scattered, a whole one sliced; None where there is none."""
+    place = state.place
+    keep = [si for si, s in enumerate(prob.strats[t]) if isinstance(s.output, Shard) and
+            all(r is None or prob.kind[i] != "op" or
+                (r == place[i] if isinstance(place[i], Shard) else isinstance(r, Shard))
+                for i, r in zip(prob.ins[t], s.inputs)) and state.servable(t, s)]
+    return min(keep, key=prob.node_cost[t].__getitem__) if keep else None
 
 
 def _made_whole(prob, state, j, depth: int = 8) -> list:
@@ -173,20 +180,14 @@ def _made_whole(prob, state, j, depth: int = 8) -> list:
     return out
 
 
-def _kept_split(pl, req) -> bool:
-    """Whether reading an input placed `pl` as `req` keeps it split: a split one as it is, a Partial one
-    reduce-scattered, a whole one sliced."""
-    return req == pl if isinstance(pl, Shard) else isinstance(req, Shard)
-
-
-def _row(prob, a, j, g, key_of):
+def _row(prob, a, j, g):
     """(strategy, choice of group g) of the cheapest strategy of anchor a reading tensor j split, its
     parameters as a choice of g holds them; None where there is none."""
     grp, best = prob.groups[g], None
     for si, s in enumerate(prob.strats[a]):
         if not all(isinstance(s.inputs[k], Shard) for k, i in enumerate(prob.ins[a]) if i == j):
             continue
-        want = {key_of[i]: s.inputs[k] for k, i in enumerate(prob.ins[a]) if i in key_of}
+        want = {prob.param_key[i]: s.inputs[k] for k, i in enumerate(prob.ins[a]) if i in prob.param_key}
         c = next((c for c, ch in enumerate(grp.choices) if all(want.get(p, pl) == pl for p, pl in zip(grp.params, ch))),
                  None)
         if c is not None and (best is None or prob.node_cost[a][si] < prob.node_cost[a][best[0]]):
