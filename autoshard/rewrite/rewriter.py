@@ -79,11 +79,14 @@ class Rewriter(LocalOps, Outputs):
         return self.old[name].meta.get("val")
 
     def placement(self, name):
-        """The plan's placement of node `name` (an element of a split's outputs included)."""
+        """The plan's placement of node `name` (an element of a split's outputs included; a parameter's
+        layout: a slice of a parameter held in blocks, a size read of a split one)."""
         d = self.plan.nodes.get(name)
         if d is not None:
             return d.output
         n = self.old.get(name)
+        if n is not None and n.op == "get_attr":
+            return self.plan.layouts.get(n.target)
         if n is not None and n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], int):
             parent = self.plan.nodes.get(getattr(n.args[0], "name", None))
             if parent is not None and isinstance(parent.output, tuple):
