@@ -38,7 +38,8 @@ from autoshard.planner import optimal, search as S  # noqa: E402
 from autoshard.planner.budget import least_comm, state_bytes, step_seconds  # noqa: E402
 from autoshard.planner.build import build_plan, chunk_candidates, part_candidates, unit_candidates  # noqa: E402
 from autoshard.planner.cost import CostModel  # noqa: E402
-from autoshard.planner.relax import families, lookups, tied_heads  # noqa: E402
+from autoshard.planner.relax import families  # noqa: E402
+from autoshard.planner.vocabulary import lookups, tied_heads  # noqa: E402
 
 DEGREES = (2, 4, 8)
 

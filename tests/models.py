@@ -477,3 +477,63 @@ class Latent(BlockLM):
     def __init__(self, vocab=128, h=64, heads=4, latent=16, nope=8, pe=4, dv=8, ffn=128, blocks=2, complex_rope=False):
         super().__init__(vocab, h, lambda: LatentBlock(h, heads, latent, nope, pe, dv, ffn, complex_rope), blocks,
                          RMSNorm(h))
+
+
+class RelativeBlock(nn.Module):
+    """Disentangled attention (DeBERTa's): one projection makes each head's query, key and value side by
+    side (interleaved by heads), the query and value biases added apart, and scores from relative
+    positions (a table of position embeddings shared by the blocks, projected to keys and to queries,
+    each position's picked by distance with `gather`: content-to-position and position-to-content)
+    added to the query-key scores, padding masked; norms after the residual sums, and a GELU MLP."""
+
+    def __init__(self, h, heads, span, ffn, dropout=0.0):
+        super().__init__()
+        self.heads, self.span = heads, span
+        self.in_proj = nn.Linear(h, 3 * h, bias=False)
+        self.q_bias, self.v_bias = nn.Parameter(torch.randn(h) * 0.02), nn.Parameter(torch.randn(h) * 0.02)
+        self.pos_proj, self.pos_q_proj = nn.Linear(h, h, bias=False), nn.Linear(h, h)
+        self.o, self.up, self.down = nn.Linear(h, h), nn.Linear(h, ffn), nn.Linear(ffn, h)
+        self.n1, self.n2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.drop = nn.Dropout(dropout)
+
+    def _by_heads(self, z):
+        """(b, t, heads * k) -> (b, heads, t, k)."""
+        return z.view(z.shape[0], z.shape[1], self.heads, -1).permute(0, 2, 1, 3)
+
+    def forward(self, x, rel, mask):
+        b, t, h = x.shape
+        q, k, v = self._by_heads(self.in_proj(x)).chunk(3, dim=-1)
+        scale = (3 * h // self.heads) ** 0.5
+        q = (q + self._by_heads(self.q_bias[None, None, :])) / scale
+        v = v + self._by_heads(self.v_bias[None, None, :])
+        pos_k = self._by_heads(self.pos_proj(rel)[None])
+        pos_q = self._by_heads(self.pos_q_proj(rel)[None]) / scale
+        at = torch.arange(t, device=x.device)
+        dist = at[:, None] - at[None, :]
+        c2p = torch.gather(q @ pos_k.transpose(-1, -2), -1,
+                           (dist + self.span).clamp(0, 2 * self.span - 1).expand(b, self.heads, t, t))
+        p2c = torch.gather(k @ pos_q.transpose(-1, -2), -1,
+                           (self.span - dist).clamp(0, 2 * self.span - 1).expand(b, self.heads, t, t)).transpose(-1, -2)
+        scores = (q @ k.transpose(-1, -2) + (c2p + p2c)).masked_fill(~mask, torch.finfo(x.dtype).min)
+        a = self.drop(torch.softmax(scores, dim=-1)) @ v
+        x = self.n1(x + self.drop(self.o(a.permute(0, 2, 1, 3).reshape(b, t, h))))
+        return self.n2(x + self.drop(self.down(F.gelu(self.up(x)))))
+
+
+class Relative(BlockLM):
+    """An embedding normed (BERT's), `RelativeBlock`s sharing a table of relative-position embeddings
+    (2 x `reach` rows, the 2 x `span` around the middle read), a norm and an untied head; token 0 pads."""
+
+    def __init__(self, vocab=256, h=64, heads=4, span=16, reach=64, ffn=128, blocks=2, dropout=0.0):
+        super().__init__(vocab, h, lambda: RelativeBlock(h, heads, span, ffn, dropout), blocks, nn.LayerNorm(h))
+        self.embedded = nn.LayerNorm(h)
+        self.rel = nn.Parameter(torch.randn(2 * reach, h) * 0.02)
+        self.reach, self.span = reach, span
+
+    def forward(self, ids):
+        mask = (ids != 0)[:, None, None, :]
+        rel = self.rel[self.reach - self.span:self.reach + self.span]
+        x = self.embedded(self.tok(ids))
+        for b in self.blocks:
+            x = b(x, rel, mask)
+        return self.head(self.norm(x))

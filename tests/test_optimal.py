@@ -145,14 +145,23 @@ def _optimal_rank(rank, world):
 @pytest.mark.parametrize("p", [2, 4])
 def test_greedy_within_one_percent_of_optimum_on_zoo(p):
     """Every zoo architecture (2 layers): the greedy's predicted step within 1% of the program's
-    optimum under the same objective, and the program solved in under 60 s."""
+    optimum under the same objective, in the greedy's space (alike layers alike: one block graph; a
+    head tied to an embedding on the vocabulary, as decoding wants it: `benchmarks/optimality.py
+    --alike --vocabulary`), and the program solved in under 60 s."""
+    from autoshard.errors import CaptureError
+    from test_zoo import KNOWN
     from zoo import ZOO
     compare = _compare()
     worse = []
     for name, arch in ZOO.items():
         model, kwargs = arch.build()
         t0 = time.perf_counter()
-        r = compare(model, p, kwargs)
+        try:
+            r = compare(model, p, kwargs, alike=True, vocabulary=True)
+        except CaptureError:
+            if name in KNOWN:            # (a capture failure with its cause diagnosed: tests/test_zoo.py)
+                continue
+            raise
         assert r["solver_s"] < 60, (name, r["solver_s"])
         if r["ratio"] > 1.01:
             worse.append((name, round(r["ratio"], 4), r["differs"][:3]))
@@ -463,6 +472,23 @@ def test_weights_gathered_where_smaller_than_the_activations():
     assert _compare()(model, 8, kwargs, alike=True, vocabulary=True)["ratio"] <= 1.01
 
 
+@pytest.mark.parametrize("p", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_attention_by_heads_with_its_biases_and_relative_positions_together(p):
+    """Disentangled attention (one projection interleaving each head's query, key and value; query and
+    value biases apart; relative-position scores from projected position embeddings): the optimum runs
+    it by heads, the projection split plainly, the biases and position projections split with it and
+    the output layer on its inputs. The greedy split the projection in q/k/v chunks its heads' view
+    cannot read and gathered it; flipping any one family kept the gathers of the others, and each op
+    ties gathering a split input with slicing a whole one, so none paid. A family gathered at once is
+    now tried in each split layout with what then gathers below run split and its partners chosen
+    again (`partners.gathered_families`, `settle.split_chain`). The greedy's step was 1.070x (2 ranks)
+    and 1.071x (4, `-m slow`) the optimum's."""
+    from models import Relative
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 16))
+    assert _compare()(Relative(), p, {"ids": ids}, alike=True)["ratio"] <= 1.01
+
+
 def test_gathered_and_shared_patterns_run_exactly(dist2):
     """The patterns above train exactly on 2 gloo ranks (loss and every gradient; dropout on, with one
     process's masks). (The parallel block with dropout, at 8 ranks where its summands are reduced at
@@ -473,7 +499,7 @@ def test_gathered_and_shared_patterns_run_exactly(dist2):
 def _patterns_rank(rank, world):
     import copy
     from models import (CHANNELS_FIRST_PINS, ChannelsFirst, FusedNoBias, Latent, NormedEmbedding, QKNormed,
-                        ScaledBlocks, SummedNormed, TransposedParallel, TwoNormParallel)
+                        Relative, ScaledBlocks, SummedNormed, TransposedParallel, TwoNormParallel)
     from refs import grads_match
     torch.manual_seed(0)
     for model, x, pin in ((NormedEmbedding(), torch.randint(0, 128, (2, 64)), None),
@@ -487,6 +513,7 @@ def _patterns_rank(rank, world):
                           (SummedNormed(), torch.randint(0, 64, (2, 16)), None),
                           (Latent(vocab=256, h=512, heads=4, latent=128, nope=32, pe=16, dv=32, ffn=1024,
                                   complex_rope=True), torch.randint(0, 256, (2, 256)), None),
+                          (Relative(dropout=0.1), torch.randint(0, 256, (2, 16)), None),
                           (ScaledBlocks().eval(), torch.randn(2, 17, 16), None),
                           (ChannelsFirst(), torch.randn(2, 3, 32, 32), CHANNELS_FIRST_PINS)):
         ref = copy.deepcopy(model)

@@ -10,12 +10,14 @@ import math
 
 from ..capture.repeats import layer_key
 from ..runtime.placements import REPLICATE, Partial, Shard
-from .decisions import module_of
 from .held import group_bytes, memory_term
 from .problem import INF
+from .partners import gathered_families
 from .search import anchor_nodes, first_layers_alike, windows
-from .settle import gather_weights, gathered_at, run_whole, scatter_early, settle_splits, sum_grads_late, sum_late
+from .settle import (gather_weights, gathered_at, run_whole, scatter_early, settle_splits, split_gathers,
+                     sum_grads_late, sum_late)
 from .siblings import read_split, read_together
+from .vocabulary import vocabulary_heads
 
 PAIRED = 8             # flips over the bound that `_pairs` tries with each flip freeing bytes
 PAIR_COMBOS = 3 ** 4   # choices of families enumerated together at most (`PAIR_COMBOS2` of two)
@@ -42,7 +44,7 @@ def families(prob) -> list:
     return out
 
 
-def _settled(prob, state, move, trial, alike=frozenset(), cache=None, split=False) -> tuple:
+def _settled(prob, state, move, trial, alike=frozenset(), cache=None, split=False, early=True) -> tuple:
     """(how much faster the step of `state` gets with `move` ({group: choice}) made (its `trial`:
     delta and overlay), the state so changed and settled): both with their split outputs settled
     (`settle_splits`: gathered at once, or kept split together, where that pays) and their reductions settled (`State.reduce_early`, as
@@ -54,7 +56,8 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None, split=Fals
     `state` with their early gathers settled}, kept while `state` is unchanged (a family's every choice
     settles the same state before it). Residual sums of a split and a Partial tensor are settled too
     (`settle.scatter_early`); with `split` (a move reading a tensor split, `siblings.read_split`), also
-    what then runs whole (`settle.run_whole`)."""
+    what then runs whole (`settle.run_whole`) or gathers a split input (`settle.split_gathers`). Without
+    `early`, the move's split outputs are not settled (a move that runs them split: `_run_split`)."""
     delta, overlay = trial
     if overlay is None:
         return 0.0, None
@@ -72,7 +75,7 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None, split=Fals
         if cache is not None:
             cache[frozenset(anchors)] = hit
     before = hit[0].copy()
-    gathered = hit[1] | settle_splits(prob, changed, anchors)
+    gathered = hit[1] | (settle_splits(prob, changed, anchors) if early else set())
     region, todo = set(), [*overlay[2], *overlay[3], *overlay[4], *gathered, *(u for i in overlay[2] for u in prob.users[i])]
     while todo:
         i = todo.pop()
@@ -82,7 +85,8 @@ def _settled(prob, state, move, trial, alike=frozenset(), cache=None, split=Fals
                      and (isinstance(state.place[j], (Partial, Shard)) or isinstance(changed.place[j], (Partial, Shard)))]
     sums = {u for i in (*overlay[2], *overlay[3], *gathered) for u in prob.users[i]}     # (readers of what moved)
     for settled in (before, changed):
-        extra = scatter_early(prob, settled, region) | (run_whole(prob, settled, region) if split else set())
+        extra = scatter_early(prob, settled, region) | \
+            (run_whole(prob, settled, region) | split_gathers(prob, settled, region) if split else set())
         settled.reduce_early(region | extra | sum_late(prob, settled, sums))
     held = sum(memory_term(prob, prob.groups[g].params, prob.groups[g].choices[c]) -
                memory_term(prob, prob.groups[g].params, prob.groups[g].choices[state.choice[g]]) for g, c in move.items())
@@ -110,14 +114,33 @@ def _feeding(prob, state, anchors, depth: int = 8) -> set:
 def relax(prob, state, bound, held) -> None:
     """`_relax`, then the split outputs settled (`settle_splits`), as the relaxing step compared its moves;
     where that settling changed the plan, `_relax` once more (OLMo's output projection at 8 ranks pays
-    only once the last layer's gathers are settled: 1.04x the optimum's step without)."""
+    only once the last layer's gathers are settled: 1.04x the optimum's step without); then what gathers
+    run split (`_run_split`)."""
     anchors = anchor_nodes(prob)
     held = _relax(prob, state, bound, held)
     if settle_splits(prob, state, anchors):
-        _relax(prob, state, bound, held)
+        held = _relax(prob, state, bound, held)
         settle_splits(prob, state, anchors)
+    _run_split(prob, state, bound, held)
     if sum_grads_late(prob, state, range(len(prob.nodes))) | gather_weights(prob, state):
         state.reduce_early()
+
+
+def _run_split(prob, state, bound, held) -> bool:
+    """The best move of `partners.gathered_families` (a family whose output is gathered at once flipped,
+    what then gathers below it run split, its partners chosen again: `_descend`, no early gathers
+    settled, which would gather it again), adopted where the step gets faster. Tried once the relaxing
+    step and its settling are done: among the relaxing moves, it took a step the settling would have
+    made better (a small DeBERTa-like model: 1.07x the optimum's step, 1.005x without it). Whether it was."""
+    kept = vocabulary_heads(prob, state)
+    fams = [fam for fam in families(prob) if not kept.intersection(fam)]
+    found = _descend(prob, state, gathered_families(prob, state, fams), fams, held, bound, first_layers_alike(state),
+                     {}, early=False)
+    best = min(found, key=lambda f: f[0], default=None)
+    if best is None or best[0] >= -1e-12 * max(1.0, abs(state.total)):
+        return False
+    state.adopt(best[2])
+    return True
 
 
 def _relax(prob, state, bound, held) -> float:
@@ -131,7 +154,7 @@ def _relax(prob, state, bound, held) -> float:
     fams = families(prob)
     rejected: dict = {}          # (family, choice) -> nodes its last trial read or wrote, while unchanged since
     cache: dict = {}             # `_settled`'s states before a move, while `state` is unchanged
-    kept = _vocabulary_heads(prob, state)
+    kept = vocabulary_heads(prob, state)
     fams = [fam for fam in fams if not kept.intersection(fam)]
     for _ in range(4):
         tol = 1e-12 * max(1.0, abs(state.total))
@@ -172,7 +195,7 @@ def _relax(prob, state, bound, held) -> float:
                 step, settled = _settled(prob, state, move, state.trial(move, forced), alike, cache)
                 if settled is not None and step < -tol and (best is None or step < best[0]):
                     best = step, added, settled
-            for found in _split_read(prob, state, fams, held, bound, alike, cache):
+            for found in _descend(prob, state, read_split(prob, state, fams), fams, held, bound, alike, cache):
                 if found[0] < -tol and (best is None or found[0] < best[0]):
                     best = found
             if best is None:
@@ -192,13 +215,14 @@ def _together_read(prob, state, fams, held, bound) -> list:
     return out
 
 
-def _split_read(prob, state, fams, held, bound, alike, cache) -> list:
-    """(step, bytes added, the state settled) of each `siblings.read_split` move within the bound, the
-    families below its siblings chosen again one after another, each at its best given those before
-    (DeepSeek-V2 at 8 ranks: its K/V norm and up projection whole and its output projection unchunked,
-    none of which pays alone)."""
+def _descend(prob, state, moves, fams, held, bound, alike, cache, early=True) -> list:
+    """(step, bytes added, the state settled) of each move ({family: choice}, {op: strategy} or None,
+    [family]) within the bound, the families it names chosen again one after another, each at its best
+    given those before: the families below siblings read split (`siblings.read_split`; DeepSeek-V2 at 8
+    ranks: its K/V norm and up projection whole and its output projection unchunked, none of which pays
+    alone) and a gathered family's partners (`partners.gathered_families`). `early`: as `_settled`'s."""
     out = []
-    for chosen, forced, below in read_split(prob, state, fams):
+    for chosen, forced, below in moves:
         best = None
         for f in (None, *below):
             base = chosen if best is None else best[3]
@@ -210,7 +234,7 @@ def _split_read(prob, state, fams, held, bound, alike, cache) -> list:
                 if held + added > bound:
                     continue
                 move = _move(state, fams, tried)
-                step, settled = _settled(prob, state, move, state.trial(move, forced), alike, cache, split=True)
+                step, settled = _settled(prob, state, move, state.trial(move, forced), alike, cache, True, early)
                 if settled is not None and (best is None or step < best[0]):
                     best = step, added, settled, tried
         if best is not None:
@@ -226,37 +250,6 @@ def _added(prob, state, fams, chosen) -> float:
 def _move(state, fams, chosen) -> dict:
     """{group: choice} of `chosen` ({family: choice}) where a group is not there yet."""
     return {g: c for f, c in chosen.items() for g in fams[f] if state.choice[g] != c}
-
-
-def tied_heads(prob) -> list:
-    """The decision groups whose weight an embedding and a head (any other op) both read."""
-    return [g for g, grp in enumerate(prob.groups) if {_is_embedding(prob, a) for a in grp.anchors} == {True, False}]
-
-
-def _vocabulary_heads(prob, state) -> set:
-    """Groups tied between an embedding and a head (`tied_heads`), split on the vocabulary: `relax`
-    keeps them so. The plan serves decoding too, where such a head's logits are gathered once a
-    token (Megatron's bytes) and one split on features all-reduces them, a step's worth more (GPT-2
-    at 2 ranks: 2,176 bytes a token against 1,792): a training step's few percent do not pay for it."""
-    out = set()
-    for g in tied_heads(prob):
-        first = prob.groups[g].choices[state.choice[g]][0]
-        if isinstance(first, Shard) and first.dim == 0:
-            out.add(g)
-    return out
-
-
-def lookups(prob, g) -> list:
-    """The modules that run group g's embedding lookups (a weight tied to a head: what a pin of the
-    vocabulary split names, `benchmarks/optimality.py --vocabulary`)."""
-    return sorted({module_of(prob, a) for a in prob.groups[g].anchors if _is_embedding(prob, a)})
-
-
-def _is_embedding(prob, i) -> bool:
-    n = prob.nodes[i]
-    if n.op == "call_module":
-        return type(prob.gm.get_submodule(n.target)).__name__ == "Embedding"
-    return "embedding" in getattr(n.target, "__name__", str(n.target))
 
 
 def _touched(prob, overlay, move) -> frozenset:

@@ -9,6 +9,8 @@ from ..runtime.placements import REPLICATE, Partial, Replicate, ReplicatePartial
 from .siblings import sibling_sets, split_strategy, summed_sets
 from .tried import Tried
 
+SPLIT_ROUNDS = 8      # times `split_chain` adds the ops below that then gather a split input
+
 
 def settle_splits(prob, state, anchors) -> set:
     """What the per-node choice leaves split, or gathers one reader at a time, settled at the `anchors`'
@@ -172,6 +174,50 @@ def scatter_early(prob, state, nodes) -> set:
         if si is not None:
             _kept(state, *state.tried({u: si}, u, ("scattered", si)), changed)
     return changed
+
+
+def split_gathers(prob, state, nodes) -> set:
+    """Ops in `nodes` that gather a split input to run whole, each tried running split instead (their
+    cheapest strategy with a split output reading every split input as it is: `split_strategy`), and
+    with it every op below that then gathers a split input (`split_chain`), where the step then costs
+    less. Gathering a split input or slicing a whole one (its gradient gathered in backward) cost an op
+    the same, and the per-node choice takes the gather, op after op: DeBERTa's attention run by heads,
+    its queries plus a whole bias, its scores plus relative-position scores made whole, pays only all
+    at once. The nodes changed are returned."""
+    changed = set()
+    for u in sorted(nodes):
+        if _gathers_split(prob, state, u) and (si := split_strategy(prob, state, u)) is not None:
+            forced = split_chain(prob, state, {}, {u: si})
+            _kept(state, *state.tried(forced, u, ("split", tuple(sorted(forced.items())))), changed)
+    return changed
+
+
+def split_chain(prob, state, move, forced, rounds: int = SPLIT_ROUNDS) -> dict:
+    """`forced` ({op: strategy}) grown by the ops that then gather a split input, each at its cheapest
+    split strategy (`split_strategy`), with `move` ({group: choice}) made, until none is left or `rounds`
+    times: what runs split below a layout that leaves its output split (`partners.gathered_families`)."""
+    forced = dict(forced)
+    for _ in range(rounds):
+        delta, overlay = state.trial(move, forced)
+        if overlay is None:
+            break
+        after = state.copy()
+        after.commit(delta, overlay)
+        below = sorted({v for i in (*overlay[2], *overlay[3]) for v in (i, *prob.users[i])} - set(forced))
+        more = {v: sv for v in below if _gathers_split(prob, after, v) and
+                (sv := split_strategy(prob, after, v)) is not None}
+        if not more:
+            break
+        forced.update(more)
+    return forced
+
+
+def _gathers_split(prob, state, u) -> bool:
+    """Whether op u reads a split op output whole (a gather) and is not split itself."""
+    place, strats = state.place, prob.strats
+    return prob.kind[u] == "op" and bool(strats[u]) and not isinstance(place[u], Shard) and any(
+        isinstance(place[j], Shard) and isinstance(r, Replicate)
+        for j, r in zip(prob.ins[u], strats[u][state.sidx[u]].inputs) if r is not None and prob.kind[j] == "op")
 
 
 def _sums(prob) -> frozenset:
