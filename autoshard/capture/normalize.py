@@ -345,7 +345,7 @@ def ungroup_kv_heads(gm: fx.GraphModule) -> int:
     The sdpa is marked (`UNGROUPED`): each rank's module calls it grouped again where its K and V
     still come straight from that form (`autoshard.rewrite.grouped`).
     Returns how many were rewritten (the caller recompiles)."""
-    done = 0
+    done, made = 0, {}
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default \
                 or not n.kwargs.get("enable_gqa", False):
@@ -366,10 +366,15 @@ def ungroup_kv_heads(gm: fx.GraphModule) -> int:
                 e = gm.graph.call_function(aten.expand.default, (u, [b, hkv, g, s, d]))
                 r = gm.graph.call_function(aten.reshape.default, (e, [b, hq, s, d]))
             dyn = dynamic_dims(t)
-            _set_meta(u, n, aten.unsqueeze.default(t.meta["val"], 2), frozenset(i + (i >= 2) for i in dyn))
-            _set_meta(e, n, aten.expand.default(u.meta["val"], list(u.meta["val"].shape[:2]) + [g]
-                                                + list(u.meta["val"].shape[3:])), frozenset(i + (i >= 2) for i in dyn))
-            _set_meta(r, n, aten.reshape.default(e.meta["val"], [*qv.shape[:2], *t.meta["val"].shape[2:]]), dyn)
+            key = id(t.meta["val"]), id(qv), dyn       # (a layer written as a copy shares its values: made once)
+            if key not in made:
+                uv = aten.unsqueeze.default(t.meta["val"], 2)
+                ev = aten.expand.default(uv, list(uv.shape[:2]) + [g] + list(uv.shape[3:]))
+                made[key] = uv, ev, aten.reshape.default(ev, [*qv.shape[:2], *t.meta["val"].shape[2:]]), t.meta["val"], qv
+            uv, ev, rv = made[key][:3]
+            _set_meta(u, n, uv, frozenset(i + (i >= 2) for i in dyn))
+            _set_meta(e, n, ev, frozenset(i + (i >= 2) for i in dyn))
+            _set_meta(r, n, rv, dyn)
             repeated.append(r)
         n.args = (q, *repeated, *n.args[3:])
         n.kwargs = {key: val for key, val in n.kwargs.items() if key != "enable_gqa"}

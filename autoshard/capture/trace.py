@@ -298,8 +298,30 @@ def _normalised(gm: fx.GraphModule, run_on, expanded: bool = False) -> fx.GraphM
         _retarget_meta_device(gm, run_on)
     if merge_duplicates(gm) + unfuse_head_views(gm) + unmerge_batch_heads(gm) + regroup_blocks(gm) + \
             ungroup_kv_heads(gm) or expanded:
-        gm.recompile()
+        _recompile_later(gm)
     return gm
+
+
+def _recompile_later(gm: fx.GraphModule) -> None:
+    """`gm.recompile()` on first use rather than now: called, or its `code` or text read. A plan reads
+    the graph, not its code, and a parallel module writes its own (the 80-layer LLaMA's code took 0.3
+    s to write). The class is gm's own (fx makes one per module), so only gm waits."""
+    cls = type(gm)
+
+    def forward(self, *args, **kwargs):
+        self.recompile()                   # (sets the class's forward to the code written)
+        return self(*args, **kwargs)
+
+    def written(self):
+        if type(self).forward is forward:
+            self.recompile()
+        return self._code
+
+    def text(self):
+        written(self)
+        return fx.GraphModule.__str__(self)
+
+    cls.forward, cls.code, cls.__str__ = forward, property(written), text
 
 
 def _once_per_layer(fn, model: nn.Module, args: tuple, kwargs: dict, notes: list, run_on=None) -> fx.GraphModule:
