@@ -126,21 +126,25 @@ def relax(prob, state, bound, held) -> None:
         state.reduce_early()
 
 
-def _run_split(prob, state, bound, held) -> bool:
+def _run_split(prob, state, bound, held) -> None:
     """The best move of `partners.gathered_families` (a family whose output is gathered at once flipped,
     what then gathers below it run split, its partners chosen again: `_descend`, no early gathers
     settled, which would gather it again), adopted where the step gets faster. Tried once the relaxing
     step and its settling are done: among the relaxing moves, it took a step the settling would have
-    made better (a small DeBERTa-like model: 1.07x the optimum's step, 1.005x without it). Whether it was."""
-    kept = vocabulary_heads(prob, state)
-    fams = [fam for fam in families(prob) if not kept.intersection(fam)]
+    made better (a small DeBERTa-like model: 1.07x the optimum's step, 1.005x without it)."""
+    fams = _free_families(prob, state)
     found = _descend(prob, state, gathered_families(prob, state, fams), fams, held, bound, first_layers_alike(state),
                      {}, early=False)
     best = min(found, key=lambda f: f[0], default=None)
-    if best is None or best[0] >= -1e-12 * max(1.0, abs(state.total)):
-        return False
-    state.adopt(best[2])
-    return True
+    if best is not None and best[0] < -1e-12 * max(1.0, abs(state.total)):
+        state.adopt(best[2])
+
+
+def _free_families(prob, state) -> list:
+    """`families` less those of heads tied to an embedding and split on the vocabulary, which the
+    relaxing moves keep so (`vocabulary.vocabulary_heads`)."""
+    kept = vocabulary_heads(prob, state)
+    return [fam for fam in families(prob) if not kept.intersection(fam)]
 
 
 def _relax(prob, state, bound, held) -> float:
@@ -151,11 +155,9 @@ def _relax(prob, state, bound, held) -> float:
     scale kept whole: the row layer's output it scales is then all-reduced at once, where a split
     scale passed it on Partial and reduced it later too). With them, siblings read their tensor whole
     together (`siblings.read_together`: a parallel block's two norms). Returns the state then held."""
-    fams = families(prob)
+    fams = _free_families(prob, state)
     rejected: dict = {}          # (family, choice) -> nodes its last trial read or wrote, while unchanged since
     cache: dict = {}             # `_settled`'s states before a move, while `state` is unchanged
-    kept = vocabulary_heads(prob, state)
-    fams = [fam for fam in fams if not kept.intersection(fam)]
     for _ in range(4):
         tol = 1e-12 * max(1.0, abs(state.total))
         alike = first_layers_alike(state)
