@@ -28,7 +28,9 @@ Results: a table on stdout and benchmarks/results/deepspeed_autotp.json (one row
 `--at-deepspeed-memory` also runs autoshard with DeepSpeed's layout's predicted peak per rank as its
 `memory_budget` (`deepspeed_pins`: the fastest plan within DeepSpeed's memory), exactness and bytes
 counted as above, in a second table (results: deepspeed_autotp_same_memory.json). `--same-memory`
-prints the plans alone (no launch, no DeepSpeed).
+prints the plans alone (no launch, no DeepSpeed). `--least-bytes` prints, per model, the fewest
+bytes any plan within the default's state bound sends (the integer program, bytes alone costing)
+beside the default's and DeepSpeed's measured bytes (plans only).
 """
 from __future__ import annotations
 
@@ -357,6 +359,39 @@ def same_memory(names: list) -> str:
     return "\n".join(lines)
 
 
+def least_bytes(names: list) -> str:
+    """Per model, plans only: the bytes and training state per rank of autoshard's default plan, and
+    the fewest bytes any plan within the same state bound sends (`search="optimal"`, the integer
+    program, with a cost model where only bytes cost time: no latency, free compute; the default's
+    bound, `budget.least_comm`'s, as its constraint), beside DeepSpeed's measured bytes where the
+    `--at-deepspeed-memory` results hold them. Where that least is above DeepSpeed's, no plan
+    holding the default's memory sends DeepSpeed's bytes: the gap is memory, not the search."""
+    import autoshard
+    from autoshard.planner.cost import CostModel
+    from zoo import ZOO, build
+    measured = RESULTS.with_name("deepspeed_autotp_same_memory.json")
+    ds = {r["model"]: r.get("deepspeed_train", {}).get("bytes") for r in
+          (json.loads(measured.read_text()) if measured.exists() else [])}
+    bytes_only = CostModel(latency=0.0, flops=1e30)
+    lines = ["| model | default: bytes (state a rank, elements) | fewest bytes within the default's state bound "
+             "(state) | DeepSpeed AutoTP bytes (measured) | fewest / DeepSpeed | notes |", "|---|---|---|---|---|---|"]
+    for name in names:
+        model, kw = build(ZOO[name])
+        default = autoshard.plan(model, 2, kw)
+        least = autoshard.plan(model, 2, kw, search="optimal", cost_model=bytes_only)
+        theirs = ds.get(name)
+        solved = next(n for n in least.notes if n.startswith("search=optimal"))
+        status = solved.split("HiGHS ", 1)[1].split(",")[0]
+        held = solved.rpartition("; ")[2] if "read as held" in solved else ""
+        lines.append(f"| {name} | {int(default.comm_bytes):,} ({default.params_per_rank:,}) | "
+                     f"{int(least.comm_bytes):,} ({least.params_per_rank:,}) | "
+                     f"{f'{int(theirs):,}' if theirs else '-'} | "
+                     f"{f'{least.comm_bytes / theirs:.2f}' if theirs else '-'} | "
+                     f"HiGHS {status}{'; ' + held if held else ''} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=None, help="comma-separated zoo names (default: the whole zoo)")
@@ -366,6 +401,8 @@ def main() -> None:
                     help="plans only: autoshard at the predicted peak of DeepSpeed's layout (no DeepSpeed needed)")
     ap.add_argument("--at-deepspeed-memory", action="store_true",
                     help="run autoshard a second time at the predicted peak of DeepSpeed's layout (a second table)")
+    ap.add_argument("--least-bytes", action="store_true",
+                    help="plans only: the fewest bytes any plan within the default's state bound sends (needs scipy)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -376,6 +413,9 @@ def main() -> None:
     names = a.models.split(",") if a.models else list(ZOO)
     if a.same_memory:
         print(same_memory(names))
+        return
+    if a.least_bytes:
+        print(least_bytes(names))
         return
     rows = run(names, a.steps, a.per_launch, a.at_deepspeed_memory)
     out = RESULTS.with_name("deepspeed_autotp_same_memory.json") if a.at_deepspeed_memory else RESULTS
