@@ -93,7 +93,7 @@ def compare(model, p: int, example, tokens: int = 512, optimum: dict | None = No
                         greedy_bytes=g_bytes, greedy_state=g_held, greedy_s=tg, problem_s=built,
                         differs=optimum.get("differs", []) if o_choice is None else _differs(prob, g.choice, o_choice))
         t0 = time.perf_counter()
-        o = optimal.fastest_within(prob, together=families(prob) if alike else ())
+        o = optimal.fastest_within(prob, together=families(prob) if alike else (), hints=(g,))
         o.reduce_early()
         to = time.perf_counter() - t0
         o_step, o_held = step_seconds(prob, o), state_bytes(prob, o)

@@ -5,7 +5,7 @@ program (`optimal.solve`).
 only through the set of (member, placement, gradient) they read, so each class is a table over maker
 classes x reachable reader sets, each entry costed by `tensor_cost` itself on a representative
 labelling (`factor`). A class too large to enumerate is tabled with its views reading their parents
-as held (`held_combos`, walked depth first).
+as held (`held_combos`, walked depth first), plus the combinations of any plans given as hints.
 """
 from __future__ import annotations
 
@@ -63,14 +63,16 @@ class Deciders:
         return None, (REPLICATE if hasattr(prob.val[i], "shape") else None)
 
 
-def factor(prob: Problem, dec: Deciders, r: int, place, sidx):
+def factor(prob: Problem, dec: Deciders, r: int, place, sidx, hints=()):
     """Tensor class r's communication as a table over what it depends on: the placements its members
     are made in (`makers`: decider -> value classes, values alike where they make the same placements)
     and the set of (member, placement, gradient) its readers read them in (`reads`: reader decider ->
     {value: that reader's features}). `tensor_cost` depends on the readers only through that set (one
     redistribution per distinct placement, one backward fix per distinct pair), so the table is over
     maker classes x reachable sets: {(maker classes..., feature set): cost}, with a representative
-    labelling per entry costed by `tensor_cost` itself; entries no redistribution serves are left out."""
+    labelling per entry costed by `tensor_cost` itself; entries no redistribution serves are left out.
+    `hints`: labellings ((group choices, op strategies), e.g. the greedy's plan) whose entries a class
+    tabled as held also gets, so the program holds those plans whatever redistributions they make."""
     members = prob.members.get(r, (r,))
     mset = set(members)
     makes: dict = {}                 # decider -> [(member, value -> placement)]
@@ -134,6 +136,17 @@ def factor(prob: Problem, dec: Deciders, r: int, place, sidx):
             cost = prob.tensor_cost(r, place, sidx)
             if cost != INF and not math.isnan(cost):
                 table[(*combo, S)] = cost
+    if held:
+        for choice, strategies in hints:
+            combo = []
+            for d, cls in zip(makers, classes):
+                v = choice[d[1]] if d[0] == "g" else strategies[d[1]]
+                _make(makes[d], v, place)
+                combo.append(next(k for k, c in enumerate(cls) if v in c))
+            if all(_servable(prob, m, place, sidx) for m in members):
+                cost = prob.tensor_cost(r, place, sidx)
+                if cost != INF and not math.isnan(cost):
+                    table.setdefault((*combo, frozenset()), cost)
     if len(table) > COMBOS:
         raise ValueError(f"search='optimal': the communication of %{prob.nodes[r].name} has {len(table)} "
                          f"combinations of placements and readers (> {COMBOS}), views read as held")

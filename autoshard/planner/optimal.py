@@ -129,11 +129,15 @@ def _values(d, makers, classes, reads) -> list:
     return [(reads[d][v],) for v in range(len(reads[d]))]
 
 
-def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LIMIT, together=()) -> State:
+def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LIMIT, together=(),
+          hints=()) -> State:
     """The State of least objective (`State.evaluate` at the problem's price of state); with `bound`,
     among those whose training state per rank (`budget.state_bytes`) is at most `bound` bytes;
     `together`: lists of groups held to one choice (alike layers alike, as the greedy keeps them:
-    `relax.families`). The solver's report is `state.solved` (`Solved`)."""
+    `relax.families`). `hints`: States (the greedy's plan) the program must hold: a class too large to
+    enumerate is solved with its views read as held (`factors.held_combos`), which may leave a plan
+    that redistributes inside one out; each hint's entries are added to those tables, so the optimum
+    is never worse than a hint. The solver's report is `state.solved` (`Solved`)."""
     from scipy.optimize import Bounds, LinearConstraint, milp     # the extra: only this search needs scipy
     from scipy.sparse import coo_array
 
@@ -171,7 +175,8 @@ def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LI
     for r in range(len(prob.nodes)):
         if not prob.nbytes[r] or prob.root[r] != r:
             continue
-        makers, classes, reads, table, held = factor(prob, dec, r, place, sidx)
+        makers, classes, reads, table, held = factor(prob, dec, r, place, sidx,
+                                                      [(h.choice, h.sidx) for h in hints])
         factors.append((r, makers, classes, reads, table))
         held_classes += held
         if not table:
@@ -258,13 +263,14 @@ def _state_of(prob: Problem, dec: Deciders, var: dict, x) -> State:
     return state
 
 
-def fastest_within(prob: Problem, time_limit: float = TIME_LIMIT, together=()) -> State:
+def fastest_within(prob: Problem, time_limit: float = TIME_LIMIT, together=(), hints=()) -> State:
     """The default objective (`budget.least_comm`'s) solved outright: the fastest plan whose training
     state per rank is at most the least reachable plus STATE_TOLERANCE of the whole model's, state
-    priced at TIE_PRICE to break ties (`together` as in `solve`). The problem is left at that price."""
+    priced at TIE_PRICE to break ties (`together` and `hints` as in `solve`). The problem is left at that
+    price."""
     whole = sum(group_bytes(prob, [k], [REPLICATE]) for k in prob.param_obj)
     prob.price_state(TIE_PRICE)
-    return solve(prob, least_state(prob) + STATE_TOLERANCE * whole, time_limit, together)
+    return solve(prob, least_state(prob) + STATE_TOLERANCE * whole, time_limit, together, hints)
 
 
 def seconds_of(prob: Problem, state: State) -> float:
