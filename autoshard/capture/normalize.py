@@ -370,8 +370,9 @@ def ungroup_kv_heads(gm: fx.GraphModule) -> int:
             if key not in made:
                 uv = aten.unsqueeze.default(t.meta["val"], 2)
                 ev = aten.expand.default(uv, list(uv.shape[:2]) + [g] + list(uv.shape[3:]))
-                made[key] = uv, ev, aten.reshape.default(ev, [*qv.shape[:2], *t.meta["val"].shape[2:]]), t.meta["val"], qv
-            uv, ev, rv = made[key][:3]
+                rv = aten.reshape.default(ev, [*qv.shape[:2], *t.meta["val"].shape[2:]])
+                made[key] = (uv, ev, rv), (t.meta["val"], qv)     # the key's values kept: their ids stay theirs
+            (uv, ev, rv), _ = made[key]
             _set_meta(u, n, uv, frozenset(i + (i >= 2) for i in dyn))
             _set_meta(e, n, ev, frozenset(i + (i >= 2) for i in dyn))
             _set_meta(r, n, rv, dyn)

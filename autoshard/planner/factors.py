@@ -131,10 +131,8 @@ def factor(prob: Problem, dec: Deciders, r: int, place, sidx, hints=()):
         for S, assign in reach.items():
             for d, v in assign.items():
                 sidx[d[1]] = v
-            if not all(_servable(prob, m, place, sidx) for m in members):
-                continue
-            cost = prob.tensor_cost(r, place, sidx)
-            if cost != INF and not math.isnan(cost):
+            cost = _entry(prob, r, members, place, sidx)
+            if cost is not None:
                 table[(*combo, S)] = cost
     if held:
         for choice, strategies in hints:
@@ -143,14 +141,21 @@ def factor(prob: Problem, dec: Deciders, r: int, place, sidx, hints=()):
                 v = choice[d[1]] if d[0] == "g" else strategies[d[1]]
                 _make(makes[d], v, place)
                 combo.append(next(k for k, c in enumerate(cls) if v in c))
-            if all(_servable(prob, m, place, sidx) for m in members):
-                cost = prob.tensor_cost(r, place, sidx)
-                if cost != INF and not math.isnan(cost):
-                    table.setdefault((*combo, frozenset()), cost)
+            cost = _entry(prob, r, members, place, sidx)
+            if cost is not None:
+                table.setdefault((*combo, frozenset()), cost)
     if len(table) > COMBOS:
         raise ValueError(f"search='optimal': the communication of %{prob.nodes[r].name} has {len(table)} "
                          f"combinations of placements and readers (> {COMBOS}), views read as held")
     return makers, classes, reads, table, held
+
+
+def _entry(prob: Problem, r: int, members, place, sidx):
+    """Class r's communication in the labelling `place` / `sidx`, or None where no redistribution serves it."""
+    if not all(_servable(prob, m, place, sidx) for m in members):
+        return None
+    cost = prob.tensor_cost(r, place, sidx)
+    return None if cost == INF or math.isnan(cost) else cost
 
 
 def _make(makes, v, place) -> None:

@@ -172,11 +172,11 @@ def solve(prob: Problem, bound: float | None = None, time_limit: float = TIME_LI
     base = State(prob)
     factors, held_classes = [], 0
     place, sidx = list(base.place), list(base.sidx)
+    labellings = [(h.choice, h.sidx) for h in hints]
     for r in range(len(prob.nodes)):
         if not prob.nbytes[r] or prob.root[r] != r:
             continue
-        makers, classes, reads, table, held = factor(prob, dec, r, place, sidx,
-                                                      [(h.choice, h.sidx) for h in hints])
+        makers, classes, reads, table, held = factor(prob, dec, r, place, sidx, labellings)
         factors.append((r, makers, classes, reads, table))
         held_classes += held
         if not table:

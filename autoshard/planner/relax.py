@@ -236,7 +236,8 @@ def _descend(prob, state, moves, fams, held, bound, alike, cache, early=True) ->
                 if held + added > bound:
                     continue
                 move = _move(state, fams, tried)
-                step, settled = _settled(prob, state, move, state.trial(move, forced), alike, cache, True, early)
+                step, settled = _settled(prob, state, move, state.trial(move, forced), alike, cache,
+                                         split=True, early=early)
                 if settled is not None and (best is None or step < best[0]):
                     best = step, added, settled, tried
         if best is not None:
